@@ -1,0 +1,166 @@
+"""`graphdiff` command line: a thin layer over the library; user errors become one line + exit 2."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from graphdiff.errors import GraphdiffError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Find where an inference engine and its trainer round to BF16 in different places.")
+console = Console(stderr=True)
+out = Console()
+
+DEFAULT_PROMPT_TOKENS = 16
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    try:
+        yield
+    except GraphdiffError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+@contextlib.contextmanager
+def progress(title: str) -> Iterator:
+    """A spinner with elapsed time; the callback replaces its message."""
+    t0 = time.perf_counter()
+    with console.status(title) as status:
+        def update(msg: str) -> None:
+            status.update(f"{msg}  [dim]({time.perf_counter() - t0:.0f}s)[/]")
+            console.log(msg)
+        yield update
+
+
+def resolve_model(spec: str) -> Path:
+    """A local checkpoint directory, or `tiny:ARCH[:LAYERS]` for a bundled seeded tiny model."""
+    from graphdiff.tiny import tiny_path
+
+    if spec.startswith("tiny:"):
+        parts = spec.split(":")
+        layers = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 2
+        return tiny_path(parts[1], layers)
+    return Path(spec)
+
+
+@app.command("make-tiny")
+def make_tiny_cmd(
+    arch: str = typer.Argument(..., help="qwen3, qwen2 or llama"),
+    out_dir: Path = typer.Option(..., "--out", help="directory to write config.json + model.safetensors"),
+    layers: int = typer.Option(2, help="number of decoder layers"),
+    seed: int = typer.Option(0, help="random seed (same seed, same weights)"),
+) -> None:
+    """Write a seeded random-weight HF checkpoint small enough for tests."""
+    from graphdiff.tiny import make_tiny
+
+    with user_errors():
+        path = make_tiny(arch, out_dir, layers=layers, seed=seed)
+    size = sum(p.stat().st_size for p in path.iterdir()) / 2**20
+    out.print(f"wrote tiny {arch} ({layers} layers, {size:.1f} MiB) to {path}")
+
+
+@app.command()
+def capture(
+    model: str = typer.Argument(..., help="checkpoint dir, tiny:ARCH, or a TORCH_COMPILE_DEBUG dir (--engine dump)"),
+    engine: str = typer.Option("vllm", help="vllm (compiled engine), hf (eager trainer) or dump (import a dump)"),
+    out_dir: Path = typer.Option(..., "--out", help="directory for capture.json (and buffers.pt for vllm)"),
+    layers: int | None = typer.Option(None, help="override num_hidden_layers (identical layers need not all run)"),
+    tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="length of the seeded test prompt"),
+    keep_dump: bool = typer.Option(False, help="keep the TORCH_COMPILE_DEBUG dump in OUT/inductor-debug"),
+    kernels: bool = typer.Option(True, help="print one line per kernel"),
+) -> None:
+    """Capture one side's graph and write OUT/capture.json."""
+    from graphdiff.model import save_json
+
+    with user_errors():
+        if engine not in ("vllm", "hf", "dump"):
+            raise GraphdiffError(f"unknown engine {engine!r}; choose vllm, hf or dump")
+        if engine == "dump":
+            from graphdiff.capture.dump import import_dump
+
+            cap = import_dump(Path(model))
+        else:
+            model_dir = resolve_model(model)
+            prompt = prompt_tokens(model_dir, tokens)
+            if engine == "hf":
+                from graphdiff.capture.hf import capture_hf
+
+                with progress("tracing the HF eager forward"):
+                    cap = capture_hf(model_dir, input_ids=prompt)[0]
+            else:
+                import torch
+
+                from graphdiff.capture.vllm import capture_vllm
+
+                debug = out_dir / "inductor-debug" if keep_dump else None
+                with progress("starting vLLM") as update:
+                    run = capture_vllm(model_dir, prompt, layers=layers, debug_dir=debug, progress=update)
+                cap = run.capture
+                out_dir.mkdir(parents=True, exist_ok=True)
+                torch.save(run.buffers, out_dir / "buffers.pt")
+                cap.buffers_file = "buffers.pt"
+        path = save_json(cap, out_dir / "capture.json")
+    print_summary(cap, kernels)
+    out.print(f"wrote {path}")
+
+
+def prompt_tokens(model_dir: Path, n: int, seed: int = 0) -> list[int]:
+    """A seeded test prompt within the model's vocabulary."""
+    import torch
+
+    from graphdiff.resolve import read_config
+
+    vocab = int(read_config(model_dir).get("vocab_size", 1000))
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, min(vocab, 32000), (n,), generator=gen).tolist()
+
+
+def print_summary(cap, show_kernels: bool = True) -> None:  # noqa: ANN001 - Capture
+    for g in cap.graphs:
+        ops = Counter(n.target for n in g.nodes if n.op == "call_function")
+        t = Table(title=f"{cap.side} graph {g.name} ({cap.engine}, {cap.architecture})", show_header=True)
+        t.add_column("nodes", justify="right")
+        t.add_column("kernels", justify="right")
+        t.add_column("top ops")
+        gen = sum(k.kind == "generated" for k in g.kernels)
+        top = ", ".join(f"{op.removeprefix('aten.')}×{c}" for op, c in ops.most_common(8))
+        t.add_row(str(len(g.nodes)), f"{gen} generated + {len(g.kernels) - gen} extern", top)
+        out.print(t)
+        if show_kernels and g.kernels:
+            nodes = g.node_map()
+            kt = Table(show_header=True, box=None)
+            kt.add_column("kernel call")
+            kt.add_column("kind")
+            kt.add_column("fused ops (compute only)")
+            kt.add_column("stores")
+            for k in g.kernels:
+                fused = [nodes[n].target.split(".")[1] if "." in nodes[n].target else nodes[n].target
+                         for n in k.nodes if n in nodes]
+                compute = [f for f in dict.fromkeys(fused) if f not in VIEW_OPS]
+                stores = ", ".join(f"{a.name}:{a.dtype}" for a in k.args if a.role in ("out", "inout") and a.dtype)
+                kt.add_row(k.id, k.kind, " ".join(compute), stores)
+            out.print(kt)
+    for note in cap.notes:
+        out.print(f"[yellow]note:[/] {note}")
+
+
+VIEW_OPS = {"getitem", "view", "reshape", "unsqueeze", "squeeze", "split", "split_with_sizes", "slice", "permute",
+            "expand", "alias", "t", "transpose", "select", "empty", "full"}
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The data model: the contract between capture, analysis, reports and codegen.
+
+Everything persisted is one of these pydantic models, written as versioned JSON with a
+JSON Schema under graphdiff/schemas/ (regenerate with `python -m graphdiff.schemas`).
+A captured graph is deliberately close to torch.fx: a list of nodes in topological
+order, each naming its inputs, plus what only the engine has — the kernel partition
+Inductor chose (which FX nodes each generated kernel fuses, what it loads and stores).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from graphdiff.errors import GraphdiffError
+
+SCHEMA_VERSION = 1
+
+Side = Literal["train", "engine"]
+
+
+class Source(BaseModel):
+    """Where a node came from in the user's (or library's) Python code."""
+
+    file: str
+    line: int
+    code: str = ""
+    function: str = ""
+
+
+class Node(BaseModel):
+    """One value-producing operation (or placeholder/output), as in torch.fx."""
+
+    name: str
+    op: Literal["placeholder", "call_function", "get_attr", "output"]
+    target: str  # e.g. "aten.mul.Tensor", "prims.convert_element_type.default", "getitem"
+    inputs: list[str] = Field(default_factory=list)  # names of node inputs, in argument order
+    args: str = ""  # the full argument list, node inputs by name (human-readable, for reports)
+    dtype: str | None = None  # "bfloat16", "float32", ... ; None for non-tensors / tuples
+    shape: list[int | str] | None = None  # symbolic sizes as strings ("s72")
+    source: Source | None = None
+    module: str | None = None  # nn.Module path, e.g. "model.layers.0.mlp"
+    module_type: str | None = None  # class name of that module
+    param: str | None = None  # parameter/buffer name for placeholders that hold weights
+    kernel: str | None = None  # id of the engine kernel that computes this node
+    decomposed_from: str | None = None  # the ATen op this node was decomposed from (engine), e.g. aten.silu.default
+
+
+class BufferArg(BaseModel):
+    """One argument of a kernel call: a buffer it reads and/or writes, or a scalar."""
+
+    name: str  # buffer/graph-input name in the generated wrapper (buf3, arg2_1, s72)
+    role: Literal["in", "out", "inout", "scalar"]
+    dtype: str | None = None  # element type the kernel reads/writes it as
+    node: str | None = None  # FX node whose value the buffer holds, where known
+
+
+class Kernel(BaseModel):
+    """One kernel call in the engine's compiled code, in execution order."""
+
+    id: str  # unique per call: "<kernel name>:<provenance handle>"
+    name: str  # generated kernel name (shared by identical kernels in different layers)
+    kind: Literal["generated", "extern"]
+    nodes: list[str]  # FX nodes fused into this call (post-grad graph names)
+    args: list[BufferArg] = Field(default_factory=list)
+    code: str = ""  # generated kernel source (generated kernels only)
+
+
+class PackedParam(BaseModel):
+    """An engine parameter that packs several HF parameters (qkv_proj, gate_up_proj)."""
+
+    engine: str  # e.g. "model.layers.0.self_attn.qkv_proj.weight"
+    dim: int  # the dimension the HF tensors are concatenated along
+    parts: list[tuple[str, int, int]]  # (hf name, start, stop) along `dim`
+
+
+class Graph(BaseModel):
+    """One captured graph (the engine may compile several, split at attention)."""
+
+    name: str
+    nodes: list[Node]
+    kernels: list[Kernel] = Field(default_factory=list)
+    inputs: dict[str, str] = Field(default_factory=dict)  # placeholder -> model param/input name
+
+    def node_map(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+
+class Capture(BaseModel):
+    """What `graphdiff capture` writes: one side's graph(s) of one model."""
+
+    schema_version: int = SCHEMA_VERSION
+    kind: Literal["graphdiff.capture"] = "graphdiff.capture"
+    side: Side
+    engine: str  # "vllm", "hf" or "dump"
+    model: str
+    architecture: str
+    dtype: str = "bfloat16"
+    versions: dict[str, str] = Field(default_factory=dict)
+    graphs: list[Graph]
+    packed: list[PackedParam] = Field(default_factory=list)
+    buffers_file: str | None = None  # torch.save file with real kernel inputs/outputs
+    prompt_tokens: list[int] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+
+def save_json(obj: BaseModel, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(obj.model_dump_json(indent=1))
+    tmp.replace(path)  # never leave a half-written file behind
+    return path
+
+
+def load_capture(path: Path) -> Capture:
+    if path.is_dir():
+        path = path / "capture.json"
+    if not path.exists():
+        raise GraphdiffError(f"no capture at {path}")
+    try:
+        cap = Capture.model_validate_json(path.read_text())
+    except ValueError as e:
+        raise GraphdiffError(f"{path} is not a valid graphdiff capture: {str(e).splitlines()[0]}") from None
+    if cap.schema_version != SCHEMA_VERSION:
+        raise GraphdiffError(f"{path} has capture schema {cap.schema_version}; this graphdiff reads {SCHEMA_VERSION}")
+    return cap

@@ -1,0 +1,80 @@
+"""Seeded tiny random-weight HF checkpoints, so nothing ever needs a model hub.
+
+The init is chosen so that next-token distributions are far from uniform (the
+log-prob gap between engine and trainer is then clearly measurable): a larger
+initializer range than HF's default and norm weights around 1 with real spread.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from graphdiff.errors import GraphdiffError
+
+# One small shape shared by all architectures: head_dim 64 is a size every vLLM
+# attention backend supports; 2 KV heads exercise grouped-query attention.
+TINY_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=2048,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    initializer_range=0.08,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
+
+ARCHS: dict[str, tuple[str, dict]] = {
+    "qwen3": ("Qwen3Config", dict(rope_theta=1_000_000.0, attention_bias=False)),
+    "qwen2": ("Qwen2Config", dict(rope_theta=1_000_000.0)),
+    "llama": ("LlamaConfig", dict(rope_theta=500_000.0, attention_bias=False, mlp_bias=False)),
+}
+
+
+def make_tiny(arch: str, out: Path, layers: int = 2, seed: int = 0) -> Path:
+    """Write config.json + model.safetensors for a tiny `arch` model into `out`."""
+    import transformers
+
+    if arch not in ARCHS:
+        raise GraphdiffError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    config_cls, extra = ARCHS[arch]
+    config = getattr(transformers, config_cls)(num_hidden_layers=layers, **TINY_SHAPE, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:  # biases
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(TINY_SHAPE["initializer_range"] * torch.randn(p.shape, generator=gen))
+    model = model.to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return out
+
+
+def tiny_path(arch: str, layers: int = 2, seed: int = 0) -> Path:
+    """The bundled default model `tiny:ARCH`: generated once (seeded) into the user cache."""
+    import os
+    import shutil
+    import tempfile
+
+    root = Path(os.environ.get("GRAPHDIFF_CACHE", Path.home() / ".cache" / "graphdiff")) / "tiny"
+    path = root / f"{arch}-L{layers}-s{seed}"
+    if not (path / "config.json").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root))
+        make_tiny(arch, tmp, layers=layers, seed=seed)
+        if path.exists():  # a concurrent run won; keep its copy
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(path)
+    return path

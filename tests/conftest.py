@@ -1,0 +1,30 @@
+"""Shared fixtures. Engine tests (marked `engine`) share ONE real vLLM engine per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from graphdiff.tiny import make_tiny
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+PROMPT = [17, 912, 33, 1500, 7, 256, 1024, 3, 88, 640, 1999, 5, 42]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny(arch, root / arch, layers=2) for arch in ("qwen3", "qwen2", "llama")}
+
+
+@pytest.fixture(scope="session")
+def engine_run(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """The real engine on tiny Qwen3, compiled fresh, with a TORCH_COMPILE_DEBUG dump beside it."""
+    pytest.importorskip("vllm")
+    from graphdiff.capture.vllm import capture_vllm
+
+    debug = tmp_path_factory.mktemp("inductor-debug")
+    run = capture_vllm(tiny_models["qwen3"], PROMPT, debug_dir=debug)
+    run.debug_dir = debug
+    return run
