@@ -38,8 +38,12 @@ class Node(BaseModel):
     target: str  # e.g. "aten.mul.Tensor", "prims.convert_element_type.default", "getitem"
     inputs: list[str] = Field(default_factory=list)  # names of node inputs, in argument order
     args: str = ""  # the full argument list, node inputs by name (human-readable, for reports)
+    # [args, kwargs] as JSON: node refs {"node": n}, {"dtype": "float32"}, {"device": "cpu"},
+    # {"sym": "s72"}, {"float": "inf"}, {"repr": ...}; enough to re-execute the node (replay).
+    call: list = Field(default_factory=lambda: [[], {}])
     dtype: str | None = None  # "bfloat16", "float32", ... ; None for non-tensors / tuples
     shape: list[int | str] | None = None  # symbolic sizes as strings ("s72")
+    sym: str | None = None  # for symbolic-int values (e.g. the token count placeholder): the symbol
     source: Source | None = None
     module: str | None = None  # nn.Module path, e.g. "model.layers.0.mlp"
     module_type: str | None = None  # class name of that module

@@ -1,8 +1,14 @@
-"""Model directory checks shared by both capture sides (one clear error per bad input)."""
+"""Model directory checks shared by both capture sides (one clear error per bad input), and the
+offline resolution of a model spec (local dir, `tiny:`, HF id) to a checkpoint directory."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from graphdiff.errors import GraphdiffError
@@ -32,3 +38,127 @@ def has_weights(model_dir: Path) -> bool:
 
 def architecture(config: dict) -> str:
     return str(config["architectures"][0])
+
+
+# --- Resolving a model spec to a checkpoint directory, never touching the network ---------------------------
+
+CONFIGS_PACKAGE = "graphdiff.configs"
+
+
+@dataclass
+class ResolvedModel:
+    spec: str
+    path: Path
+    config: dict
+    has_weights: bool
+    origin: str  # "local", "hf-cache", "bundled" or "tiny"
+
+
+def bundled_ids() -> list[str]:
+    """HF ids whose published config.json ships inside graphdiff (files named `<org>--<name>.json`)."""
+    names = (f.name for f in resources.files(CONFIGS_PACKAGE).iterdir() if f.name.endswith(".json"))
+    return sorted(name.removesuffix(".json").replace("--", "/", 1) for name in names)
+
+
+def _bundled_config(model_id: str) -> dict | None:
+    f = resources.files(CONFIGS_PACKAGE) / (model_id.replace("/", "--") + ".json")
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def _hub_cache() -> Path:
+    """The HF hub cache directory, by huggingface_hub's own precedence (read here so that nothing from the
+    hub client, which can download, is imported)."""
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if cache:
+        return Path(cache).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def find_in_hf_cache(model_id: str) -> Path | None:
+    """The local HF cache snapshot of `model_id` that has a config.json; the one refs/main names first."""
+    repo = _hub_cache() / ("models--" + model_id.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snapshot = repo / "snapshots" / ref.read_text().strip()
+        if (snapshot / "config.json").is_file():
+            return snapshot
+    # No usable refs/main (a pinned revision was downloaded): take the newest snapshot with a config.
+    snapshots = [s for s in (repo / "snapshots").glob("*") if (s / "config.json").is_file()]
+    return max(snapshots, key=lambda s: (s / "config.json").stat().st_mtime, default=None)
+
+
+def _with_layers(config: dict, layers: int) -> dict:
+    """`config` cut to its first `layers` decoder layers, per-layer fields included so it stays valid."""
+    old = int(config.get("num_hidden_layers", 0))
+    if not 1 <= layers <= old:
+        raise GraphdiffError(f"cannot keep {layers} layers of a model with {old}; choose 1 to {old}")
+    # Lists with one entry per layer (layer_types and the like) keep their first `layers` entries.
+    config = {k: v[:layers] if isinstance(v, list) and len(v) == old else v for k, v in config.items()}
+    config["num_hidden_layers"] = layers
+    if isinstance(config.get("max_window_layers"), int):
+        config["max_window_layers"] = min(config["max_window_layers"], layers)
+    if isinstance(config.get("mlp_only_layers"), list):  # MoE: indices of dense layers
+        config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
+    return config
+
+
+def _materialize(model_id: str, config: dict, work_dir: Path | None, link_from: Path | None = None) -> Path:
+    """Write `config` as a checkpoint directory; with `link_from`, symlink that snapshot's other files."""
+    root = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="graphdiff-"))
+    out = root / model_id.replace("/", "--")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for f in link_from.iterdir() if link_from else ():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    return out
+
+
+# "org/name" exactly; anything else (absolute, relative with ./ or deeper) is a local path.
+HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _is_hf_id(spec: str) -> bool:
+    return HF_ID.fullmatch(spec) is not None and not Path(spec).exists()
+
+
+def resolve_model(spec: str, work_dir: Path | None = None, layers: int | None = None) -> ResolvedModel:
+    """A local checkpoint dir, `tiny:ARCH[:LAYERS]`, or an HF id (local HF cache, else a bundled config).
+
+    `layers` cuts an HF id's model to its first decoder layers (a config-only copy, or the cached
+    snapshot's files linked beside the cut config); a local directory is always used as is.
+    """
+    if spec.startswith("tiny:"):
+        return _resolve_tiny(spec, layers)
+    if not _is_hf_id(spec):
+        path = Path(spec).expanduser()
+        config = read_config(path)
+        return ResolvedModel(spec, path, config, has_weights(path), "local")
+    snapshot = find_in_hf_cache(spec)
+    if snapshot is not None:
+        config = read_config(snapshot)
+        if layers is not None:
+            snapshot = _materialize(spec, _with_layers(config, layers), work_dir, link_from=snapshot)
+            config = read_config(snapshot)
+        return ResolvedModel(spec, snapshot, config, has_weights(snapshot), "hf-cache")
+    config = _bundled_config(spec)
+    if config is None:
+        raise GraphdiffError(
+            f"unknown model {spec!r}: no local directory, no snapshot in the HF cache ({_hub_cache()}) and no "
+            "bundled config; pass a local checkpoint directory or a bundled id (`graphdiff configs` lists them)"
+        )
+    if layers is not None:
+        config = _with_layers(config, layers)
+    path = _materialize(spec, config, work_dir)
+    return ResolvedModel(spec, path, config, False, "bundled")
+
+
+def _resolve_tiny(spec: str, layers: int | None) -> ResolvedModel:
+    from graphdiff.tiny import tiny_path
+
+    arch, _, n = spec.removeprefix("tiny:").partition(":")
+    if n and not n.isdigit():
+        raise GraphdiffError(f"bad tiny model {spec!r}; expected tiny:ARCH or tiny:ARCH:LAYERS")
+    path = tiny_path(arch, int(n) if n else (layers or 2))
+    return ResolvedModel(spec, path, read_config(path), has_weights(path), "tiny")

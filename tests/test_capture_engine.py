@@ -132,7 +132,7 @@ def test_dump_import_gives_the_same_partition(engine_run):
     for lk, dk in zip(live.kernels, d.kernels):
         assert set(dk.nodes) == set(lk.nodes), lk.id
         assert [(a.name, a.role, a.dtype) for a in dk.args] == [(a.name, a.role, a.dtype) for a in lk.args]
-    assert [(n.name, n.target, n.dtype, n.shape, n.inputs) for n in d.nodes] == \
-        [(n.name, n.target, n.dtype, n.shape, n.inputs) for n in live.nodes]
+    assert [(n.name, n.target, n.dtype, n.shape, n.sym, n.inputs, n.call) for n in d.nodes] == \
+        [(n.name, n.target, n.dtype, n.shape, n.sym, n.inputs, n.call) for n in live.nodes]
     assert [n.source.line if n.source else None for n in d.nodes] == \
         [n.source.line if n.source else None for n in live.nodes]

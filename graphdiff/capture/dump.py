@@ -25,6 +25,7 @@ _ANN_DTYPES = {
     "bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64", "i64": "int64", "i32": "int32",
     "i16": "int16", "i8": "int8", "u8": "uint8", "b8": "bool", "c64": "complex64",
 }
+_TORCH_DTYPES = set(_ANN_DTYPES.values()) | {"float8_e4m3fn", "float8_e5m2", "complex128", "uint16", "uint32"}
 _FILE = re.compile(r"# File: (.*?):(\d+) in (\S+), code: (.*)$")
 
 
@@ -63,6 +64,33 @@ def _names_in(expr: ast.AST, known: set[str]) -> list[str]:
     return [n.id for n in ast.walk(expr) if isinstance(n, ast.Name) and n.id in known]
 
 
+def _encode(expr: ast.expr, known: set[str]) -> object:
+    """An argument of the printed graph, encoded like capture.fx.encode_arg."""
+    if isinstance(expr, ast.Name):
+        if expr.id in known:
+            return {"node": expr.id}
+        if expr.id in ("inf", "nan"):
+            return {"float": expr.id}
+        return {"repr": expr.id}
+    if isinstance(expr, (ast.List, ast.Tuple)):
+        return [_encode(e, known) for e in expr.elts]
+    if isinstance(expr, ast.Constant):
+        return expr.value
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub):
+        inner = _encode(expr.operand, known)
+        if isinstance(inner, (int, float)):
+            return -inner
+        if isinstance(inner, dict) and inner.get("float") == "inf":
+            return {"float": "-inf"}
+    text = ast.unparse(expr)
+    if text.startswith("torch.") and text.removeprefix("torch.") in _TORCH_DTYPES:
+        return {"dtype": text.removeprefix("torch.")}
+    m = re.fullmatch(r"device\(type='(\w+)'(?:, index=\d+)?\)", text)
+    if m:
+        return {"device": m.group(1)}
+    return {"repr": text}
+
+
 def parse_fx_graph(text: str) -> list[Node]:
     """Nodes of an Inductor-printed FX graph (print_readable output)."""
     lines = text.splitlines()
@@ -83,14 +111,17 @@ def parse_fx_graph(text: str) -> list[Node]:
     nodes: list[Node] = []
     known: set[str] = set()
     for a in fn.args.args[1:]:
-        dtype, shape = _parse_annotation(a.annotation.value) if isinstance(a.annotation, ast.Constant) else (None, None)
-        nodes.append(Node(name=a.arg, op="placeholder", target=a.arg, dtype=dtype, shape=shape))
+        ann = a.annotation.value if isinstance(a.annotation, ast.Constant) else ""
+        dtype, shape = _parse_annotation(ann)
+        sym = m.group(1) if (m := re.fullmatch(r"Sym\((\w+)\)", ann)) else None
+        nodes.append(Node(name=a.arg, op="placeholder", target=a.arg, dtype=dtype, shape=shape, sym=sym))
         known.add(a.arg)
     for stmt in fn.body:
         if isinstance(stmt, ast.Return):
             ins = _names_in(stmt.value, known) if stmt.value else []
             nodes.append(Node(name="output", op="output", target="output", inputs=ins,
-                              args=ast.unparse(stmt.value) if stmt.value else ""))
+                              args=ast.unparse(stmt.value) if stmt.value else "",
+                              call=[[_encode(stmt.value, known)] if stmt.value else [], {}]))
             continue
         if isinstance(stmt, ast.AnnAssign):
             target, value, ann = stmt.target, stmt.value, stmt.annotation
@@ -106,12 +137,16 @@ def parse_fx_graph(text: str) -> list[Node]:
         args = value.args + [k.value for k in value.keywords] if isinstance(value, ast.Call) else [value.value]
         inputs = [n for a in args for n in _names_in(a, known)]
         if isinstance(value, ast.Call):
+            call = [[_encode(a, known) for a in value.args], {k.arg: _encode(k.value, known) for k in value.keywords}]
+        else:
+            call = [[_encode(value.value, known), _encode(value.slice, known)], {}]
+        if isinstance(value, ast.Call):
             argtext = ", ".join([ast.unparse(a) for a in value.args] +
                                 [f"{k.arg}={ast.unparse(k.value)}" for k in value.keywords])
         else:
             argtext = f"{ast.unparse(value.value)}, {ast.unparse(value.slice)}"
         nodes.append(Node(name=target.id, op="call_function", target=_target(value), inputs=inputs, args=argtext,
-                          dtype=dtype, shape=shape, source=source_at.get(stmt.lineno)))
+                          call=call, dtype=dtype, shape=shape, source=source_at.get(stmt.lineno)))
         known.add(target.id)
     return nodes
 

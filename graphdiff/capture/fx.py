@@ -82,6 +82,27 @@ def _module(meta: dict) -> tuple[str | None, str | None]:
     return _module_path(path), type_name
 
 
+def encode_arg(a: Any) -> Any:
+    """One FX argument as JSON (see Node.call)."""
+    if isinstance(a, torch.fx.Node):
+        return {"node": a.name}
+    if isinstance(a, (list, tuple)):
+        return [encode_arg(x) for x in a]
+    if isinstance(a, dict):
+        return {"dict": {str(k): encode_arg(v) for k, v in a.items()}}
+    if isinstance(a, torch.dtype):
+        return {"dtype": str(a).removeprefix("torch.")}
+    if isinstance(a, torch.device):
+        return {"device": a.type}
+    if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return {"sym": str(a)}
+    if isinstance(a, float) and (a != a or a in (float("inf"), float("-inf"))):
+        return {"float": str(a)}
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    return {"repr": str(a)}
+
+
 def node_from_fx(node: torch.fx.Node, input_names: dict[str, str]) -> Node:
     """Convert one FX node; `input_names` maps placeholder names to what they hold (HF names)."""
     inputs: list[str] = []
@@ -101,8 +122,10 @@ def node_from_fx(node: torch.fx.Node, input_names: dict[str, str]) -> Node:
         target=target_name(node.target),
         inputs=inputs,
         args=", ".join(args),
+        call=[encode_arg(list(node.args)), {k: encode_arg(v) for k, v in node.kwargs.items()}],
         dtype=dtype,
         shape=shape,
+        sym=str(val) if isinstance(val := node.meta.get("val"), torch.SymInt) else None,
         source=_source(node.meta.get("stack_trace")),
         module=module,
         module_type=module_type,

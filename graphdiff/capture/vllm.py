@@ -36,7 +36,7 @@ from graphdiff.capture.inductor_code import (
     parse_kernel_defs,
 )
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import Capture, Graph, Kernel, PackedParam
+from graphdiff.model import BufferArg, Capture, Graph, Kernel, PackedParam
 from graphdiff.resolve import architecture, read_config
 
 Progress = Callable[[str], None]
@@ -319,9 +319,11 @@ def assemble_graph(name: str, nodes: list, src: str, origins: dict[str, list[str
         if call.extern:
             fused = _extern_nodes(call, comp, targets)
             extern_owned.update(fused)
-            args = [a for a in call.args if a]
-            kernels.append(Kernel(id=call.id, name=call.name, kind="extern", nodes=fused,
-                                  args=[{"name": a, "role": "inout"} for a in args]))
+            # Positional, like the extern FX node's own arguments ("" where no buffer is passed).
+            args = [BufferArg(name=a or "", role="inout" if a else "scalar") for a in call.args]
+            if call.result:
+                args.append(BufferArg(name=call.result, role="out"))
+            kernels.append(Kernel(id=call.id, name=call.name, kind="extern", nodes=fused, args=args))
         else:
             kdef = defs[call.name]
             args = kernel_args(call, kdef)

@@ -1,0 +1,156 @@
+"""Re-execute a fragment of a captured graph under a rounding plan (a torch.fx Interpreter).
+
+Two plans matter:
+- `eager`: every node is materialized in its declared dtype, as an eager framework does
+  (a BF16 op rounds its result) — the "naive" model of a fused kernel;
+- `fp32`: every floating value is computed in FP32, and only the nodes in `rounded` are
+  rounded to their declared low-precision dtype — what a fused kernel does in registers.
+A kernel's stores are rounded to the stored buffer's dtype when its outputs are compared,
+not inside the fragment: a kernel may store a value and keep using it unrounded.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from graphdiff.model import Node
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+def resolve_target(name: str) -> Any:
+    """The callable behind a data-model target string ("aten.mul.Tensor", "getitem", ...)."""
+    if name == "getitem":
+        return operator.getitem
+    ns, _, rest = name.partition(".")
+    obj: Any = getattr(torch.ops, ns)
+    for part in rest.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def to_dtype(name: str | None) -> torch.dtype | None:
+    return getattr(torch, name) if name else None
+
+
+def _decode(a: Any, nodes: dict[str, torch.fx.Node], syms: dict[str, int]) -> Any:
+    if isinstance(a, list):
+        return [_decode(x, nodes, syms) for x in a]
+    if not isinstance(a, dict):
+        return a
+    if "node" in a:
+        return nodes[a["node"]]
+    if "dtype" in a:
+        return getattr(torch, a["dtype"])
+    if "device" in a:
+        return torch.device(a["device"])
+    if "sym" in a:
+        return syms[a["sym"]]
+    if "float" in a:
+        return float(a["float"])
+    if "dict" in a:
+        return {k: _decode(v, nodes, syms) for k, v in a["dict"].items()}
+    text = a.get("repr", "")
+    if text.startswith("torch.") and hasattr(torch, text[6:]):
+        return getattr(torch, text[6:])  # memory formats and layouts
+    return None
+
+
+def fragment_graph(nodes: Iterable[Node], external: Iterable[str], syms: dict[str, int]) -> torch.fx.GraphModule:
+    """An fx graph computing `nodes` (in order) from placeholders named after `external`."""
+    g = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {}
+    for name in external:
+        env[name] = g.placeholder(name)
+    outs = []
+    for n in nodes:
+        args, kwargs = n.call[0], n.call[1]
+        fx_node = g.call_function(
+            resolve_target(n.target), tuple(_decode(args, env, syms)), _decode(kwargs, env, syms)
+        )
+        fx_node.name = n.name
+        env[n.name] = fx_node
+        outs.append(fx_node)
+    g.output(outs)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+class RoundingInterpreter(torch.fx.Interpreter):
+    """Runs a fragment under a rounding plan and keeps every node's value."""
+
+    def __init__(self, gm: torch.fx.GraphModule, declared: dict[str, str | None], plan: str,
+                 rounded: set[str] | frozenset[str] = frozenset(), compute: torch.dtype = torch.float32) -> None:
+        super().__init__(gm)
+        self.declared = declared  # node -> its dtype in the captured graph
+        self.plan = plan
+        self.rounded = rounded
+        self.compute = compute
+        self.values: dict[str, Any] = {}
+
+    def _up(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.compute:
+            return x.to(self.compute)
+        if isinstance(x, torch.dtype) and x.is_floating_point:
+            return self.compute  # dtype arguments (casts, allocations) compute in FP32 too
+        return x
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op != "call_function" or self.plan == "eager":
+            out = super().run_node(n)
+        else:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            args = torch.fx.node.map_aggregate(args, self._up)
+            kwargs = torch.fx.node.map_aggregate(kwargs, self._up)
+            out = n.target(*args, **kwargs)
+            low = to_dtype(self.declared.get(n.name))
+            if n.name in self.rounded and isinstance(out, torch.Tensor) and low in LOW:
+                out = out.to(low).to(self.compute)
+        if n.op != "output":
+            self.values[n.name] = out
+        return out
+
+
+def bits_equal_fraction(pred: torch.Tensor, real: torch.Tensor) -> float:
+    """Fraction of elements whose bits agree once `pred` is stored in `real`'s dtype."""
+    if pred.numel() != real.numel():
+        return 0.0
+    a = pred.detach().to(real.dtype).reshape(-1).contiguous()
+    b = real.detach().reshape(-1).contiguous()
+    if a.is_floating_point():
+        width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.view(width), b.view(width)
+    return float((a == b).float().mean()) if a.numel() else 1.0
+
+
+@dataclass
+class FragmentRun:
+    values: dict[str, Any]
+    ok: bool = True
+    error: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_fragment(nodes: list[Node], inputs: dict[str, Any], declared: dict[str, str | None], plan: str,
+                 syms: dict[str, int], rounded: set[str] | frozenset[str] = frozenset(),
+                 compute: torch.dtype = torch.float32) -> FragmentRun:
+    """Execute `nodes` on `inputs` (external values by name) under `plan`."""
+    names = list(inputs)
+    try:
+        gm = fragment_graph(nodes, names, syms)
+        interp = RoundingInterpreter(gm, declared, plan, rounded, compute)
+        args = []
+        for name in names:
+            v = inputs[name]
+            if plan == "eager" and isinstance(v, torch.Tensor) and v.is_floating_point():
+                v = v.to(to_dtype(declared.get(name)) or v.dtype)  # the naive model reads declared dtypes
+            args.append(v)
+        interp.run(*args)
+    except Exception as e:  # a fragment we cannot re-execute is reported, not fatal
+        return FragmentRun(values={}, ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    return FragmentRun(values=interp.values)
