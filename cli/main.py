@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from graphdiff.errors import GraphdiffError
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Find where an inference engine and its trainer round to BF16 in different places.")
 console = Console(stderr=True)
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 160)
 
 DEFAULT_PROMPT_TOKENS = 16
 
@@ -115,14 +116,69 @@ def capture(
 
 
 def prompt_tokens(model_dir: Path, n: int, seed: int = 0) -> list[int]:
-    """A seeded test prompt within the model's vocabulary."""
-    import torch
-
+    from graphdiff import scan
     from graphdiff.resolve import read_config
 
-    vocab = int(read_config(model_dir).get("vocab_size", 1000))
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(1, min(vocab, 32000), (n,), generator=gen).tolist()
+    return scan.prompt_tokens(read_config(model_dir), n, seed)
+
+
+@app.command("scan")
+def scan_cmd(
+    model: str = typer.Argument(..., help="HF id (bundled config or local HF cache), checkpoint dir, or tiny:ARCH"),
+    engine: str = typer.Option("vllm", help="the inference engine (vllm)"),
+    layers: int | None = typer.Option(None, help="decoder layers to scan for an HF id (default 2: layers repeat)"),
+    tokens: int = typer.Option(16, help="length of the seeded prompt both sides run"),
+    out_dir: Path | None = typer.Option(None, "--out", help="output directory (default scans/<model>)"),
+) -> None:
+    """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
+    from graphdiff.model import save_json
+    from graphdiff.scan import scan
+
+    with user_errors():
+        if engine != "vllm":
+            raise GraphdiffError(f"unknown engine {engine!r}; graphdiff scans vllm")
+        if tokens < 2:
+            raise GraphdiffError("--tokens must be at least 2")
+        out_dir = out_dir or Path("scans") / model.replace("/", "--").replace(":", "-")
+        with progress("scanning") as update:
+            result, run = scan(model, layers=layers, tokens=tokens, progress=update, argv=sys.argv[1:])
+        # The two captured graphs travel with the result: the report draws them.
+        save_json(run.capture, out_dir / "engine.capture.json")
+        save_json(run.train.capture, out_dir / "train.capture.json")
+        path = save_json(result, out_dir / "scan.json")
+    print_scan(result)
+    out.print(f"wrote {path}")
+
+
+def print_scan(result) -> None:  # noqa: ANN001 - ScanResult
+    evidence = {r.kernel.split(":")[0]: r for r in result.replay}
+    t = Table(title=f"rounding sites: {result.model} ({result.architecture})", show_lines=False)
+    for col in ("region", "kind", "layers", "sites", "rounded on", "replay (predicted / naive)", "train source",
+                "engine source"):
+        t.add_column(col, overflow="fold")
+    sites = {s.id: s for s in result.sites}
+    for r in result.regions:
+        reps = [evidence[k] for k in r.kernels if k in evidence]
+        rep = (f"{min(x.predicted_bitexact for x in reps):.2%} / {max(x.naive_bitexact for x in reps):.2%}"
+               if reps else "-")
+        first = sites[r.sites[0]]
+        src = first.train.source
+        esrc = next((s.engine.source for s in (sites[i] for i in r.sites) if s.engine and s.engine.source), None)
+        layers = ",".join("-" if x is None else str(x) for x in r.layers)
+        if r.differing_layers:
+            layers += f" (differs: {','.join(map(str, r.differing_layers))})"
+        t.add_row(r.name, r.kind, layers, str(len(r.sites)), "/".join(r.rounded_on), rep,
+                  f"{Path(src.file).name}:{src.line} {src.code[:48]}" if src else "-",
+                  f"{Path(esrc.file).name}:{esrc.line} {esrc.code[:48]}" if esrc else "(inside the kernel)")
+    out.print(t)
+    worst = min((r.predicted_bitexact for r in result.replay if not r.error), default=0.0)
+    naive = max((r.naive_bitexact for r in result.replay if not r.error), default=0.0)
+    out.print(f"{len(result.sites)} sites in {len(result.regions)} regions; {result.matched} values matched; "
+              f"kernel replay: predicted rounding model ≥ {worst:.2%} bit-identical on every kernel "
+              f"(naive round-after-every-op ≤ {naive:.2%})")
+    for note in result.notes:
+        out.print(f"[yellow]note:[/] {note}")
+    out.print(f"reproduce: {result.reproduce}")
 
 
 def print_summary(cap, show_kernels: bool = True) -> None:  # noqa: ANN001 - Capture

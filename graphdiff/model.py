@@ -130,3 +130,79 @@ def load_capture(path: Path) -> Capture:
     if cap.schema_version != SCHEMA_VERSION:
         raise GraphdiffError(f"{path} has capture schema {cap.schema_version}; this graphdiff reads {SCHEMA_VERSION}")
     return cap
+
+
+# --- scan results --------------------------------------------------------------------------------
+
+REGION_KINDS = ("rope", "qk_norm", "gated_act", "residual_norm", "norm_weight", "other")
+
+
+class SideRef(BaseModel):
+    """One side's view of a site's value."""
+
+    node: str
+    op: str
+    dtype: str | None = None
+    module: str | None = None
+    source: Source | None = None
+    kernel: str | None = None  # engine: the kernel computing it
+    how: str = ""  # how this side treats the value ("rounded: stored by K as bfloat16", "FP32 in K")
+
+
+class Site(BaseModel):
+    """A value rounded to low precision on exactly one side."""
+
+    id: str
+    region: str
+    kind: str
+    layer: int | None = None
+    rounded_on: Side
+    train: SideRef
+    engine: SideRef | None = None  # node "" when no engine node computes this value (other decomposition)
+    matched: bool
+    confidence: float
+    changed_fraction: float  # fraction of elements the rounding changes on the rounding side
+    evidence: str
+
+
+class Region(BaseModel):
+    name: str
+    kind: str
+    module: str  # HF module path pattern, layers collapsed as `layers.*`
+    layers: list[int | None]
+    sites: list[str]
+    rounded_on: list[Side]
+    kernels: list[str] = Field(default_factory=list)  # engine kernels (names) these sites sit in
+    differing_layers: list[int] = Field(default_factory=list)  # layers whose sites differ from the first
+
+
+class KernelEvidence(BaseModel):
+    kernel: str
+    predicted_bitexact: float
+    naive_bitexact: float
+    elements: int
+    fp32_max_rel_error: float = 0.0
+    explicit_roundings: list[str] = Field(default_factory=list)
+    error: str = ""
+
+
+class ScanResult(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    kind: Literal["graphdiff.scan"] = "graphdiff.scan"
+    model: str
+    architecture: str
+    config_sha256: str = ""
+    versions: dict[str, str] = Field(default_factory=dict)
+    layers_scanned: int
+    layers_total: int
+    prompt_tokens: list[int] = Field(default_factory=list)
+    sites: list[Site]
+    regions: list[Region]
+    replay: list[KernelEvidence]
+    matched: int = 0
+    unmatched_train: list[str] = Field(default_factory=list)
+    unmatched_engine_kernels: list[str] = Field(default_factory=list)
+    timings: dict[str, float] = Field(default_factory=dict)
+    reproduce: str = ""
+    notes: list[str] = Field(default_factory=list)
+    kl: dict | None = None  # filled by `graphdiff kl` when run as part of a scan

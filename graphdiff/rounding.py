@@ -275,15 +275,51 @@ def engine_rounding(graph: Graph, buffers: dict[str, dict[str, Any]]) -> EngineR
         for node in rep.explicit:
             rounded[node] = f"converted in registers by {k.id.split(':')[0]}"
     # Values the engine reads from opaque kernels: whatever downstream kernels loaded.
+    seen_outside: dict[str, torch.Tensor] = {}  # values as stored (rounded), as other kernels see them
     for k in graph.kernels:
         rec = buffers.get(k.id)
         if rec:
             for buf, t in rec["in"].items():
                 node = known.get(buf)
-                if node and node not in values and isinstance(t, torch.Tensor) and t.is_floating_point():
-                    values[node] = t.float()
+                if node and isinstance(t, torch.Tensor) and t.is_floating_point():
+                    seen_outside.setdefault(node, t.float())
+                    values.setdefault(node, t.float())
+            for rep in (r for r in replays if r.kernel == k.id):
+                for buf, node in rep.outputs.items():
+                    t = rec["out"].get(buf)
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        seen_outside[node] = t.float()
+    _evaluate_glue(graph, owned, values, seen_outside, buffers)
     fp32 = {n for n in owned if n not in rounded and not is_view(nodes[n]) and nodes[n].dtype is not None}
     return EngineRounding(rounded=rounded, fp32=fp32, replays=replays, values=values)
+
+
+def _evaluate_glue(graph: Graph, owned: set[str], values: dict[str, torch.Tensor],
+                   seen_outside: dict[str, torch.Tensor], buffers: dict[str, Any]) -> None:
+    """Values of nodes no kernel computes (views, concatenations realized as buffer aliasing),
+    from the stored values of their inputs."""
+    extern_nodes = {n for k in graph.kernels if k.kind == "extern" for n in k.nodes}
+    syms: dict[str, int] = {}
+    for rec in buffers.values():
+        syms.update({k: v for k, v in rec.get("scalars", {}).items() if isinstance(v, int)})
+    declared = {n.name: n.dtype for n in graph.nodes}
+    for n in graph.nodes:
+        if n.op != "call_function" or n.name in values or n.name in owned or n.name in extern_nodes:
+            continue
+        ins = {}
+        for i in dict.fromkeys(n.inputs):
+            node_i = graph.node_map()[i] if i not in ins else None
+            if node_i is not None and node_i.sym in syms:
+                ins[i] = syms[node_i.sym]
+            elif i in seen_outside or i in values:
+                ins[i] = seen_outside.get(i, values.get(i))
+        if len(ins) != len(set(n.inputs)):
+            continue
+        run = run_fragment([n], ins, declared, "fp32", syms)
+        v = run.values.get(n.name)
+        if isinstance(v, torch.Tensor):
+            values[n.name] = v
+            seen_outside[n.name] = v
 
 
 # --- training side ---------------------------------------------------------------------------

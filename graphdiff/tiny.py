@@ -46,6 +46,15 @@ def make_tiny(arch: str, out: Path, layers: int = 2, seed: int = 0) -> Path:
     config = getattr(transformers, config_cls)(num_hidden_layers=layers, **TINY_SHAPE, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    seeded_init(model, seed, TINY_SHAPE["initializer_range"])
+    model = model.to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return out
+
+
+def seeded_init(model: torch.nn.Module, seed: int, scale: float) -> None:
+    """Weights ~ N(0, scale), norm weights ~ 1 + 0.5 N(0, 1), biases ~ 0.02 N(0, 1); seeded."""
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -54,11 +63,23 @@ def make_tiny(arch: str, out: Path, layers: int = 2, seed: int = 0) -> Path:
             elif p.dim() == 1:  # biases
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
             else:
-                p.copy_(TINY_SHAPE["initializer_range"] * torch.randn(p.shape, generator=gen))
-    model = model.to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    return out
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+
+
+def write_random_weights(model_dir: Path, seed: int = 0) -> Path:
+    """Seeded random BF16 weights for a config-only checkpoint directory (a bundled config), so
+    that the engine and the trainer run the very same weights without any download."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = model.to_empty(device="cpu")
+    seeded_init(model, seed, float(getattr(config, "initializer_range", 0.02) or 0.02))
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    model.save_pretrained(model_dir)
+    return model_dir
 
 
 def tiny_path(arch: str, layers: int = 2, seed: int = 0) -> Path:

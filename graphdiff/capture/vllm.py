@@ -367,6 +367,7 @@ class EngineRun:
     capture: Capture
     buffers: dict[str, dict[str, Any]]
     startup_s: float
+    train: Any = None  # set by scan: the training side run on the same tokens
 
 
 def capture_vllm(
@@ -390,7 +391,7 @@ def capture_vllm(
         ) from None
     work = Path(tempfile.mkdtemp(prefix="graphdiff-engine-"))
     os.environ.update(engine_env(work, debug_dir))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # our own progress lines say what happens
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 

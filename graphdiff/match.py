@@ -1,0 +1,113 @@
+"""Align training-graph values with engine-graph values.
+
+The two graphs decompose differently (rotate_half+cat vs split/sub/cat, separate q/k/v vs a
+packed qkv projection, [batch, seq, heads, dim] vs [tokens, heads, dim]), so nodes are not
+aligned by structure. Instead:
+- anchors narrow the candidates: the layer index and the module path (HF and vLLM name
+  modules after the same checkpoint), and the element count;
+- a numeric fingerprint decides: both sides computed their values on the same tokens with
+  the same weights, so the sorted values of a matching pair agree up to rounding noise
+  (sorting makes the comparison invariant to layout, transposes and reshapes).
+Each match carries its evidence and a confidence; unmatched values are listed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from graphdiff.model import Graph, Node
+from graphdiff.rounding import is_view, op_name
+
+TOLERANCE = 0.015  # relative L2 distance of sorted values accepted as "the same value"
+_LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
+_CAST = {"_to_copy", "convert_element_type", "to", "type_as"}
+
+
+@dataclass
+class Match:
+    train: str
+    engine: str
+    distance: float  # relative L2 distance of the sorted values
+    confidence: float  # 1 at distance 0, 0 at the tolerance; lowered when the runner-up is close
+    evidence: str
+
+
+def layer_of(module: str | None) -> int | None:
+    m = _LAYER.search("." + (module or ""))
+    return int(m.group(1)) if m else None
+
+
+def _compatible(a: str | None, b: str | None, same_layer: bool) -> bool:
+    la, lb = layer_of(a), layer_of(b)
+    if same_layer:
+        if la != lb:
+            return False
+        if not a or not b:
+            return True
+        return a.startswith(b) or b.startswith(a) or a.rsplit(".", 1)[0] == b.rsplit(".", 1)[0]
+    # A value computed at the end of one layer may be computed by the engine at the start of
+    # the next (a residual sum re-done inside the next norm kernel), or in the final norm.
+    return la != lb and (la is None or lb is None or abs(la - lb) == 1)
+
+
+def _kind(node: Node) -> str:
+    name = op_name(node.target)
+    return "cast" if name in _CAST else name
+
+
+def _sorted(v: torch.Tensor) -> torch.Tensor:
+    return v.detach().double().reshape(-1).sort().values
+
+
+def match_values(train: Graph, train_values: dict[str, object], engine: Graph,
+                 engine_values: dict[str, torch.Tensor]) -> tuple[list[Match], list[str]]:
+    """Match every floating-point compute node of the training graph to an engine node."""
+    enodes = engine.node_map()
+    order = {n.name: i for i, n in enumerate(engine.nodes)}
+    by_numel: dict[int, list[str]] = {}
+    for name, v in engine_values.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and name in enodes:
+            by_numel.setdefault(v.numel(), []).append(name)
+    cache: dict[str, torch.Tensor] = {}
+
+    def fingerprint(name: str, v: torch.Tensor) -> torch.Tensor:
+        if name not in cache:
+            cache[name] = _sorted(v)
+        return cache[name]
+
+    matches: list[Match] = []
+    unmatched: list[str] = []
+    for t in train.nodes:
+        v = train_values.get(t.name)
+        if t.op != "call_function" or is_view(t) or not isinstance(v, torch.Tensor) or not v.is_floating_point():
+            continue
+        if v.numel() < 2:
+            continue
+        tv = fingerprint("t:" + t.name, v)
+        scale = float(tv.norm()) or 1.0
+        scored: list[tuple[float, bool, int, str]] = []
+        for same_layer in (True, False):  # a neighbouring layer only when the own layer has no match
+            for e in by_numel.get(v.numel(), []):
+                if _compatible(t.module, enodes[e].module, same_layer):
+                    d = float((fingerprint("e:" + e, engine_values[e]) - tv).norm()) / scale
+                    # Equal values are common (a cast that is a no-op in FP32, a view): prefer the
+                    # same kind of op, then the later node (the value as its consumers see it).
+                    scored.append((round(d, 6), _kind(enodes[e]) != _kind(t), -order[e], e))
+            scored.sort()
+            if scored and scored[0][0] <= TOLERANCE:
+                break
+            scored = []
+        if not scored:
+            unmatched.append(t.name)
+            continue
+        best = scored[0]
+        distinct = [s for s in scored[1:] if s[0] > best[0] * 1.5 + 1e-6]
+        margin = distinct[0][0] if distinct else TOLERANCE
+        confidence = max(0.0, 1.0 - best[0] / TOLERANCE) * min(1.0, margin / max(TOLERANCE / 5, 1e-9))
+        evidence = (f"layer {layer_of(t.module)}, module {enodes[best[3]].module or '?'}, {v.numel()} values; "
+                    f"sorted-value distance {best[0]:.2e} (runner-up {margin:.2e})")
+        matches.append(Match(t.name, best[3], best[0], round(confidence, 3), evidence))
+    return matches, unmatched
