@@ -415,9 +415,8 @@ def capture_vllm(
     with inductor_hooks() as hooks:
         try:
             llm = LLM(**kwargs)
-        except Exception as e:  # vLLM raises many types; the first line is what the user needs
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise GraphdiffError(f"vLLM could not start on {model_dir}: {msg}") from e
+        except Exception as e:  # vLLM raises many types; one informative line is what the user needs
+            raise GraphdiffError(f"vLLM could not start on {model_dir}: {_one_line(e)}") from e
         startup = time.perf_counter() - t0
         progress(f"engine ready in {startup:.1f}s; recording one forward's kernel buffers")
         model = _engine_model(llm)
@@ -452,6 +451,15 @@ def capture_vllm(
         notes=notes,
     )
     return EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup)
+
+
+def _one_line(e: BaseException) -> str:
+    """The informative line of an exception (pydantic puts it after a 'N validation error' header)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    noise = re.compile(r"\d+ validation errors? for |For further information")
+    lines = [ln for ln in lines if not noise.match(ln)]
+    text = lines[0] if lines else type(e).__name__
+    return re.sub(r"^Value error, ", "", text)[:400]
 
 
 def _engine_model(llm: Any) -> torch.nn.Module:

@@ -1,0 +1,33 @@
+"""JSON Schemas of everything graphdiff persists; regenerate with `python -m graphdiff.schemas`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel
+
+HERE = Path(__file__).parent
+
+
+def models() -> dict[str, type[BaseModel]]:
+    from graphdiff import model
+
+    found = {"capture": model.Capture, "scan": model.ScanResult}
+    for name in ("KLResult", "Manifest"):  # written by later stages, when present
+        if hasattr(model, name):
+            found[name.lower().replace("klresult", "kl")] = getattr(model, name)
+    return found
+
+
+def render(cls: type[BaseModel]) -> str:
+    return json.dumps(cls.model_json_schema(), indent=1, sort_keys=True) + "\n"
+
+
+def write() -> list[Path]:
+    paths = []
+    for name, cls in models().items():
+        path = HERE / f"{name}.schema.json"
+        path.write_text(render(cls))
+        paths.append(path)
+    return paths

@@ -1,0 +1,4 @@
+from graphdiff.schemas import write
+
+for p in write():
+    print(p)

@@ -1,0 +1,66 @@
+"""Dump import on a dump recorded from a real engine run (fixtures/dumps/vllm-cpu-tiny-qwen3/README.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphdiff.capture.dump import import_dump, parse_fx_graph
+from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
+from graphdiff.errors import GraphdiffError
+from tests.conftest import FIXTURES
+
+DUMP = FIXTURES / "dumps" / "vllm-cpu-tiny-qwen3"
+GRAPH_DIR = DUMP / "torchinductor" / "model__0_inference_0.0"
+
+
+def test_kernel_defs_name_their_loads_and_stores():
+    defs = parse_kernel_defs((GRAPH_DIR / "output_code.py").read_text())
+    silu = defs["cpp_fused_mul_onednn_mm_silu_slice_3"]
+    assert silu.backend == "cpp"
+    assert silu.params == [("in_ptr0", "bfloat16"), ("out_ptr0", "bfloat16"), ("ks0", None)]
+    # the residual stream leaves the norm kernels as an FP32 buffer
+    assert ("out_ptr0", "float32") in defs["cpp_fused__to_copy_add_embedding_mean_mul_onednn_mm_pow_rsqrt_5"].params
+
+
+def test_calls_are_in_order_with_handles_and_externs():
+    calls = parse_kernel_calls((GRAPH_DIR / "output_code.py").read_text())
+    assert [c.id.rsplit(":", 1)[1] for c in calls] == [str(i) for i in range(1, len(calls) + 1)]
+    externs = {c.name for c in calls if c.extern}
+    assert externs == {"torch.ops._C.onednn_mm.default", "torch.ops.vllm.unified_kv_cache_update.default",
+                       "torch.ops.vllm.unified_attention_with_output.default"}
+    update = next(c for c in calls if "kv_cache_update" in c.name)
+    assert update.result is not None  # its return value is bound to a buffer
+
+
+def test_import_builds_kernels_with_fused_nodes_and_sources():
+    cap = import_dump(DUMP)
+    (g,) = cap.graphs
+    nodes = g.node_map()
+    silu = [k for k in g.kernels if k.name == "cpp_fused_mul_onednn_mm_silu_slice_3"]
+    assert len(silu) == 2  # one call per layer, same generated kernel
+    for k in silu:
+        ops = {nodes[n].target for n in k.nodes}
+        assert {"aten.exp.default", "aten.div.Tensor", "aten.mul.Tensor"} <= ops
+        assert [a.role for a in k.args] == ["in", "out", "scalar"]
+    src = nodes["mul_15"].source
+    assert src is not None and src.file.endswith("layernorm.py") and "weight" in src.code
+    assert nodes["arg0_1"].sym == "s72"
+    owned = [n for k in g.kernels if k.kind == "generated" for n in k.nodes]
+    assert owned and all(nodes[n].kernel is not None for n in owned)
+
+
+def test_printed_graph_parses_structured_arguments():
+    nodes = {n.name: n for n in parse_fx_graph((GRAPH_DIR / "fx_graph_transformed.py").read_text())}
+    conv = nodes["convert_element_type_1"]
+    assert conv.call == [[{"node": "embedding"}, {"dtype": "float32"}], {}]
+    assert nodes["getitem_8"].target == "getitem"
+
+
+def test_corrupt_graph_file_is_one_clear_error(tmp_path):
+    import shutil
+
+    bad = tmp_path / "dump"
+    shutil.copytree(DUMP, bad)
+    (bad / "torchinductor" / "model__0_inference_0.0" / "fx_graph_transformed.py").write_text("def forward(:\n")
+    with pytest.raises(GraphdiffError, match="unreadable dump"):
+        import_dump(bad)
