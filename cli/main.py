@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shlex
 import sys
 import time
 from collections import Counter
@@ -129,6 +130,7 @@ def scan_cmd(
     layers: int | None = typer.Option(None, help="decoder layers to scan for an HF id (default 2: layers repeat)"),
     tokens: int = typer.Option(16, help="length of the seeded prompt both sides run"),
     out_dir: Path | None = typer.Option(None, "--out", help="output directory (default scans/<model>)"),
+    report: bool = typer.Option(False, "--report", help="also render OUT/report.html (see `graphdiff report`)"),
 ) -> None:
     """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
     from graphdiff.model import save_json
@@ -146,8 +148,35 @@ def scan_cmd(
         save_json(run.capture, out_dir / "engine.capture.json")
         save_json(run.train.capture, out_dir / "train.capture.json")
         path = save_json(result, out_dir / "scan.json")
+        if report:
+            from graphdiff.report import write_report
+
+            html = write_report(out_dir)[0]
     print_scan(result)
     out.print(f"wrote {path}")
+    if report:
+        out.print(f"wrote {html}")
+
+
+@app.command("report")
+def report_cmd(
+    scan_dir: Path = typer.Argument(..., help="a scan output directory (scan.json + the two capture files)"),
+    fmt: str = typer.Option("html", "--format", help="html, dot, svg or model-explorer"),
+    region: str | None = typer.Option(None, help="draw this region (dot/svg); html: report only this region"),
+    layer: int | None = typer.Option(None, help="draw a whole decoder layer (dot/svg)"),
+    out_path: Path | None = typer.Option(None, "--out", help="output file (default SCAN_DIR/report.html, "
+                                         "SCAN_DIR/<region>.dot|svg, SCAN_DIR/node_data.json)"),
+) -> None:
+    """Render a scan: self-contained HTML report, DOT/SVG picture, or Model Explorer node data."""
+    from graphdiff.report import write_report
+
+    with user_errors():
+        paths = write_report(scan_dir, fmt, region=region, layer=layer, out=out_path)
+    for p in paths:
+        out.print(f"wrote {p}")
+    if fmt == "model-explorer":
+        out.print("node values: 1 = rounded to BF16 on the train side only (orange), 2 = on the engine side only "
+                  "(blue); load them in Model Explorer with 'Add per-node data'")
 
 
 def print_scan(result) -> None:  # noqa: ANN001 - ScanResult
@@ -212,6 +241,90 @@ def print_summary(cap, show_kernels: bool = True) -> None:  # noqa: ANN001 - Cap
 
 VIEW_OPS = {"getitem", "view", "reshape", "unsqueeze", "squeeze", "split", "split_with_sizes", "slice", "permute",
             "expand", "alias", "t", "transpose", "select", "empty", "full"}
+
+
+@app.command("kl")
+def kl_cmd(
+    model: str = typer.Argument(..., help="checkpoint dir, tiny:ARCH[:LAYERS], or an HF id (local cache)"),
+    engine: str = typer.Option("vllm", help="the inference engine (vllm)"),
+    manifest: Path | None = typer.Option(None, help="patch manifest: also measure the trainer with it applied"),
+    regions: str | None = typer.Option(None, help="comma-separated manifest regions to apply (default all)"),
+    attribute: bool = typer.Option(False, "--attribute", help="Shapley attribution of the gap over the regions"),
+    prompts_file: Path | None = typer.Option(None, "--prompts", help="one prompt per line: JSON token ids or text"),
+    random: int | None = typer.Option(None, "--random", help="N seeded random prompts (default 8)"),
+    prompt_len: int = typer.Option(16, "--prompt-tokens", help="length of each random prompt"),
+    max_tokens: int = typer.Option(64, help="tokens the engine samples per prompt"),
+    temperature: float = typer.Option(1.0, help="sampling temperature"),
+    seed: int = typer.Option(0, help="seed for prompts, sampling (seed+i per prompt) and the bootstrap"),
+    modes: bool = typer.Option(False, "--modes", help="engine compiled/eager x trainer eager/compiled (2x2)"),
+    bootstrap: int = typer.Option(1000, help="bootstrap resamples for the attribution's confidence intervals"),
+    out_dir: Path | None = typer.Option(None, "--out", help="output directory (default kl/<model>)"),
+) -> None:
+    """Measure the engine-vs-trainer log-prob gap on engine samples; write OUT/kl.json."""
+    from graphdiff.measure.kl import SAMPLES_FILE, measure, random_prompts, read_prompts
+    from graphdiff.model import save_json
+    from graphdiff.resolve import resolve_model as resolve_spec
+    from graphdiff.tiny import write_random_weights
+
+    with user_errors():
+        if engine != "vllm":
+            raise GraphdiffError(f"unknown engine {engine!r}; graphdiff kl measures vllm")
+        if prompts_file is not None and random is not None:
+            raise GraphdiffError("give --prompts or --random, not both")
+        resolved = resolve_spec(model)
+        if not resolved.has_weights:
+            write_random_weights(resolved.path)  # a config-only model: seeded weights, the same on both sides
+        out_dir = out_dir or Path("kl") / model.replace("/", "--").replace(":", "-")
+        vocab = int(resolved.config.get("vocab_size", 0))
+        prompts = (read_prompts(prompts_file, resolved.path, vocab) if prompts_file is not None
+                   else random_prompts(resolved.config, random or 8, prompt_len, seed))
+        names = [r.strip() for r in regions.split(",") if r.strip()] if regions else None
+        with progress("measuring the log-prob gap") as update:
+            result = measure(resolved.path, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature,
+                             modes=modes, manifest=manifest, regions=names, attribute=attribute,
+                             bootstrap=bootstrap, out_dir=out_dir, progress=update,
+                             reproduce="graphdiff " + shlex.join(sys.argv[1:]))
+        path = save_json(result, out_dir / "kl.json")
+    print_kl(result)
+    out.print(f"wrote {path} (engine samples cached in {out_dir / SAMPLES_FILE})")
+
+
+def print_kl(result) -> None:  # noqa: ANN001 - KLResult
+    t = Table(title=f"log-prob gap, diff = logp_engine - logp_train: {result.model} ({result.architecture}), "
+                    f"{result.prompts} prompts x {result.max_tokens} tokens")
+    for col in ("engine", "trainer", "patched", "k1 (1e-4)", "k3 (1e-4)", "rms", "max |diff|", "bit-identical",
+                "tokens"):
+        t.add_column(col, justify="left" if col in ("engine", "trainer", "patched") else "right")
+    for m in result.measurements:
+        t.add_row(m.engine_mode, m.trainer_mode, "+".join(m.regions) if m.regions else "-", f"{m.k1 * 1e4:.2f}",
+                  f"{m.k3 * 1e4:.2f}", f"{m.rms:.4f}", f"{m.max_abs:.4f}", f"{m.bitexact_fraction:.1%}",
+                  str(m.tokens))
+    out.print(t)
+    if result.measurements and result.measurements[0].position:
+        p = Table(title="rms of diff by continuation position (0 = first sampled token)")
+        p.add_column("engine / trainer")
+        for b in result.measurements[0].position:
+            p.add_column(f"{b.start}-{b.stop - 1}", justify="right")
+        for m in result.measurements:
+            p.add_row(f"{m.engine_mode} / {m.trainer_mode}" + (f" +{'+'.join(m.regions)}" if m.regions else ""),
+                      *(f"{b.rms:.4f}" for b in m.position))
+        out.print(p)
+    a = result.attribution
+    if a is not None:
+        s = Table(title=f"Shapley attribution of the {a.metric} reduction ({a.method}; {a.tokens} tokens, "
+                        f"{a.sequences} sequences, {a.confidence:.0%} bootstrap CI over sequences)")
+        for col in ("region", "value (1e-4)", "share", "CI (1e-4)"):
+            s.add_column(col, justify="left" if col == "region" else "right")
+        for v in a.values:
+            s.add_row(v.region, f"{v.value * 1e4:.2f}", "-" if v.share is None else f"{v.share:.1%}",
+                      f"[{v.ci_low * 1e4:.2f}, {v.ci_high * 1e4:.2f}]")
+        out.print(s)
+        best = ("none (alignment does not reduce the gap)" if a.minimal_set is None else
+                f"{'+'.join(a.minimal_set)} (measured {a.minimal_set_reduction * 1e4:.2f}e-4, {a.minimal_set_method})")
+        out.print(f"gap {a.baseline * 1e4:.2f}e-4 unpatched, {a.aligned * 1e4:.2f}e-4 with all regions; "
+                  f"minimal set for {a.target:.0%} of the reduction: {best}")
+    out.print(f"how: {result.method}")
+    out.print(f"reproduce: {result.reproduce}")
 
 
 def main() -> None:

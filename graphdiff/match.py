@@ -58,8 +58,16 @@ def _kind(node: Node) -> str:
     return "cast" if name in _CAST else name
 
 
+FINGERPRINT_POINTS = 4096
+
+
 def _sorted(v: torch.Tensor) -> torch.Tensor:
-    return v.detach().double().reshape(-1).sort().values
+    """Sorted values, reduced to evenly spaced quantiles for large tensors (the distance is a
+    relative L2 norm, which the quantiles estimate without comparing millions of values)."""
+    s = v.detach().float().reshape(-1).sort().values.double()
+    if s.numel() > FINGERPRINT_POINTS:
+        s = s[torch.linspace(0, s.numel() - 1, FINGERPRINT_POINTS).round().long()]
+    return s
 
 
 def match_values(train: Graph, train_values: dict[str, object], engine: Graph,

@@ -206,3 +206,123 @@ class ScanResult(BaseModel):
     reproduce: str = ""
     notes: list[str] = Field(default_factory=list)
     kl: dict | None = None  # filled by `graphdiff kl` when run as part of a scan
+
+
+# --- log-prob gap measurement (`graphdiff kl`) -------------------------------------------------------
+
+EngineMode = Literal["compiled", "eager"]
+TrainerMode = Literal["eager", "compiled"]
+
+
+class EngineSample(BaseModel):
+    """One sampled continuation and the engine's own log-prob of each sampled token."""
+
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]  # FP32 values as the engine returned them (exact in JSON: Python floats round-trip)
+
+
+class EngineSamples(BaseModel):
+    """One engine configuration's samples, with everything that decides them (the cache key)."""
+
+    engine: str = "vllm"
+    mode: EngineMode
+    model: str
+    weights: str  # fingerprint of the checkpoint files (names, sizes, mtimes)
+    seed: int
+    temperature: float
+    max_tokens: int
+    versions: dict[str, str] = Field(default_factory=dict)
+    samples: list[EngineSample]
+
+    def key(self) -> tuple:
+        """What decides the samples, the engine's version aside (compared separately: it may be absent)."""
+        return (self.engine, self.mode, self.model, self.weights, self.seed, self.temperature, self.max_tokens,
+                tuple(tuple(s.prompt) for s in self.samples))
+
+
+class EngineSamplesFile(BaseModel):
+    """DIR/engine_samples.json: the engine samples once; the trainer side can be re-run at will."""
+
+    schema_version: int = SCHEMA_VERSION
+    kind: Literal["graphdiff.engine_samples"] = "graphdiff.engine_samples"
+    runs: list[EngineSamples] = Field(default_factory=list)
+
+
+class PositionBin(BaseModel):
+    """The gap over continuation positions [start, stop) (0 = the first sampled token)."""
+
+    start: int
+    stop: int
+    tokens: int
+    k1: float
+    rms: float
+
+
+class KLMeasurement(BaseModel):
+    """The engine-vs-trainer gap of one configuration; diff = logp_engine - logp_train per sampled token."""
+
+    engine_mode: EngineMode
+    trainer_mode: TrainerMode
+    regions: list[str] | None = None  # patched regions (None: unpatched trainer; [] never written)
+    k1: float  # mean diff: the paper's per-token KL estimate
+    k3: float  # mean of exp(r) - 1 - r, r = -diff: unbiased, never negative per token
+    rms: float
+    max_abs: float
+    bitexact_fraction: float  # tokens whose FP32 log-probs agree bit for bit
+    tokens: int
+    sequences: int
+    position: list[PositionBin] = Field(default_factory=list)
+
+
+class ShapleyValue(BaseModel):
+    region: str
+    value: float  # gap reduction attributed to the region (same units as the metric)
+    share: float | None = None  # value / full reduction (None when the full reduction is 0)
+    ci_low: float
+    ci_high: float
+
+
+class Attribution(BaseModel):
+    """Shapley attribution of the gap reduction to patched regions, with bootstrap CIs over sequences."""
+
+    metric: str  # "k1" or "k3"
+    regions: list[str]
+    method: str  # "exact" (all 2^k subsets) or "sampled" (random permutations)
+    permutations: int | None = None
+    baseline: float  # gap with no region aligned
+    aligned: float  # gap with every region aligned
+    reduction: float  # baseline - aligned (= sum of the Shapley values)
+    values: list[ShapleyValue]
+    tokens: int
+    sequences: int
+    bootstrap: int
+    confidence: float
+    seed: int
+    target: float  # fraction of `reduction` the minimal set must reach
+    minimal_set: list[str] | None = None  # None when the full reduction is not positive
+    minimal_set_reduction: float | None = None  # measured, not predicted
+    minimal_set_method: str = ""
+    subsets: dict[str, float] = Field(default_factory=dict)  # gap of every evaluated subset ("" = none)
+
+
+class KLResult(BaseModel):
+    """What `graphdiff kl` writes to DIR/kl.json."""
+
+    schema_version: int = SCHEMA_VERSION
+    kind: Literal["graphdiff.kl"] = "graphdiff.kl"
+    model: str
+    architecture: str
+    engine: str = "vllm"
+    versions: dict[str, str] = Field(default_factory=dict)
+    seed: int
+    temperature: float
+    max_tokens: int
+    prompts: int
+    method: str  # exactly how each side's log-probs are computed
+    measurements: list[KLMeasurement]
+    attribution: Attribution | None = None
+    manifest: str | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+    reproduce: str = ""
+    notes: list[str] = Field(default_factory=list)

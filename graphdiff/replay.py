@@ -22,6 +22,19 @@ import torch.fx
 from graphdiff.model import Node
 
 LOW = (torch.bfloat16, torch.float16)
+# Ops that only move or select data: exact in any dtype, so they run in the input dtype and their
+# output is upcast (upcasting a whole embedding table to FP32 first would cost gigabytes).
+DATA_MOVEMENT = {
+    "embedding", "index", "index_select", "gather", "select", "slice", "split", "split_with_sizes", "getitem",
+    "view", "reshape", "_unsafe_view", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze", "cat",
+    "clone", "alias", "contiguous", "as_strided", "unbind", "chunk", "narrow",
+}
+
+
+def op_name(target: str) -> str:
+    """"aten.mul.Tensor" -> "mul"; "getitem" -> "getitem"."""
+    parts = target.split(".")
+    return parts[1] if len(parts) >= 2 else parts[0]
 
 
 def resolve_target(name: str) -> Any:
@@ -103,6 +116,8 @@ class RoundingInterpreter(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op != "call_function" or self.plan == "eager":
             out = super().run_node(n)
+        elif op_name(str(n.target)) in DATA_MOVEMENT:
+            out = torch.fx.node.map_aggregate(super().run_node(n), self._up)
         else:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             args = torch.fx.node.map_aggregate(args, self._up)

@@ -52,8 +52,8 @@ def load_scan(scan_dir: Path) -> tuple[ScanResult, Capture | None, Capture | Non
 
 
 def find_region(scan: ScanResult, name: str) -> Region:
-    exact = [r for r in scan.regions if r.name == name]
-    close = exact or [r for r in scan.regions if name in r.name]
+    close = [r for r in scan.regions if r.name == name] or [r for r in scan.regions if r.name.endswith(name)] \
+        or [r for r in scan.regions if name in r.name]
     if len(close) == 1:
         return close[0]
     names = ", ".join(r.name for r in scan.regions)
@@ -77,11 +77,16 @@ def figure_layers(scan: ScanResult, region: Region) -> list[int | None]:
     return [*region.layers[:1], *region.differing_layers][:MAX_FIGURES]
 
 
+def layer_sites(scan: ScanResult, region: Region, layer: int | None) -> list[Site]:
+    """A region's sites in one layer, in region order (which is also their S1, S2, ... badge order)."""
+    by_id = {s.id: s for s in scan.sites}
+    return [by_id[i] for i in region.sites if i in by_id and by_id[i].layer == layer]
+
+
 def region_dot(scan: ScanResult, train: Capture | None, engine: Capture | None, region: Region,
                layer: int | None = None, prefix: str = "") -> str:
     layer = figure_layers(scan, region)[0] if layer is None and region.layers else layer
-    ids = set(region.sites)
-    sites = [s for s in scan.sites if s.id in ids and s.layer == layer]
+    sites = layer_sites(scan, region, layer)
     tg, eg = _pick_graphs(train, engine, sites)
     title = f"{region.name} (layer {layer})" if layer is not None else region.name
     return rg.region_dot(tg, eg, sites, title, prefix)
@@ -95,7 +100,7 @@ def layer_dot(scan: ScanResult, train: Capture | None, engine: Capture | None, l
     if not extra_t and not extra_e:
         raise GraphdiffError(f"no nodes of layer {layer} in the captured graphs (scanned layers: "
                              f"{sorted({s.layer for s in scan.sites if s.layer is not None})})")
-    return rg.region_dot(tg, eg, sites, f"layer {layer}", f"layer{layer}-", extra_t, extra_e, limit=100_000)
+    return rg.region_dot(tg, eg, sites, f"layer {layer}", f"layer{layer}_", extra_t, extra_e, limit=100_000)
 
 
 def model_explorer(scan: ScanResult, train: Capture | None, engine: Capture | None) -> dict[str, dict]:
@@ -138,67 +143,77 @@ def short_path(file: str) -> str:
     return file.split("site-packages/")[-1]
 
 
-def _kl_view(kl: dict | None) -> tuple[list[tuple[str, object]], list[tuple[str, list[tuple[str, float]]]], dict]:
-    """Split a `kl` result generically: (scalar numbers, bar charts of {name: number}, the rest)."""
-    scalars: list[tuple[str, object]] = []
-    charts: list[tuple[str, list[tuple[str, float]]]] = []
-    rest: dict = {}
+KL_RUN = ("prompts", "max_tokens", "temperature", "seed", "method")  # how the gap was measured
+KL_SKIP = {"schema_version", "kind", "model", "architecture", "engine", "versions", "timings", "reproduce", "notes"}
 
-    def num(v: object) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-    for key, value in (kl or {}).items():
-        if num(value) or isinstance(value, (str, bool)):
-            scalars.append((key, value))
-        elif isinstance(value, dict) and value and all(num(v) for v in value.values()):
+def _num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def kl_view(kl: dict | None) -> dict:
+    """Lay out a `kl` result: the KLResult shape (measurements, Shapley attribution) where present,
+    anything else generically: numbers as cards, {name: number} dicts as bar charts, the rest as JSON."""
+    view: dict = {"cards": [], "measurements": [], "charts": [], "run": "", "rest": {}}
+    kl = dict(kl or {})
+    meas = kl.pop("measurements", None)
+    if isinstance(meas, list) and all(isinstance(m, dict) and "k1" in m for m in meas):
+        view["measurements"] = meas
+        for m in meas[:4]:
+            what = "unpatched" if m.get("regions") is None else f"{len(m['regions'])} regions patched"
+            view["cards"].append((f"KL k1 · {m.get('engine_mode')} engine vs {m.get('trainer_mode')} trainer, {what}",
+                                  m["k1"]))
+    elif meas is not None:
+        kl["measurements"] = meas
+    att = kl.pop("attribution", None)
+    if isinstance(att, dict) and isinstance(att.get("values"), list):
+        vals = [v for v in att["values"] if isinstance(v, dict) and _num(v.get("value"))]
+        items = sorted(((v["region"], v["value"]) for v in vals), key=lambda kv: -abs(kv[1]))
+        errors = {v["region"]: (v["ci_low"], v["ci_high"]) for v in vals if _num(v.get("ci_low"))}
+        note = (f"Shapley values of the {att.get('metric', '')} gap reduction {att.get('reduction', 0):.4g} "
+                f"({att.get('baseline', 0):.4g} → {att.get('aligned', 0):.4g}, {att.get('method', '')}); "
+                f"bars show {att.get('confidence', 0.95):.0%} bootstrap intervals.")
+        if att.get("minimal_set") is not None:
+            note += f" Minimal set: {', '.join(att['minimal_set']) or '(none)'}."
+        view["charts"].append(("shapley", items, errors, note))
+    elif att is not None:
+        kl["attribution"] = att
+    view["run"] = " · ".join(f"{k.replace('_', ' ')} {kl.pop(k)}" for k in KL_RUN if k in kl)
+    for key, value in kl.items():
+        if key in KL_SKIP:
+            continue
+        if _num(value) or isinstance(value, (str, bool)):
+            view["cards"].append((key.replace("_", " "), value))
+        elif isinstance(value, dict) and value and all(_num(v) for v in value.values()):
             if key in ("shapley", "nonuniformity") or len(value) > 4:
-                charts.append((key, sorted(value.items(), key=lambda kv: -abs(kv[1]))))
+                view["charts"].append((key, sorted(value.items(), key=lambda kv: -abs(kv[1])), {}, ""))
             else:
-                scalars += [(f"{key} · {k}", v) for k, v in value.items()]
-        else:
-            rest[key] = value
-    return scalars, charts, rest
+                view["cards"] += [(f"{key} · {k}".replace("_", " "), v) for k, v in value.items()]
+        elif value is not None:
+            view["rest"][key] = value
+    view["rest"] = json.dumps(view["rest"], indent=1) if view["rest"] else ""
+    return view
 
 
-def bar_chart(items: list[tuple[str, float]], color: str, width: int = 760) -> Markup:
-    """A horizontal bar chart as inline SVG; negative values grow left of the zero line."""
-    label_w, value_w, row = 300, 80, 22
-    lo, hi = min(0.0, *(v for _, v in items)), max(0.0, *(v for _, v in items))
-    span = (hi - lo) or 1.0
-    plot = width - label_w - value_w
-    zero = label_w + plot * (-lo / span)
-    parts = [f'<svg class="chart" viewBox="0 0 {width} {row * len(items) + 8}" width="{width}" role="img">',
-             f'<line x1="{zero:.1f}" x2="{zero:.1f}" y1="0" y2="{row * len(items) + 4}" class="axis"/>']
-    for i, (name, v) in enumerate(items):
-        y = 4 + i * row
-        x0, x1 = sorted((zero, zero + plot * v / span))
-        label = name if len(name) <= 44 else name[:20] + "…" + name[-23:]
-        parts.append(f'<g><title>{Markup.escape(name)}: {v:.6g}</title>'
-                     f'<text x="{label_w - 8}" y="{y + 15}" text-anchor="end">{Markup.escape(label)}</text>'
-                     f'<rect x="{x0:.1f}" y="{y + 3}" width="{max(x1 - x0, 1):.1f}" height="{row - 8}" rx="2" '
-                     f'fill="{color}"/><text x="{max(x1, zero) + 6:.1f}" y="{y + 15}" class="val">{v:.4g}</text></g>')
-    parts.append("</svg>")
-    return Markup("".join(parts))
+_KERNEL = re.compile(r"\b(?:cpp|triton)_\w{36,}")
 
 
-def meter(frac: float, color: str) -> Markup:
-    """A small inline bar for a fraction in [0, 1]."""
-    w = max(0.0, min(1.0, frac)) * 120
-    return Markup(f'<svg class="meter" width="120" height="10" viewBox="0 0 120 10"><rect width="120" height="10" '
-                  f'rx="2" fill="#e8eaed"/><rect width="{w:.1f}" height="10" rx="2" fill="{color}"/></svg>')
+def abbrev(text: str) -> Markup:
+    """Long Inductor kernel names shortened (the full name on hover and in the kernels section)."""
+    return Markup(_KERNEL.sub(lambda m: f'<span title="{m.group(0)}">{m.group(0)[:20]}…{m.group(0)[-12:]}</span>',
+                              str(Markup.escape(text))))
 
 
-def _figures(scan: ScanResult, train: Capture | None, engine: Capture | None, region: Region, idx: int,
-             sites: list[Site]) -> tuple[list[dict], dict[str, str]]:
+def _figures(scan: ScanResult, train: Capture | None, engine: Capture | None, region: Region,
+             idx: int) -> tuple[list[dict], dict[str, str]]:
     """Pictures for a region, and each site's badge (S1, S2, ... in the picture of its layer)."""
     figs, badges = [], {}
     if not (train or engine):
         return figs, badges
     for layer in figure_layers(scan, region):
-        prefix = f"r{idx}-L{layer}-"
+        prefix = f"r{idx}L{layer}_"
         src = region_dot(scan, train, engine, region, layer, prefix)
-        drawn = [s for s in sites if s.layer == layer]
-        badges |= {s.id: f"S{i + 1}" for i, s in enumerate(drawn)}
+        badges |= {s.id: f"S{i + 1}" for i, s in enumerate(layer_sites(scan, region, layer))}
         figs.append({"layer": layer, "dot": src, "svg": Markup(rg.render_svg(src) or ""), "prefix": prefix})
     return figs, badges
 
@@ -206,7 +221,7 @@ def _figures(scan: ScanResult, train: Capture | None, engine: Capture | None, re
 def _node_ids(fig_prefix: str | None, s: Site) -> str:
     if fig_prefix is None:
         return ""
-    ids = [f"{fig_prefix}t-{s.train.node}"] + ([f"{fig_prefix}e-{s.engine.node}"] if s.engine and s.engine.node else [])
+    ids = [f"{fig_prefix}t_{s.train.node}"] + ([f"{fig_prefix}e_{s.engine.node}"] if s.engine and s.engine.node else [])
     return " ".join(ids)
 
 
@@ -228,13 +243,13 @@ def html_context(scan: ScanResult, train: Capture | None, engine: Capture | None
     replay = defaultdict(list)
     for r in scan.replay:
         replay[r.kernel.split(":")[0]].append(r)
-    used: set[str] = set()
+    used = {"summary", "regions", "attribution", "details", "kernels", "coverage"}  # the page's own anchors
     regions = []
     for idx, region in enumerate(scan.regions):
         if only is not None and region.name != only.name:
             continue
         members = [sites[i] for i in region.sites if i in sites]
-        figs, badges = _figures(scan, train, engine, region, idx, members)
+        figs, badges = _figures(scan, train, engine, region, idx)
         prefix_of = {f["layer"]: f["prefix"] for f in figs}
         reps = [r for k in region.kernels for r in replay.get(k, [])]
         regions.append({
@@ -247,21 +262,21 @@ def html_context(scan: ScanResult, train: Capture | None, engine: Capture | None
             "naive": max((r.naive_bitexact for r in reps), default=None),
         })
     ok = [r for r in scan.replay if not r.error]
-    scalars, charts, rest = _kl_view(scan.kl)
+    kl = kl_view(scan.kl)
     region_slugs = {x["r"].name: x["slug"] for x in regions}
     kernels = _kernels(engine, scan, region_slugs)
     return {
-        "scan": scan, "regions": regions, "kernels": kernels, "meter": meter,
+        "scan": scan, "regions": regions, "kernels": kernels, "meter": rg.meter, "abbrev": abbrev,
         "colors": {"train": rg.TRAIN_COLOR, "engine": rg.ENGINE_COLOR},
         "counts": {"train": sum(s.rounded_on == "train" for s in scan.sites),
                    "engine": sum(s.rounded_on == "engine" for s in scan.sites)},
         "replay_min": min((r.predicted_bitexact for r in ok), default=None),
         "naive_max": max((r.naive_bitexact for r in ok), default=None),
-        "kl_scalars": scalars, "kl_rest": json.dumps(rest, indent=1) if rest else "",
-        "kl_charts": [(k, bar_chart(v, rg.TRAIN_COLOR if k == "shapley" else "#5f6368"), region_slugs)
-                      for k, v in charts],
+        "kl": kl, "kl_charts": [(k, rg.bar_chart(v, "#1a73e8" if k == "shapley" else "#5f6368", region_slugs, errors),
+                                 note) for k, v, errors, note in kl["charts"]],
         "has_captures": bool(train or engine), "has_dot": rg.dot_binary() is not None,
-        "short_path": short_path, "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "fmt_layers": lambda ls: ", ".join("–" if x is None else str(x) for x in ls),
+        "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
 

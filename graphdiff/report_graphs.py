@@ -14,8 +14,10 @@ import html
 import re
 import shutil
 from collections import defaultdict
+from collections.abc import Sequence
 
 import graphviz
+from markupsafe import Markup
 
 from graphdiff.model import Graph, Node, Site
 
@@ -188,7 +190,7 @@ def _label(n: Node, inputs: dict[str, str], badge: str, note: str) -> str:
     else:
         title = op_name(n.target)
     head = f"{badge} · {title}" if badge else title
-    meta = " · ".join(x for x in (n.name, _DT.get(n.dtype or "", n.dtype or ""), _shape(n)) if x)
+    meta = " · ".join(x for x in (n.name, _DT.get(n.dtype or "", n.dtype or "")) if x)  # shape: in the tooltip
     rows = [f"<B>{html.escape(head)}</B>", f'<FONT POINT-SIZE="8" COLOR="#5f6368">{html.escape(meta)}</FONT>']
     if note:
         rows.append(f'<FONT POINT-SIZE="8"><I>{html.escape(note)}</I></FONT>')
@@ -198,7 +200,8 @@ def _label(n: Node, inputs: dict[str, str], badge: str, note: str) -> str:
 def _tooltip(n: Node) -> str:
     src = n.source
     where = f"{src.file.split('site-packages/')[-1]}:{src.line}  {src.code}" if src else ""
-    return f"{n.name} = {n.target}({n.args})" + (f"\n{where}" if where else "")
+    shape = f"  [{_shape(n)}] {n.dtype}" if n.shape is not None else ""
+    return f"{n.name} = {n.target}({n.args}){shape}" + (f"\n{where}" if where else "")
 
 
 def _add_nodes(g: graphviz.Digraph, graph: Graph, names: list[str], side: str, prefix: str,
@@ -207,7 +210,7 @@ def _add_nodes(g: graphviz.Digraph, graph: Graph, names: list[str], side: str, p
     nodes = graph.node_map()
     for name in names:
         n = nodes[name]
-        attrs = {"id": f"{prefix}{side[0]}-{name}", "tooltip": _tooltip(n)}
+        attrs = {"id": f"{prefix}{side[0]}_{name}", "tooltip": _tooltip(n)}
         badge, note = "", ""
         if name in marks:
             badge, rounding, here = marks[name]
@@ -222,32 +225,40 @@ def _add_nodes(g: graphviz.Digraph, graph: Graph, names: list[str], side: str, p
         g.node(_id(side, name), _label(n, graph.inputs, badge, note), **attrs)
 
 
-def region_dot(train: Graph | None, engine: Graph | None, sites: list[Site], title: str, prefix: str = "",
-               extra_train: list[str] = (), extra_engine: list[str] = (), limit: int = MAX_NODES) -> str:
-    """DOT source of both graphs around `sites` (plus extra seed nodes, e.g. a whole layer)."""
-    badges = {s.id: f"S{i + 1}" for i, s in enumerate(sites)}
-    tmarks: dict[str, tuple[str, str, bool]] = {}
-    emarks: dict[str, tuple[str, str, bool]] = {}
-    links: list[tuple[str, str, str, str]] = []  # train node, engine node, badge, rounding side
-    anchors: dict[str, list[str]] = defaultdict(list)  # kernel id -> stand-in nodes of unmatched sites
-    enodes = engine.node_map() if engine else {}
+def _engine_side(engine: Graph, sites: list[Site]) -> tuple[dict[str, list[str]], list[str]]:
+    """Stand-in engine nodes per unmatched site id, and the engine nodes of matched sites."""
+    enodes = engine.node_map()
     taken = {s.engine.node for s in sites if s.engine and s.engine.node}
-    for s in sites:
-        b = badges[s.id]
-        tmarks[s.train.node] = (b, s.rounded_on, s.rounded_on == "train")
-        if s.engine and s.engine.node in enodes:
-            emarks[s.engine.node] = (b, s.rounded_on, s.rounded_on == "engine")
-            links.append((s.train.node, s.engine.node, b, s.rounded_on))
-        elif engine is not None and s.engine and s.engine.kernel:
-            anchors[s.engine.kernel] += stand_ins(engine, s, taken)
-            links.append((s.train.node, "", b, s.rounded_on))
+    stand = {s.id: stand_ins(engine, s, taken) for s in sites
+             if s.engine and s.engine.node not in enodes and s.engine.kernel}
+    return stand, [s.engine.node for s in sites if s.engine and s.engine.node in enodes]
+
+
+def region_dot(train: Graph | None, engine: Graph | None, sites: list[Site], title: str, prefix: str = "",
+               extra_train: Sequence[str] = (), extra_engine: Sequence[str] = (), limit: int = MAX_NODES) -> str:
+    """DOT source of both graphs around `sites` (plus extra seed nodes, e.g. a whole layer).
+    Sites are badged S1, S2, ... in the order given."""
+    badges = {s.id: f"S{i + 1}" for i, s in enumerate(sites)}
+    tmarks = {s.train.node: (badges[s.id], s.rounded_on, s.rounded_on == "train") for s in sites}
+    enodes = engine.node_map() if engine else {}
+    emarks = {s.engine.node: (badges[s.id], s.rounded_on, s.rounded_on == "engine")
+              for s in sites if s.engine and s.engine.node in enodes}
     hops = 0 if extra_train or extra_engine else HOPS
     tnames = neighbourhood(train, [*tmarks, *extra_train], hops, limit) if train else []
-    eseeds = [*emarks, *(n for ns in anchors.values() for n in ns), *extra_engine]
-    enames = neighbourhood(engine, eseeds, hops, limit) if engine else []
+    stand: dict[str, list[str]] = {}
+    enames: list[str] = []
+    if engine:  # a stand-in stretch gets one hop only: the site has no engine node of its own
+        stand, matched = _engine_side(engine, sites)
+        near = neighbourhood(engine, [*matched, *extra_engine], hops, limit)
+        stretch = neighbourhood(engine, [n for ns in stand.values() for n in ns], min(hops, 1), limit)
+        order = {n.name: i for i, n in enumerate(engine.nodes)}
+        enames = sorted(set(near) | set(stretch), key=order.__getitem__)
+    fused = [k for k in dict.fromkeys(enodes[n].kernel for n in enames)
+             if k and not k.startswith(("torch.ops", "extern"))]
+    clusters = {kid: f"cluster_k{i}" for i, kid in enumerate(fused)}
 
-    g = graphviz.Digraph(name=prefix.strip("-") or "region", comment=title)
-    g.attr("graph", rankdir="TB", compound="true", newrank="true", fontname=FONT, fontsize="11", nodesep="0.18",
+    g = graphviz.Digraph(name=prefix.strip("_") or "region", comment=title)
+    g.attr("graph", rankdir="TB", compound="true", newrank="true", fontname=FONT, fontsize="11", nodesep="0.14",
            ranksep="0.28", tooltip=title, bgcolor="transparent")
     g.attr("node", shape="box", style="rounded,filled", fillcolor="#ffffff", color="#9aa0a6", fontname=FONT,
            fontsize="10", margin="0.08,0.03", height="0.3")
@@ -262,35 +273,26 @@ def region_dot(train: Graph | None, engine: Graph | None, sites: list[Site], tit
         with g.subgraph(name="cluster_engine") as c:
             c.attr(label="engine (compiled)", color=ENGINE_COLOR, fontcolor=ENGINE_COLOR, style="rounded",
                    penwidth="1.5")
-            by_kernel: dict[str | None, list[str]] = defaultdict(list)
-            for name in enames:
-                k = enodes[name].kernel
-                by_kernel[k if k and not k.startswith(("torch.ops", "extern")) else None].append(name)
-            _add_nodes(c, engine, by_kernel.pop(None, []), "engine", prefix, emarks)
-            for i, (kid, names) in enumerate(by_kernel.items()):
-                with c.subgraph(name=f"cluster_k{i}") as kc:
+            _add_nodes(c, engine, [n for n in enames if enodes[n].kernel not in clusters], "engine", prefix, emarks)
+            for kid, cname in clusters.items():
+                with c.subgraph(name=cname) as kc:
                     kname, _, call = kid.partition(":")
                     kc.attr(label=f"{_short(kname)}  (call {call})", tooltip=kid, style="rounded,filled",
-                            fillcolor="#f3f7fe", color="#a8c7fa", fontcolor="#174ea6", fontsize="9", id=f"{prefix}k{i}")
-                    _add_nodes(kc, engine, names, "engine", prefix, emarks)
+                            fillcolor="#f3f7fe", color="#a8c7fa", fontcolor="#174ea6", fontsize="9",
+                            id=f"{prefix}{cname}")
+                    _add_nodes(kc, engine, [n for n in enames if enodes[n].kernel == kid], "engine", prefix, emarks)
         _add_edges(g, engine, enames, "engine")
-    kernel_cluster = {kid: f"cluster_k{i}" for i, kid in enumerate(k for k in dict.fromkeys(
-        enodes[n].kernel for n in enames) if k and not k.startswith(("torch.ops", "extern")))}
-    for t, e, b, side in links:
-        color = SIDE_COLORS[side][0]
-        if t not in tnames:
+    link = {"style": "dashed", "dir": "none", "constraint": "false", "fontsize": "9", "fontname": FONT}
+    for s in sites:  # join each site's two values across the clusters
+        color, b = SIDE_COLORS[s.rounded_on][0], badges[s.id]
+        if s.train.node not in tnames:
             continue
-        if e:
-            if e in enames:
-                g.edge(_id("train", t), _id("engine", e), style="dashed", color=color, dir="none", constraint="false",
-                       label=b, fontcolor=color, fontsize="9", fontname=FONT)
-            continue
-        site = next(s for s in sites if badges[s.id] == b)
-        target = next((n for n in anchors.get(site.engine.kernel, []) if n in enames), None)
-        if target:
-            g.edge(_id("train", t), _id("engine", target), style="dashed", color=color, dir="none", constraint="false",
-                   label=f"{b}: inside kernel", fontcolor=color, fontsize="9", fontname=FONT,
-                   lhead=kernel_cluster.get(site.engine.kernel, ""))
+        if s.engine and s.engine.node in enames:
+            g.edge(_id("train", s.train.node), _id("engine", s.engine.node), label=b, color=color, fontcolor=color,
+                   **link)
+        elif target := next((n for n in stand.get(s.id, []) if n in enames), None):
+            g.edge(_id("train", s.train.node), _id("engine", target), label=f"{b}: inside kernel", color=color,
+                   fontcolor=color, lhead=clusters.get(enodes[target].kernel, ""), **link)
     return g.source
 
 
@@ -320,3 +322,49 @@ def render_svg(dot_source: str, inline: bool = True) -> str | None:
     svg = svg[svg.index("<svg"):]
     return re.sub(r'<svg width="([\d.]+)pt" height="([\d.]+)pt"',
                   r'<svg class="dataflow" width="\1pt" height="\2pt"', svg, count=1)
+
+
+# --- charts ---------------------------------------------------------------------------------------
+
+def bar_chart(items: list[tuple[str, float]], color: str, links: dict[str, str] | None = None,
+              errors: dict[str, tuple[float, float]] | None = None, width: int = 760) -> Markup:
+    """A horizontal bar chart as inline SVG: negative values grow left of the zero line, optional
+    error bars (confidence intervals), and labels that name a region link to its section."""
+    label_w, value_w, row = 300, 80, 22
+    errors = errors or {}
+    ends = [v for _, v in items] + [x for lo_hi in errors.values() for x in lo_hi]
+    lo, hi = min(0.0, *ends), max(0.0, *ends)
+    span = (hi - lo) or 1.0
+    plot = width - label_w - value_w
+
+    def x(v: float) -> float:
+        return label_w + plot * (v - lo) / span
+
+    parts = [f'<svg class="chart" viewBox="0 0 {width} {row * len(items) + 8}" width="{width}" role="img">',
+             f'<line x1="{x(0):.1f}" x2="{x(0):.1f}" y1="0" y2="{row * len(items) + 4}" class="axis"/>']
+    for i, (name, v) in enumerate(items):
+        y = 4 + i * row
+        x0, x1 = sorted((x(0), x(v)))
+        label = name if len(name) <= 44 else name[:20] + "…" + name[-23:]
+        text = f'<text x="{label_w - 8}" y="{y + 15}" text-anchor="end">{Markup.escape(label)}</text>'
+        if links and name in links:
+            text = f'<a href="#{links[name]}">{text}</a>'
+        tip = f"{v:.6g}" + (" [{:.4g}, {:.4g}]".format(*errors[name]) if name in errors else "")
+        bar = f'<rect x="{x0:.1f}" y="{y + 3}" width="{max(x1 - x0, 1):.1f}" height="{row - 8}" rx="2" fill="{color}"/>'
+        right = max(x1, x(0))
+        if name in errors:
+            e0, e1 = x(errors[name][0]), x(errors[name][1])
+            bar += (f'<path d="M{e0:.1f} {y + 11}H{e1:.1f}M{e0:.1f} {y + 7}V{y + 15}M{e1:.1f} {y + 7}V{y + 15}" '
+                    f'class="err"/>')
+            right = max(right, e1)
+        parts.append(f'<g><title>{Markup.escape(name)}: {tip}</title>{text}{bar}'
+                     f'<text x="{right + 6:.1f}" y="{y + 15}" class="val">{v:.4g}</text></g>')
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def meter(frac: float, color: str) -> Markup:
+    """A small inline bar for a fraction in [0, 1]."""
+    w = max(0.0, min(1.0, frac)) * 120
+    return Markup(f'<svg class="meter" width="120" height="10" viewBox="0 0 120 10"><rect width="120" height="10" '
+                  f'rx="2" fill="#e8eaed"/><rect width="{w:.1f}" height="10" rx="2" fill="{color}"/></svg>')

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from graphdiff.model import Graph, Kernel, Node
-from graphdiff.replay import LOW, bits_equal_fraction, run_fragment, to_dtype
+from graphdiff.replay import DATA_MOVEMENT, LOW, bits_equal_fraction, op_name, run_fragment, to_dtype
 
 # Ops that move or reinterpret data without computing (no rounding can happen in them).
 VIEW_OPS = {
@@ -33,11 +33,6 @@ VIEW_OPS = {
 }
 MAX_PERMUTATIONS = 120
 
-
-def op_name(target: str) -> str:
-    """"aten.mul.Tensor" -> "mul"; "getitem" -> "getitem"."""
-    parts = target.split(".")
-    return parts[1] if len(parts) >= 2 else parts[0]
 
 
 def is_view(node: Node) -> bool:
@@ -146,6 +141,16 @@ def _score(run_vals: dict[str, Any], outputs: dict[str, str], record: dict[str, 
     return (good / total if total else 0.0), total
 
 
+def _closeness(pred: torch.Tensor, real: torch.Tensor) -> float:
+    """Higher is closer: bit agreement for low-precision stores, -relative error for FP32 ones."""
+    if pred.numel() != real.numel():
+        return float("-inf")
+    if real.dtype in LOW:
+        return bits_equal_fraction(pred, real)
+    diff = (pred.double().reshape(-1) - real.double().reshape(-1)).norm()
+    return -float(diff / real.double().norm().clamp_min(1e-30))
+
+
 def _fp32_error(run_vals: dict[str, Any], outputs: dict[str, str], record: dict[str, Any]) -> float:
     worst = 0.0
     for buf, node in outputs.items():
@@ -182,7 +187,11 @@ def replay_kernel(graph: Graph, k: Kernel, record: dict[str, Any], known: dict[s
     # Outputs: stored buffers and the fragment values they hold.
     users_outside = {i for n in graph.nodes if n.name not in frag_names for i in n.inputs}
     sinks = [n.name for n in frag if n.name in users_outside and not is_view(n)]
-    outputs = {a.name: a.node for a in k.args if a.role in ("out", "inout") and a.node in frag_names}
+    # Stores the capture names a node for (buffers whose size disagrees hold a part of it, e.g. one
+    # input of a concatenation written in place; those are placed by value below, or left out).
+    outputs = {a.name: a.node for a in k.args if a.role in ("out", "inout") and a.node in frag_names
+               and isinstance(record["out"].get(a.name), torch.Tensor)
+               and _numel(nodes[a.node].shape, syms) == record["out"][a.name].numel()}
     open_bufs = [a.name for a in k.args if a.role in ("out", "inout") and a.name not in outputs
                  and a.name in record["out"]]
 
@@ -198,22 +207,24 @@ def replay_kernel(graph: Graph, k: Kernel, record: dict[str, Any], known: dict[s
         return found or [None]  # a buffer we cannot place is left out of the comparison
 
     in_options = [candidates_in(e) for e in loose]
-    out_options = [candidates_out(b) for b in open_bufs]
     best: tuple[float, dict, dict, dict] | None = None
-    combos = itertools.islice(
-        itertools.product(itertools.product(*in_options), itertools.product(*out_options)), MAX_PERMUTATIONS)
     error = "inputs could not be resolved"
-    for ins, outs in combos:
-        placed = [o for o in outs if o is not None]
-        if len(set(ins)) != len(ins) or len(set(placed)) != len(placed):
+    # Only the input assignment changes the computation; outputs are placed after each run.
+    for ins in itertools.islice(itertools.product(*in_options), MAX_PERMUTATIONS):
+        if len(set(ins)) != len(ins):
             continue
         trial_inputs = {**inputs, **{e: record["in"][b] for e, b in zip(loose, ins)}}
-        trial_outputs = {**outputs, **{b: o for b, o in zip(open_bufs, outs) if o is not None}}
         run = run_fragment(frag, {e: trial_inputs[e] for e in external if e in trial_inputs}, declared, "fp32",
                            syms, compute=compute)
         if not run.ok:
             error = run.error
             continue
+        trial_outputs = dict(outputs)
+        for b in open_bufs:
+            options = [c for c in candidates_out(b) if c is not None and c not in trial_outputs.values()
+                       and isinstance(run.values.get(c), torch.Tensor)]
+            if options:
+                trial_outputs[b] = max(options, key=lambda c: _closeness(run.values[c], record["out"][b]))
         score, _ = _score(run.values, trial_outputs, record)
         if best is None or score > best[0]:
             best = (score, trial_inputs, trial_outputs, run.values)
@@ -348,8 +359,8 @@ def train_rounding(gm: torch.fx.GraphModule, values: dict[str, Any]) -> dict[str
             out = values.get(n.name)
             if n.op != "call_function" or not isinstance(out, torch.Tensor) or out.dtype not in LOW:
                 continue
-            if op_name(str(n.target)) in VIEW_OPS:
-                continue
+            if op_name(str(n.target)) in VIEW_OPS | DATA_MOVEMENT:
+                continue  # moves data, cannot round (and re-running a gather in FP32 upcasts a whole table)
 
             def up(x: Any) -> Any:
                 if isinstance(x, torch.fx.Node):

@@ -63,16 +63,27 @@ def analyze(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide, *, m
     tgraph = train.capture.graphs[0]
     sites, replay, unmatched_k = [], [], []
     matched, unmatched_all = 0, set(n.name for n in tgraph.nodes)
+    timings: dict[str, float] = {}
+
+    def lap(name: str, since: float) -> float:
+        now = time.perf_counter()
+        timings[name] = round(timings.get(name, 0.0) + now - since, 3)
+        return now
+
     for egraph in engine_cap.graphs:
+        t = time.perf_counter()
         er = engine_rounding(egraph, buffers)
+        t = lap("replay_s", t)
         replay += [KernelEvidence(kernel=r.kernel, predicted_bitexact=round(r.predicted_bitexact, 6),
                                   naive_bitexact=round(r.naive_bitexact, 6), elements=r.elements,
                                   fp32_max_rel_error=r.fp32_max_rel_error, explicit_roundings=r.explicit,
                                   error=r.error) for r in er.replays]
         matches, unmatched = match_values(tgraph, train.values, egraph, er.values)
+        t = lap("match_s", t)
         matched += len(matches)
         unmatched_all &= set(unmatched)
         sites += find_sites(tgraph, train.values, train.rounded, egraph, er, matches, unmatched)
+        lap("sites_s", t)
         used = {m.engine for m in matches}
         unmatched_k += [k.id for k in egraph.kernels if k.kind == "generated" and not (set(k.nodes) & used)]
     regions = group_regions(sites)
@@ -84,7 +95,7 @@ def analyze(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide, *, m
         prompt_tokens=engine_cap.prompt_tokens, sites=sites, regions=regions, replay=replay, matched=matched,
         unmatched_train=[n for n in (x.name for x in tgraph.nodes) if n in unmatched_all
                          and tgraph.node_map()[n].op == "call_function"][:500],
-        unmatched_engine_kernels=unmatched_k, timings={"analysis_s": round(time.perf_counter() - t0, 3)},
+        unmatched_engine_kernels=unmatched_k, timings={"analysis_s": round(time.perf_counter() - t0, 3), **timings},
         reproduce=reproduce, notes=notes or [],
     )
 
@@ -114,12 +125,13 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, work_dir: Pa
     t_engine = time.perf_counter()
     progress("tracing the trainer's eager forward")
     train = run_train_side(resolved.path, prompt)
+    t_train = time.perf_counter()
     progress("replaying kernels, matching values, finding sites")
     reproduce = "graphdiff " + shlex.join(argv) if argv else f"graphdiff scan {shlex.quote(spec)} --engine vllm"
     result = analyze(run.capture, run.buffers, train, model=spec, layers_total=_published_layers(spec, total),
                      config=config, reproduce=reproduce, notes=notes)
     result.timings.update(engine_startup_s=round(run.startup_s, 3), wall_s=round(time.perf_counter() - t_start, 3),
-                          engine_total_s=round(t_engine - t_start, 3))
+                          engine_total_s=round(t_engine - t_start, 3), train_s=round(t_train - t_engine, 3))
     run.train = train  # the caller may persist both captures beside the result
     if not result.sites and not result.replay:
         raise GraphdiffError("the engine graph had no generated kernels to compare (is compile disabled?)")

@@ -87,11 +87,28 @@ def users_of(graph: Graph) -> dict[str, list[str]]:
     return users
 
 
+def _low(dtype: str | None) -> bool:
+    return dtype in ("bfloat16", "float16")
+
+
 def _representable(v: object) -> bool:
     """Does this value already sit on the BF16 grid (was it rounded here or upstream)?"""
     if not isinstance(v, torch.Tensor) or not v.is_floating_point():
         return False
     return v.dtype in LOW or torch.equal(v.to(torch.bfloat16).to(v.dtype), v)
+
+
+def _same_value_chain(graph: Graph, start: str) -> list[str]:
+    users = users_of(graph)
+    nodes = graph.node_map()
+    chain, frontier = [start], [start]
+    while frontier:
+        nxt = [u for n in frontier for u in users.get(n, [])
+               if is_view(nodes[u]) or op_name(nodes[u].target) in ("convert_element_type", "_to_copy")]
+        nxt = [u for u in nxt if u not in chain]
+        chain += nxt
+        frontier = nxt
+    return chain
 
 
 def _engine_state(e: str, engine: Graph, er: EngineRounding) -> tuple[bool, bool, str]:
@@ -101,8 +118,11 @@ def _engine_state(e: str, engine: Graph, er: EngineRounding) -> tuple[bool, bool
     while is_view(nodes[base]) and nodes[base].inputs:
         base = nodes[base].inputs[0]
     kernel = nodes[base].kernel
-    if base in er.rounded:
-        return True, True, f"rounded: {er.rounded[base]}"
+    # The value is rounded right after it is computed if it, or a cast/view of it that carries the
+    # same value, is what a kernel stores in low precision.
+    for same in _same_value_chain(engine, base):
+        if same in er.rounded:
+            return True, True, f"rounded: {er.rounded[same]}"
     if _representable(er.values.get(e)):
         return True, False, "already on the BF16 grid here (loaded or rounded upstream)"
     return False, False, f"FP32 in {kernel.split(':')[0]}" if kernel else "not rounded"
@@ -132,12 +152,12 @@ def _nearest_matched(graph: Graph, start: str, users: dict[str, list[str]], matc
 def _producing_kernel(engine: Graph, name: str) -> str | None:
     """The generated kernel computing a node, looking through glue (views, aliasing concatenation)."""
     nodes = engine.node_map()
+    generated = {k.id for k in engine.kernels if k.kind == "generated"}
     frontier = [name]
     for _ in range(MAX_HOPS):
         for n in frontier:
-            k = nodes[n].kernel
-            if k and not k.startswith(("torch.ops", "extern_kernels")):
-                return k
+            if nodes[n].kernel in generated:
+                return nodes[n].kernel
         frontier = [i for n in frontier if not nodes[n].kernel for i in nodes[n].inputs]
         if not frontier:
             return None
@@ -146,14 +166,23 @@ def _producing_kernel(engine: Graph, name: str) -> str | None:
 
 def find_sites(train: Graph, train_values: dict[str, object], train_rounded: dict[str, float], engine: Graph,
                er: EngineRounding, matches: list[Match], unmatched: list[str]) -> list[Site]:
-    enodes = engine.node_map()
+    enodes, tnodes = engine.node_map(), train.node_map()
     by_train = {m.train: m for m in matches}
     users = users_of(train)
     kernel_inputs = {k.id: {i for n in k.nodes for i in enodes[n].inputs} for k in engine.kernels}
+    # Graph inputs (weights, activations) anchor in-kernel sites from above like matched values do.
+    by_param = {name: node for node, name in engine.inputs.items()}
+    anchors: dict[str, Match] = dict(by_train)
+    for node, name in train.inputs.items():
+        if name in by_param:
+            anchors[node] = Match(node, by_param[name], 0.0, 1.0, "same graph input")
     sites: list[Site] = []
     for t in train.nodes:
         m = by_train.get(t.name)
         t_rounds = t.name in train_rounded
+        if m is not None and not _low(t.dtype) and any(_low(tnodes[c].dtype) and not is_view(tnodes[c])
+                                                        for c in _same_value_chain(train, t.name)[1:]):
+            continue  # a downcast of this value follows: compare the two sides there, after it
         if m is not None:
             # A site is where exactly one side's value is on the BF16 grid, and that side's op at
             # this node is what put it there (otherwise the site is upstream).
@@ -170,22 +199,19 @@ def find_sites(train: Graph, train_values: dict[str, object], train_rounded: dic
                               evidence=m.evidence))
         elif t.name in unmatched and t_rounds:
             below = _nearest_matched(train, t.name, users, by_train, down=True)
-            above = _nearest_matched(train, t.name, users, by_train, down=False)
+            above = _nearest_matched(train, t.name, users, anchors, down=False)
             if below is None or above is None:
                 continue
             kb = _producing_kernel(engine, by_train[below].engine)
-            ea = by_train[above].engine
-            if kb is None or not kb or kb.startswith("torch.ops") or not (enodes[ea].kernel == kb
-                                                                          or ea in kernel_inputs.get(kb, ())):
+            ea = anchors[above].engine
+            if kb is None or not (enodes[ea].kernel == kb or ea in kernel_inputs.get(kb, ())):
                 continue
             evidence = (f"no engine node computes this value (other decomposition); the engine computes "
-                        f"{by_train[above].engine} -> {by_train[below].engine} inside {kb.split(':')[0]} in FP32 "
-                        f"(replay-verified)")
+                        f"{ea} -> {by_train[below].engine} inside {kb.split(':')[0]} in FP32 (replay-verified)")
             sites.append(Site(id="", region="", kind="", layer=layer_of(t.module), rounded_on="train",
                               train=_ref(t, f"rounded to {t.dtype} (changes {train_rounded[t.name]:.0%})"),
                               engine=SideRef(node="", op="", kernel=kb, how=f"FP32 inside {kb.split(':')[0]}"),
-                              matched=False, confidence=min(by_train[below].confidence,
-                                                                         by_train[above].confidence),
+                              matched=False, confidence=min(by_train[below].confidence, anchors[above].confidence),
                               changed_fraction=train_rounded[t.name], evidence=evidence))
     for s in sites:
         s.kind = classify(train, s.train.node, users)

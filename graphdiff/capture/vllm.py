@@ -165,7 +165,8 @@ def inductor_hooks() -> Iterator[_Hooks]:
 class BufferRecorder:
     """Wraps a compiled module's generated kernels to record one forward's real buffers."""
 
-    def __init__(self, module: ModuleType, calls: list[KernelCall], defs: dict) -> None:
+    def __init__(self, module: ModuleType, calls: list[KernelCall], defs: dict, graph_inputs: set[str]) -> None:
+        self.graph_inputs = graph_inputs  # weights and ids: not written during a forward, kept by reference
         self.records: dict[str, dict[str, Any]] = {}
         self.armed = False
         self._sites: dict[str, list[KernelCall]] = defaultdict(list)
@@ -188,7 +189,9 @@ class BufferRecorder:
             rec: dict[str, Any] = {"in": {}, "out": {}, "scalars": {}}
             for arg, bufname, role in zip(args, site.args, roles):
                 if isinstance(arg, torch.Tensor):
-                    if role in ("in", "inout"):
+                    if role == "in" and bufname in self.graph_inputs:
+                        rec["in"][bufname] = arg.detach()
+                    elif role in ("in", "inout"):
                         rec["in"][bufname] = arg.detach().clone()
                 else:
                     rec["scalars"][bufname or "?"] = arg
@@ -431,7 +434,7 @@ def capture_vllm(
             graph = build_graph(comp, names, root, len(graphs))
             src = Path(comp.module.__file__).read_text()
             defs = parse_kernel_defs(src)
-            recorders.append(BufferRecorder(comp.module, parse_kernel_calls(src, defs), defs))
+            recorders.append(BufferRecorder(comp.module, parse_kernel_calls(src, defs), defs, set(graph.inputs)))
             graphs.append(graph)
         for r in recorders:
             r.armed = True

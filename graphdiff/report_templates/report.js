@@ -29,12 +29,24 @@
     row.addEventListener("mouseleave", function () { mark(false); });
   });
 
-  // Pictures open at natural size (scrollable); "fit" scales one to the page width.
+  // Pictures open at natural size (scrollable), or fitted to the page when that keeps the text
+  // readable (decided when a section first opens); the button switches.
   document.querySelectorAll("button.fit-toggle").forEach(function (b) {
-    b.addEventListener("click", function () {
-      var fig = document.getElementById(b.getAttribute("data-fig"));
-      if (fig) b.textContent = fig.classList.toggle("fit") ? "natural size" : "fit to width";
-    });
+    var fig = document.getElementById(b.getAttribute("data-fig"));
+    if (!fig) return;
+    var decided = false;
+    function show(fit) { fig.classList.toggle("fit", fit); b.textContent = fit ? "natural size" : "fit to width"; }
+    function autofit() {
+      var svg = fig.querySelector("svg");
+      if (decided || !svg || fig.clientWidth === 0) return;
+      decided = true;
+      var ratio = (fig.clientWidth - 20) / svg.getBoundingClientRect().width;
+      show(ratio < 1 && ratio > 0.6);
+    }
+    var d = fig.closest("details");
+    if (d) d.addEventListener("toggle", autofit);
+    autofit();
+    b.addEventListener("click", function () { decided = true; show(!fig.classList.contains("fit")); });
   });
   document.documentElement.setAttribute("data-ready", "1");
 })();

@@ -1,0 +1,247 @@
+"""The log-prob gap: estimators, the trainer side, the engine-sample cache, and one real-engine run."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import graphdiff
+from graphdiff.capture.hf import load_hf_model
+from graphdiff.errors import GraphdiffError
+from graphdiff.measure import kl
+from graphdiff.measure.kl import (
+    apply_manifest,
+    engine_logprobs,
+    gap_metrics,
+    manifest_regions,
+    position_curve,
+    random_prompts,
+    read_prompts,
+    train_logprobs,
+)
+from graphdiff.measure.shapley import attribute
+from graphdiff.model import EngineSample, EngineSamples, EngineSamplesFile, save_json
+from graphdiff.resolve import read_config
+from graphdiff.tiny import make_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny("qwen3", tmp_path_factory.mktemp("kl") / "qwen3", layers=1)
+
+
+def _t(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_estimators_on_known_numbers():
+    engine = [_t([-1.0, -2.0, -0.5]), _t([-3.0])]
+    train = [_t([-1.0, -2.5, -0.25]), _t([-2.0])]
+    d = np.array([0.0, 0.5, -0.25, -1.0])  # engine - train
+    m = gap_metrics(engine, train, engine_mode="compiled", trainer_mode="eager")
+    assert m.k1 == pytest.approx(d.mean())
+    assert m.k3 == pytest.approx(np.mean(np.exp(-d) - 1 + d))
+    assert m.rms == pytest.approx(math.sqrt(np.mean(d**2)))
+    assert m.max_abs == 1.0 and m.bitexact_fraction == 0.25 and m.tokens == 4 and m.sequences == 2
+    assert m.k3 >= 0
+
+
+def test_k3_keeps_tiny_differences_exact():
+    e = _t([-1.0])
+    t = e - 2.0**-20  # exp(r) - 1 - r computed naively would round to 0
+    m = gap_metrics([e], [t], engine_mode="eager", trainer_mode="eager")
+    assert m.k3 == pytest.approx((2.0**-20) ** 2 / 2, rel=1e-5)
+    same = gap_metrics([e], [e.clone()], engine_mode="eager", trainer_mode="eager")
+    assert same.k1 == same.k3 == same.rms == 0 and same.bitexact_fraction == 1.0
+
+
+def test_position_curve_bins_cover_every_token():
+    diffs = [torch.arange(10, dtype=torch.float64), torch.ones(3, dtype=torch.float64)]
+    curve = position_curve(diffs, bins=4)
+    assert [(b.start, b.stop) for b in curve] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert sum(b.tokens for b in curve) == 13
+    assert curve[0].k1 == pytest.approx((0 + 1 + 2 + 1 + 1 + 1) / 6)
+    assert curve[-1].k1 == 9 and curve[-1].rms == 9
+
+
+def test_mismatched_lengths_are_refused():
+    with pytest.raises(ValueError):
+        gap_metrics([_t([1.0, 2.0])], [_t([1.0])], engine_mode="eager", trainer_mode="eager")
+
+
+def test_train_logprobs_are_the_teacher_forced_next_token_logprobs(tiny_qwen3):
+    model = load_hf_model(tiny_qwen3)
+    seqs = [EngineSample(prompt=[5, 9, 100], tokens=[7, 300, 2], logprobs=[0.0] * 3),
+            EngineSample(prompt=[1], tokens=[42], logprobs=[0.0])]
+    got = train_logprobs(model, seqs)
+    with torch.no_grad():
+        full = model(input_ids=torch.tensor([[5, 9, 100, 7, 300, 2]])).logits[0].float().log_softmax(-1)
+    assert got[0].dtype == torch.float32
+    assert torch.equal(got[0], torch.stack([full[2, 7], full[3, 300], full[4, 2]]))
+    assert [len(x) for x in got] == [3, 1]
+    again = train_logprobs(model, seqs)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))  # repeatable: subsets compare like with like
+
+
+def test_random_prompts_are_seeded_and_in_vocabulary():
+    config = {"vocab_size": 50}
+    a = random_prompts(config, 3, 5, seed=1)
+    assert a == random_prompts(config, 3, 5, seed=1) and a != random_prompts(config, 3, 5, seed=2)
+    assert len(a) == 3 and all(len(p) == 5 and all(1 <= t < 50 for t in p) for p in a)
+
+
+def test_read_prompts(tmp_path, tiny_qwen3):
+    f = tmp_path / "p.jsonl"
+    f.write_text("[1, 2, 3]\n\n[4]\n")
+    assert read_prompts(f, tiny_qwen3, 2048) == [[1, 2, 3], [4]]
+    f.write_text("[1, 99999]\n")
+    with pytest.raises(GraphdiffError, match="token ids"):
+        read_prompts(f, tiny_qwen3, 2048)
+    f.write_text('"some text"\n')
+    with pytest.raises(GraphdiffError, match="tokenizer"):  # tiny checkpoints ship without one
+        read_prompts(f, tiny_qwen3, 2048)
+
+
+def test_manifest_without_the_runtime_is_a_user_error(monkeypatch):
+    monkeypatch.delattr(graphdiff, "runtime", raising=False)
+    monkeypatch.setitem(sys.modules, "graphdiff.runtime", None)
+    with pytest.raises(GraphdiffError, match="--manifest needs graphdiff.runtime"):
+        apply_manifest(torch.nn.Linear(2, 2), Path("m.json"))
+
+
+def test_manifest_region_names(tmp_path):
+    f = tmp_path / "m.json"
+    for regions, names in [(["rope", "swiglu"], ["rope", "swiglu"]), ([{"name": "rope"}, {"name": "rope"}], ["rope"]),
+                           ({"a": {}, "b": {}}, ["a", "b"])]:
+        f.write_text(json.dumps({"regions": regions}))
+        assert manifest_regions(f) == names
+    f.write_text("{}")
+    with pytest.raises(GraphdiffError, match="--regions"):
+        manifest_regions(f)
+
+
+def _fake_runtime(monkeypatch) -> list[list[str]]:
+    """A stand-in training runtime: region r scales the LM head by a region-specific factor."""
+    applied: list[list[str]] = []
+    scale = {"rope": 1.01, "swiglu": 0.995, "residual": 1.002}
+
+    def apply(model, manifest, regions=None):
+        names = list(regions) if regions is not None else list(scale)
+        applied.append(names)
+        with torch.no_grad():
+            for r in names:
+                model.lm_head.weight.mul_(scale[r])
+        return model
+
+    module = types.ModuleType("graphdiff.runtime")
+    module.apply = apply
+    monkeypatch.setitem(sys.modules, "graphdiff.runtime", module)
+    monkeypatch.setattr(graphdiff, "runtime", module, raising=False)
+    return applied
+
+
+def _self_samples(model_dir: Path, prompts: list[list[int]], tokens: int) -> list[EngineSample]:
+    """'Engine' samples whose log-probs are the eager trainer's own: a zero gap by construction."""
+    model = load_hf_model(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [EngineSample(prompt=p, tokens=torch.randint(1, 2048, (tokens,), generator=gen).tolist(), logprobs=[])
+            for p in prompts]
+    for s, lp in zip(seqs, train_logprobs(model, seqs)):
+        s.logprobs = lp.tolist()
+    return seqs
+
+
+def test_patch_subsets_run_on_copies_and_feed_the_attribution(monkeypatch, tiny_qwen3):
+    applied = _fake_runtime(monkeypatch)
+    samples = _self_samples(tiny_qwen3, random_prompts({"vocab_size": 2048}, 3, 4), 6)
+    base = load_hf_model(tiny_qwen3)
+    before = base.lm_head.weight.clone()
+    regions = ["rope", "swiglu", "residual"]
+    gaps = kl.subset_gaps(base, Path("m.json"), regions, samples)
+    assert np.array_equal(gaps(0), np.zeros(3))  # unpatched trainer = the 'engine'
+    result = attribute(gaps, [len(s.tokens) for s in samples], regions, bootstrap=20)
+    assert torch.equal(base.lm_head.weight, before)  # every subset patched a copy
+    assert sorted(map(tuple, applied)) == sorted(tuple(r for i, r in enumerate(regions) if m >> i & 1)
+                                                 for m in range(1, 8))
+    assert sum(v.value for v in result.values) == pytest.approx(result.reduction, abs=1e-12)
+
+
+def _cache_run(model_dir: Path, prompts: list[list[int]], samples: list[EngineSample], seed: int = 0,
+               mode: str = "compiled") -> EngineSamples:
+    return EngineSamples(mode=mode, model=str(model_dir.resolve()), weights=kl.weights_fingerprint(model_dir),
+                         seed=seed, temperature=1.0, max_tokens=len(samples[0].tokens),
+                         versions=kl.engine_versions() if _has_vllm() else {}, samples=samples)
+
+
+def _has_vllm() -> bool:
+    try:
+        kl.engine_versions()
+    except ImportError:
+        return False
+    return True
+
+
+def test_measure_reads_cached_engine_samples_and_never_starts_an_engine(monkeypatch, tmp_path, tiny_qwen3):
+    prompts = random_prompts({"vocab_size": 2048}, 2, 4)
+    samples = _self_samples(tiny_qwen3, prompts, 5)
+    save_json(EngineSamplesFile(runs=[_cache_run(tiny_qwen3, prompts, samples)]), tmp_path / kl.SAMPLES_FILE)
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was started although its samples were cached")
+
+    monkeypatch.setattr(kl, "start_engine", no_engine)
+    result = kl.measure(tiny_qwen3, prompts, max_tokens=5, out_dir=tmp_path)
+    (m,) = result.measurements
+    assert (m.engine_mode, m.trainer_mode, m.regions) == ("compiled", "eager", None)
+    assert m.k1 == 0 and m.bitexact_fraction == 1.0 and m.tokens == 10
+    with pytest.raises(AssertionError, match="cached"):  # another seed samples anew
+        kl.measure(tiny_qwen3, prompts, max_tokens=5, seed=1, out_dir=tmp_path)
+
+
+def test_measure_with_a_manifest_adds_the_patched_trainer(monkeypatch, tmp_path, tiny_qwen3):
+    _fake_runtime(monkeypatch)
+    prompts = random_prompts({"vocab_size": 2048}, 2, 4)
+    save_json(EngineSamplesFile(runs=[_cache_run(tiny_qwen3, prompts, _self_samples(tiny_qwen3, prompts, 4))]),
+              tmp_path / kl.SAMPLES_FILE)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"regions": ["rope", "swiglu"]}))
+    result = kl.measure(tiny_qwen3, prompts, max_tokens=4, out_dir=tmp_path, manifest=manifest, attribute=True,
+                        bootstrap=10)
+    assert [m.regions for m in result.measurements] == [None, ["rope", "swiglu"]]
+    assert result.measurements[1].bitexact_fraction < 1.0
+    assert result.attribution is not None and result.attribution.regions == ["rope", "swiglu"]
+    assert result.attribution.baseline == 0.0
+
+
+@pytest.mark.engine
+def test_gap_between_the_real_engine_and_the_trainer(engine_run):
+    """Sampling on the session's compiled engine (tiny Qwen3, 2 layers); HF eager and compiled recompute."""
+    model_dir = Path(engine_run.capture.model)
+    prompts = random_prompts(read_config(model_dir), 4, 8, seed=0)
+    samples = kl.engine_sample(engine_run.llm, prompts, max_tokens=16, seed=0)
+    assert [len(s.tokens) for s in samples] == [16] * 4 and all(len(s.logprobs) == 16 for s in samples)
+    again = kl.engine_sample(engine_run.llm, prompts, max_tokens=16, seed=0)
+    assert [s.tokens for s in again] == [s.tokens for s in samples]  # seeded: the cache is reproducible
+
+    model = load_hf_model(model_dir)
+    engine = engine_logprobs(samples)
+    eager = train_logprobs(model, samples)
+    m = gap_metrics(engine, eager, engine_mode="compiled", trainer_mode="eager")
+    diff = torch.cat([e.double() - t.double() for e, t in zip(engine, eager)])
+    assert m.tokens == 64 and m.sequences == 4 and sum(b.tokens for b in m.position) == 64
+    assert all(math.isfinite(x) for x in (m.k1, m.k3, m.rms, m.max_abs))
+    assert m.k1 == pytest.approx(float(diff.mean()), abs=1e-12)
+    assert 0 < m.rms < 0.2  # aligned: an off-by-one position would differ by nats, not hundredths
+
+    compiled = train_logprobs(torch.compile(model, backend="inductor"), samples)
+    mc = gap_metrics(engine, compiled, engine_mode="compiled", trainer_mode="compiled")
+    assert all(math.isfinite(x) for x in (mc.k1, mc.k3, mc.rms, mc.max_abs)) and mc.tokens == 64
+    between = torch.cat([a - b for a, b in zip(eager, compiled)]).abs()
+    assert 0 < between.max() < 0.5  # compile moves roundings: the trainer's own log-probs change, slightly

@@ -1,0 +1,232 @@
+"""Reports over a recorded tiny-Qwen3 scan (fixtures/scans/tiny-qwen3): HTML, DOT/SVG, Model Explorer.
+
+The scan was recorded from a real `graphdiff scan tiny:qwen3` run, so these tests need no engine.
+The browser test opens the report in headless Chromium: no script errors, every region and site
+present in the rendered DOM, and a screenshot.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from graphdiff import report_graphs
+from graphdiff.errors import GraphdiffError
+from graphdiff.model import ScanResult
+from graphdiff.report import find_region, load_scan, model_explorer, region_dot, write_report
+
+SCAN = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+HAS_DOT = report_graphs.dot_binary() is not None
+
+
+@pytest.fixture()
+def scan_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "scan"
+    shutil.copytree(SCAN, d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def scan() -> ScanResult:
+    return load_scan(SCAN)[0]
+
+
+def _node(dot: str, side: str, name: str) -> bool:
+    return re.search(rf'(?m)^\s*"?{side}__{re.escape(name)}"? \[', dot) is not None
+
+
+def _edge(dot: str, a: str, b: str) -> bool:
+    return re.search(rf'"?{re.escape(a)}"? -> "?{re.escape(b)}"?', dot) is not None
+
+
+def _chromium(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess:
+    profile = tmp_path / "chromium-profile"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", *args, url]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def _script_errors(run: subprocess.CompletedProcess) -> list[str]:
+    logged = [line for line in run.stderr.splitlines() if "Uncaught" in line or "ERROR:CONSOLE" in line]
+    m = re.search(r'<html[^>]*data-js-errors="(\d+)"', run.stdout)
+    recorded = int(m.group(1)) if m else -1  # -1: the recorder itself did not run
+    return logged + ([f"{recorded} errors recorded in the page"] if recorded != 0 else [])
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless chromium not installed")
+def test_report_renders_in_headless_chromium_with_every_region_and_site(scan_dir: Path, scan: ScanResult,
+                                                                         tmp_path: Path) -> None:
+    html = write_report(scan_dir)[0]
+    assert html == scan_dir / "report.html"
+    run = _chromium(tmp_path, html.as_uri(), "--dump-dom")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert _script_errors(run) == []
+    assert 'data-ready="1"' in run.stdout  # the report's own script ran to the end
+    dom = run.stdout
+    for r in scan.regions:
+        assert r.name in dom
+    for s in scan.sites:
+        assert s.id in dom
+    assert dom.count('class="dataflow"') == (len(scan.regions) if HAS_DOT else 0)
+
+    shot = tmp_path / "report.png"
+    run = _chromium(tmp_path, html.as_uri(), "--hide-scrollbars", "--window-size=1400,2000", f"--screenshot={shot}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 50_000
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless chromium not installed")
+def test_browser_check_catches_script_errors(scan_dir: Path, tmp_path: Path) -> None:
+    """The error check above is not vacuous: a broken script in the page is reported."""
+    html = write_report(scan_dir)[0]
+    html.write_text(html.read_text().replace("</body>", "<script>undefinedFunction();</script></body>"))
+    assert _script_errors(_chromium(tmp_path, html.as_uri(), "--dump-dom"))
+
+
+def test_report_is_self_contained(scan_dir: Path) -> None:
+    text = write_report(scan_dir)[0].read_text()
+    assert not re.search(r"""(?:src|href)\s*=\s*["'](?:https?:)?//""", text)
+    assert "@import" not in text and not re.search(r"url\(\s*['\"]?https?:", text)
+    assert "<style>" in text and "<script>" in text
+
+
+def test_region_dot_contains_both_sides_of_every_site(scan: ScanResult) -> None:
+    _, train, engine = load_scan(SCAN)
+    region = find_region(scan, "model.layers.*.self_attn.q_norm")
+    dot = region_dot(scan, train, engine, region)
+    layer0 = [s for s in scan.sites if s.region == region.name and s.layer == 0]
+    assert layer0
+    for s in layer0:
+        assert _node(dot, "t", s.train.node) and _node(dot, "e", s.engine.node)
+        assert _edge(dot, f"t__{s.train.node}", f"e__{s.engine.node}")  # the matched pair is linked
+    assert "subgraph cluster_train" in dot and "subgraph cluster_engine" in dot
+    assert "subgraph cluster_k0" in dot  # the fused kernel is a cluster
+
+
+def test_region_dot_draws_unmatched_sites_inside_their_kernel(scan: ScanResult) -> None:
+    _, train, engine = load_scan(SCAN)
+    region = find_region(scan, "model.layers.*.self_attn")  # rope: the engine has no node for these values
+    dot = region_dot(scan, train, engine, region)
+    for s in scan.sites:
+        if s.region == region.name and s.layer == 0:
+            assert not s.matched and _node(dot, "t", s.train.node)
+    assert dot.count("inside kernel") == 4 and "lhead=cluster_k" in dot
+
+
+def test_dot_and_svg_export_of_a_region_and_a_layer(scan_dir: Path) -> None:
+    (dot,) = write_report(scan_dir, "dot", region="q_norm")
+    assert dot.name == "region-model.layers.self_attn.q_norm.dot" and "_to_copy_6" in dot.read_text()
+    (layer,) = write_report(scan_dir, "dot", layer=1, out=scan_dir / "l1.dot")
+    text = layer.read_text()
+    assert all(_node(text, "t", s.train.node) for s in load_scan(scan_dir)[0].sites if s.layer == 1)
+    if HAS_DOT:
+        (svg,) = write_report(scan_dir, "svg", layer=0)
+        assert svg.read_text().lstrip().startswith("<?xml") and "</svg>" in svg.read_text()
+
+
+def test_dot_export_needs_exactly_one_of_region_or_layer(scan_dir: Path) -> None:
+    with pytest.raises(GraphdiffError, match="--region NAME or --layer N"):
+        write_report(scan_dir, "dot")
+    with pytest.raises(GraphdiffError, match="not a region"):
+        write_report(scan_dir, "dot", region="no.such.module")
+
+
+def test_html_without_graphviz_has_a_note_and_the_dot_source(scan_dir: Path, scan: ScanResult,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(report_graphs, "dot_binary", lambda: None)
+    text = write_report(scan_dir)[0].read_text()
+    assert "Graphviz <code>dot</code> was not found" in text
+    assert 'class="dataflow"' not in text
+    assert "digraph" in text  # the DOT source is kept for rendering elsewhere
+    assert all(s.id in text for s in scan.sites)
+    with pytest.raises(GraphdiffError, match="Graphviz `dot` is not installed"):
+        write_report(scan_dir, "svg", region="q_norm")
+
+
+def test_model_explorer_node_data_marks_sites_by_side(scan_dir: Path, scan: ScanResult) -> None:
+    paths = write_report(scan_dir, "model-explorer")
+    assert [p.name for p in paths] == ["node_data.json", "node_data.engine.json"]
+    train = json.loads(paths[0].read_text())
+    train_nodes = {n.name for n in load_scan(scan_dir)[1].graphs[0].nodes}
+    assert set(train["results"]) == {s.train.node for s in scan.sites}
+    assert set(train["results"]) <= train_nodes
+    assert {v["value"] for v in train["results"].values()} == {1}  # every site here rounds on the train side
+    assert [(t["value"], t["bgColor"]) for t in train["thresholds"]] == [(1, report_graphs.TRAIN_COLOR),
+                                                                         (2, report_graphs.ENGINE_COLOR)]
+    engine = json.loads(paths[1].read_text())
+    assert set(engine["results"]) == {s.engine.node for s in scan.sites if s.engine and s.engine.node}
+
+
+def test_model_explorer_uses_model_node_data_for_several_graphs(scan: ScanResult) -> None:
+    _, train, engine = load_scan(SCAN)
+    second = engine.graphs[0].model_copy(update={"name": "engine_graph_1"})
+    engine = engine.model_copy(update={"graphs": [engine.graphs[0], second]})
+    data = model_explorer(scan, train, engine)["node_data.engine.json"]
+    assert set(data) == {"engine_graph_0", "engine_graph_1"} and "results" in data["engine_graph_0"]
+
+
+def test_measured_kl_is_shown_with_shapley_and_nonuniformity_charts(scan_dir: Path, scan: ScanResult) -> None:
+    raw = json.loads((scan_dir / "scan.json").read_text())
+    raw["kl"] = {"kl_before": 3.1e-3, "kl_after": 2.5e-5,
+                 "shapley": {r.name: 1e-4 * (i + 1) for i, r in enumerate(scan.regions)},
+                 "nonuniformity": {"mul": 0.8, "add": -0.1}, "per_prompt": [1, 2]}
+    (scan_dir / "scan.json").write_text(json.dumps(raw))
+    text = write_report(scan_dir)[0].read_text()
+    assert "kl before" in text and "0.0031" in text
+    assert text.count('<svg class="chart"') == 2
+    assert '<a href="#model.layers.self_attn.q_norm"><text' in text  # shapley bars link to their region
+    assert "per_prompt" in text  # anything else is shown as JSON
+
+
+def test_kl_result_shows_measurements_and_shapley_with_intervals(scan_dir: Path, scan: ScanResult) -> None:
+    """`graphdiff kl` results (KLResult: measurements + Shapley attribution) get a table and a chart."""
+    names = [r.name for r in scan.regions[:3]]
+    meas = {"engine_mode": "compiled", "trainer_mode": "eager", "k3": 1e-4, "rms": 0.06, "max_abs": 0.4,
+            "bitexact_fraction": 0.0, "tokens": 1024, "sequences": 8}
+    raw = json.loads((scan_dir / "scan.json").read_text())
+    raw["kl"] = {
+        "schema_version": 1, "kind": "graphdiff.kl", "model": "tiny:qwen3", "seed": 0, "temperature": 1.0,
+        "max_tokens": 128, "prompts": 8, "method": "prompt_logprobs vs HF forward",
+        "measurements": [meas | {"regions": None, "k1": 3.7e-3}, meas | {"regions": names, "k1": 2.0e-5}],
+        "attribution": {"metric": "k1", "regions": names, "method": "exact", "baseline": 3.7e-3, "aligned": 2e-5,
+                        "reduction": 3.68e-3, "confidence": 0.95, "minimal_set": names[:1],
+                        "values": [{"region": n, "value": v, "ci_low": v / 2, "ci_high": v * 1.5}
+                                   for n, v in zip(names, (2e-3, 1e-3, 6.8e-4))]},
+    }
+    (scan_dir / "scan.json").write_text(json.dumps(raw))
+    text = write_report(scan_dir)[0].read_text()
+    assert "KL k1 · compiled engine vs eager trainer, unpatched" in text and "0.0037" in text
+    assert "<th>k1 (KL)</th>" in text and "3 regions patched" in text
+    assert text.count('<svg class="chart"') == 1 and text.count('class="err"') == 3
+    assert f"Minimal set: {names[0]}." in text
+    assert "prompts 8" in text and "graphdiff.kl" not in text  # run settings summarized, bookkeeping not dumped
+
+
+def test_report_without_kl_says_not_measured(scan_dir: Path) -> None:
+    assert "not measured in this scan" in write_report(scan_dir)[0].read_text()
+
+
+def test_cli_report_writes_each_format(scan_dir: Path) -> None:
+    from graphdiff_cli.main import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["report", str(scan_dir)])
+    assert res.exit_code == 0, res.output
+    assert (scan_dir / "report.html").exists()
+    res = runner.invoke(app, ["report", str(scan_dir), "--format", "model-explorer"])
+    assert res.exit_code == 0 and (scan_dir / "node_data.json").exists()
+    res = runner.invoke(app, ["report", str(scan_dir), "--format", "dot", "--region", "act_fn", "--out",
+                              str(scan_dir / "x.dot")])
+    assert res.exit_code == 0 and "digraph" in (scan_dir / "x.dot").read_text()
+    res = runner.invoke(app, ["report", str(scan_dir), "--format", "png"])
+    assert res.exit_code == 2 and "unknown format" in res.output
+    res = runner.invoke(app, ["report", str(scan_dir / "missing")])
+    assert res.exit_code == 2 and "no scan.json" in res.output
