@@ -74,11 +74,11 @@ def match_values(train: Graph, train_values: dict[str, object], engine: Graph,
                  engine_values: dict[str, torch.Tensor]) -> tuple[list[Match], list[str]]:
     """Match every floating-point compute node of the training graph to an engine node."""
     enodes = engine.node_map()
-    order = {n.name: i for i, n in enumerate(engine.nodes)}
-    by_numel: dict[int, list[str]] = {}
+    # Candidates indexed by (element count, layer): the layer anchor keeps matching linear in depth.
+    by_key: dict[tuple[int, int | None], list[str]] = {}
     for name, v in engine_values.items():
         if isinstance(v, torch.Tensor) and v.is_floating_point() and name in enodes:
-            by_numel.setdefault(v.numel(), []).append(name)
+            by_key.setdefault((v.numel(), layer_of(enodes[name].module)), []).append(name)
     cache: dict[str, torch.Tensor] = {}
 
     def fingerprint(name: str, v: torch.Tensor) -> torch.Tensor:
@@ -97,13 +97,20 @@ def match_values(train: Graph, train_values: dict[str, object], engine: Graph,
         tv = fingerprint("t:" + t.name, v)
         scale = float(tv.norm()) or 1.0
         scored: list[tuple[float, bool, int, str]] = []
+        layer = layer_of(t.module)
         for same_layer in (True, False):  # a neighbouring layer only when the own layer has no match
-            for e in by_numel.get(v.numel(), []):
+            if same_layer:
+                layers: list[int | None] = [layer]
+            else:
+                layers = [None] if layer is not None else []
+                layers += [layer - 1, layer + 1] if layer is not None else sorted(
+                    {k[1] for k in by_key if k[0] == v.numel() and k[1] is not None})
+            for e in (e for ly in layers for e in by_key.get((v.numel(), ly), [])):
                 if _compatible(t.module, enodes[e].module, same_layer):
                     d = float((fingerprint("e:" + e, engine_values[e]) - tv).norm()) / scale
                     # Equal values are common (a cast that is a no-op in FP32, a view): prefer the
                     # same kind of op, then the later node (the value as its consumers see it).
-                    scored.append((round(d, 6), _kind(enodes[e]) != _kind(t), -order[e], e))
+                    scored.append((round(d, 6), _kind(enodes[e]) != _kind(t), -engine.position(e), e))
             scored.sort()
             if scored and scored[0][0] <= TOLERANCE:
                 break

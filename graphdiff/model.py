@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from graphdiff.errors import GraphdiffError
 
@@ -88,8 +88,31 @@ class Graph(BaseModel):
     kernels: list[Kernel] = Field(default_factory=list)
     inputs: dict[str, str] = Field(default_factory=dict)  # placeholder -> model param/input name
 
+    _by_name: dict[str, Node] | None = PrivateAttr(default=None)
+    _users: dict[str, list[str]] | None = PrivateAttr(default=None)
+    _pos: dict[str, int] | None = PrivateAttr(default=None)
+
     def node_map(self) -> dict[str, Node]:
-        return {n.name: n for n in self.nodes}
+        """Nodes by name (cached: analyses look nodes up in loops over the whole graph)."""
+        if self._by_name is None or len(self._by_name) != len(self.nodes):
+            self._by_name = {n.name: n for n in self.nodes}
+        return self._by_name
+
+    def position(self, name: str) -> int:
+        """Index of a node in topological order."""
+        if self._pos is None or len(self._pos) != len(self.nodes):
+            self._pos = {n.name: i for i, n in enumerate(self.nodes)}
+        return self._pos[name]
+
+    def users(self) -> dict[str, list[str]]:
+        """Names of the nodes that consume each node (cached)."""
+        if self._users is None:
+            users: dict[str, list[str]] = {}
+            for n in self.nodes:
+                for i in n.inputs:
+                    users.setdefault(i, []).append(n.name)
+            self._users = users
+        return self._users
 
 
 class Capture(BaseModel):
@@ -266,6 +289,7 @@ class KLMeasurement(BaseModel):
     trainer_mode: TrainerMode
     regions: list[str] | None = None  # patched regions (None: unpatched trainer; [] never written)
     k1: float  # mean diff: the paper's per-token KL estimate
+    k1_se: float | None = None  # its standard error, sequences as the independent units
     k3: float  # mean of exp(r) - 1 - r, r = -diff: unbiased, never negative per token
     rms: float
     max_abs: float
@@ -325,4 +349,57 @@ class KLResult(BaseModel):
     manifest: str | None = None
     timings: dict[str, float] = Field(default_factory=dict)
     reproduce: str = ""
+    notes: list[str] = Field(default_factory=list)
+
+
+# --- patch manifest (`graphdiff patch`) ----------------------------------------------------------------
+
+MANIFEST_VERSION = 1
+
+
+class ManifestSplice(BaseModel):
+    """One place the runtime changes the HF model: a module forward, a module-level function, or a carry hook."""
+
+    key: str  # module pattern (`model.layers.*.self_attn.q_norm`) or dotted function path
+    target: Literal["module", "function", "carry"]
+    module: str  # HF module path pattern, layers collapsed as `layers.*`
+    module_class: str = ""
+    function: str = ""  # dotted path of the replaced function (target "function")
+    regions: list[str]
+    # What feeds each input of the generated function: "arg:0" / "arg:NAME" (the forward's or the function's
+    # argument), "param:NAME" (a module attribute); and where each output goes in the HF return value.
+    inputs: list[str] = Field(default_factory=list)
+    outputs: list[int] = Field(default_factory=list)
+    torch_fn: str = ""  # name in the generated module
+    triton_fn: str = ""  # "" when no Triton kernel could be generated (see triton_problem)
+    triton_problem: str = ""
+    problems: list[str] = Field(default_factory=list)  # non-empty: not generated, the reasons
+
+
+class ManifestRegion(BaseModel):
+    name: str
+    kind: str
+    module: str
+    layers: list[int | None]
+    sites: list[str]
+    splices: list[str]  # keys of the splices that align this region's sites
+    generated: bool
+    reason: str = ""  # why not, when not generated
+
+
+class Manifest(BaseModel):
+    """What `graphdiff patch` writes to DIR/manifest.json, beside the generated module."""
+
+    schema_version: int = MANIFEST_VERSION
+    kind: Literal["graphdiff.manifest"] = "graphdiff.manifest"
+    model: str
+    architecture: str
+    config_sha256: str  # scan.json's: config.json without transformers_version/_name_or_path, at layers_scanned
+    layers_scanned: int
+    versions: dict[str, str] = Field(default_factory=dict)  # torch / transformers / engine the scan ran
+    module_file: str  # generated module, relative to the manifest
+    module_sha256: str
+    regions: list[ManifestRegion]
+    splices: list[ManifestSplice]
+    replaced: list[str] = Field(default_factory=list)  # HF module classes and functions replaced
     notes: list[str] = Field(default_factory=list)

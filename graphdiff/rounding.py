@@ -95,7 +95,7 @@ def _fragment(graph: Graph, k: Kernel, owned: set[str]) -> tuple[list[Node], lis
         if not pull:
             break
         members |= pull
-    frag = [n for n in graph.nodes if n.name in members]
+    frag = [nodes[m] for m in sorted(members, key=graph.position)]
     external = list(dict.fromkeys(i for n in frag for i in n.inputs if i not in members))
     return frag, external
 
@@ -113,10 +113,26 @@ def _numel(shape: list[int | str] | None, syms: dict[str, int]) -> int | None:
     return total
 
 
+class _Declared:
+    """Node dtypes by name, read through the graph's index (no per-kernel copy)."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.nodes = graph.node_map()
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        node = self.nodes.get(name)
+        return node.dtype if node is not None else default
+
+
+def _declared(graph: Graph) -> _Declared:
+    return _Declared(graph)
+
+
 def _bind_syms(graph: Graph, record: dict[str, Any]) -> dict[str, int]:
     syms = {name: int(v) for name, v in record.get("scalars", {}).items() if isinstance(v, int)}
     # Symbols also appear in shapes of inputs that were recorded by name (graph inputs).
-    for n in graph.nodes:
+    nodes = graph.node_map()
+    for n in (nodes[b] for b in record["in"] if b in nodes):
         t = record["in"].get(n.name)
         if n.shape and isinstance(t, torch.Tensor) and len(n.shape) == t.dim():
             for d, real in zip(n.shape, t.shape):
@@ -167,7 +183,7 @@ def replay_kernel(graph: Graph, k: Kernel, record: dict[str, Any], known: dict[s
     nodes = graph.node_map()
     frag, external = _fragment(graph, k, owned)
     frag_names = {n.name for n in frag}
-    declared = {n.name: n.dtype for n in graph.nodes}
+    declared = _declared(graph)
     syms = _bind_syms(graph, record)
     node_buf = {v: b for b, v in known.items()}
     inputs: dict[str, Any] = {}
@@ -185,8 +201,8 @@ def replay_kernel(graph: Graph, k: Kernel, record: dict[str, Any], known: dict[s
             loose.append(e)
     free = [b for b in record["in"] if b not in {node_buf.get(e) for e in inputs}]
     # Outputs: stored buffers and the fragment values they hold.
-    users_outside = {i for n in graph.nodes if n.name not in frag_names for i in n.inputs}
-    sinks = [n.name for n in frag if n.name in users_outside and not is_view(n)]
+    users = graph.users()
+    sinks = [n.name for n in frag if not is_view(n) and any(u not in frag_names for u in users.get(n.name, []))]
     # Stores the capture names a node for (buffers whose size disagrees hold a part of it, e.g. one
     # input of a concatenation written in place; those are placed by value below, or left out).
     outputs = {a.name: a.node for a in k.args if a.role in ("out", "inout") and a.node in frag_names
@@ -313,13 +329,14 @@ def _evaluate_glue(graph: Graph, owned: set[str], values: dict[str, torch.Tensor
     syms: dict[str, int] = {}
     for rec in buffers.values():
         syms.update({k: v for k, v in rec.get("scalars", {}).items() if isinstance(v, int)})
-    declared = {n.name: n.dtype for n in graph.nodes}
+    declared = _declared(graph)
     for n in graph.nodes:
         if n.op != "call_function" or n.name in values or n.name in owned or n.name in extern_nodes:
             continue
         ins = {}
+        nodes = graph.node_map()
         for i in dict.fromkeys(n.inputs):
-            node_i = graph.node_map()[i] if i not in ins else None
+            node_i = nodes[i]
             if node_i is not None and node_i.sym in syms:
                 ins[i] = syms[node_i.sym]
             elif i in seen_outside or i in values:

@@ -80,11 +80,7 @@ def classify(graph: Graph, name: str, users: dict[str, list[str]]) -> str:
 
 
 def users_of(graph: Graph) -> dict[str, list[str]]:
-    users: dict[str, list[str]] = defaultdict(list)
-    for n in graph.nodes:
-        for i in n.inputs:
-            users[i].append(n.name)
-    return users
+    return graph.users()
 
 
 def _low(dtype: str | None) -> bool:

@@ -68,7 +68,34 @@ def seeded_init(model: torch.nn.Module, seed: int, scale: float) -> None:
 
 def write_random_weights(model_dir: Path, seed: int = 0) -> Path:
     """Seeded random BF16 weights for a config-only checkpoint directory (a bundled config), so
-    that the engine and the trainer run the very same weights without any download."""
+    that the engine and the trainer run the very same weights without any download.
+
+    Generated once per (config, seed) into the graphdiff cache and linked into `model_dir`:
+    a full-width model is gigabytes even with two layers."""
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    key = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
+    root = Path(os.environ.get("GRAPHDIFF_CACHE", Path.home() / ".cache" / "graphdiff")) / "weights"
+    cached = root / f"{key}-s{seed}"
+    if not cached.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root))
+        shutil.copy(model_dir / "config.json", tmp / "config.json")
+        _generate_weights(tmp, seed)
+        if cached.exists():
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(cached)
+    for f in cached.iterdir():
+        if f.name != "config.json" and not (model_dir / f.name).exists():
+            (model_dir / f.name).symlink_to(f)
+    return model_dir
+
+
+def _generate_weights(model_dir: Path, seed: int) -> None:
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -79,7 +106,7 @@ def write_random_weights(model_dir: Path, seed: int = 0) -> Path:
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     model.save_pretrained(model_dir)
-    return model_dir
+    (model_dir / "config.json").unlink()  # the caller's config stays authoritative
 
 
 def tiny_path(arch: str, layers: int = 2, seed: int = 0) -> Path:

@@ -77,3 +77,16 @@ def test_scan_cli_on_qwen2_and_llama_finds_the_analogous_regions(arch, tiny_mode
     assert "qk_norm" not in kinds  # no q/k norm in these architectures
     assert all(r.predicted_bitexact >= 0.999 for r in result.replay)
     assert "sites in" in proc.stdout and "rope" in proc.stdout
+
+
+def test_scan_of_a_bundled_hf_id_runs_offline(tmp_path):
+    """An HF id resolves to a bundled config; weights are seeded random; nothing is downloaded."""
+    out = tmp_path / "q06"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRAPHDIFF_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "graphdiff_cli.main", "scan", "Qwen/Qwen3-0.6B", "--layers", "1",
+                           "--tokens", "8", "--out", str(out)], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = ScanResult.model_validate_json((out / "scan.json").read_text())
+    assert result.layers_total == 28 and result.layers_scanned == 1
+    assert {"rope", "qk_norm", "gated_act"} <= {r.kind for r in result.regions}
+    assert any("bundled" in n for n in result.notes)

@@ -409,6 +409,9 @@ def capture_vllm(
         model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
         max_num_seqs=4, seed=0, enforce_eager=False,
     )
+    if torch.cuda.is_available():
+        # A replayed CUDA graph bypasses the Python kernel wrappers: record with plain launches.
+        kwargs["compilation_config"] = {"cudagraph_mode": "NONE"}
     if layers is not None:
         kwargs["hf_overrides"] = {"num_hidden_layers": layers}
     if dummy_weights:
