@@ -239,6 +239,31 @@ def print_summary(cap, show_kernels: bool = True) -> None:  # noqa: ANN001 - Cap
         out.print(f"[yellow]note:[/] {note}")
 
 
+@app.command("patch")
+def patch_cmd(
+    scan_dir: Path = typer.Argument(..., help="a scan output directory (scan.json + train.capture.json)"),
+    out_dir: Path = typer.Option(..., "--out", help="where to write graphdiff_patch.py and manifest.json"),
+    regions: str | None = typer.Option(None, help="comma-separated regions to patch (default all)"),
+) -> None:
+    """Generate the FP32-preserving patch (PyTorch + Triton code and manifest.json) from a scan."""
+    from graphdiff.codegen import generate
+
+    with user_errors():
+        names = [r.strip() for r in regions.split(",") if r.strip()] if regions else None
+        manifest = generate(scan_dir, out_dir, names)
+    t = Table(title=f"patch for {manifest.model} ({manifest.architecture})")
+    for col in ("region", "kind", "splice", "pytorch", "triton"):
+        t.add_column(col)
+    splices = {s.key: s for s in manifest.splices}
+    for r in manifest.regions:
+        s = next((splices[k] for k in splices if r.name in splices[k].regions), None)
+        triton = "-" if s is None else ("yes" if s.triton_fn else (s.triton_problem or "n/a (hook)"))
+        t.add_row(r.name, r.kind, "-" if s is None else f"{s.target} {s.key}", "yes" if r.generated else r.reason,
+                  triton)
+    out.print(t)
+    out.print(f"wrote {out_dir / manifest.module_file} and {out_dir / 'manifest.json'}")
+
+
 VIEW_OPS = {"getitem", "view", "reshape", "unsqueeze", "squeeze", "split", "split_with_sizes", "slice", "permute",
             "expand", "alias", "t", "transpose", "select", "empty", "full"}
 
@@ -250,6 +275,7 @@ def kl_cmd(
     manifest: Path | None = typer.Option(None, help="patch manifest: also measure the trainer with it applied"),
     regions: str | None = typer.Option(None, help="comma-separated manifest regions to apply (default all)"),
     attribute: bool = typer.Option(False, "--attribute", help="Shapley attribution of the gap over the regions"),
+    metric: str = typer.Option("k3", help="gap metric the attribution splits: k3 (low variance) or k1 (the paper's)"),
     prompts_file: Path | None = typer.Option(None, "--prompts", help="one prompt per line: JSON token ids or text"),
     random: int | None = typer.Option(None, "--random", help="N seeded random prompts (default 8)"),
     prompt_len: int = typer.Option(16, "--prompt-tokens", help="length of each random prompt"),
@@ -281,7 +307,7 @@ def kl_cmd(
         names = [r.strip() for r in regions.split(",") if r.strip()] if regions else None
         with progress("measuring the log-prob gap") as update:
             result = measure(resolved.path, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature,
-                             modes=modes, manifest=manifest, regions=names, attribute=attribute,
+                             modes=modes, manifest=manifest, regions=names, attribute=attribute, metric=metric,
                              bootstrap=bootstrap, out_dir=out_dir, progress=update,
                              reproduce="graphdiff " + shlex.join(sys.argv[1:]))
         path = save_json(result, out_dir / "kl.json")
@@ -292,11 +318,15 @@ def kl_cmd(
 def print_kl(result) -> None:  # noqa: ANN001 - KLResult
     t = Table(title=f"log-prob gap, diff = logp_engine - logp_train: {result.model} ({result.architecture}), "
                     f"{result.prompts} prompts x {result.max_tokens} tokens")
-    for col in ("engine", "trainer", "patched", "k1 (1e-4)", "k3 (1e-4)", "rms", "max |diff|", "bit-identical",
+    for col in ("engine", "trainer", "patched", "k1 ± se (1e-4)", "k3 (1e-4)", "rms", "max |diff|", "bit-identical",
                 "tokens"):
         t.add_column(col, justify="left" if col in ("engine", "trainer", "patched") else "right")
+    def patched(m) -> str:  # noqa: ANN001 - KLMeasurement; kl.json lists every region
+        return "-" if not m.regions else "+".join(m.regions) if len(m.regions) <= 2 else f"{len(m.regions)} regions"
+
     for m in result.measurements:
-        t.add_row(m.engine_mode, m.trainer_mode, "+".join(m.regions) if m.regions else "-", f"{m.k1 * 1e4:.2f}",
+        k1 = f"{m.k1 * 1e4:.2f}" + ("" if m.k1_se is None else f" ± {m.k1_se * 1e4:.2f}")
+        t.add_row(m.engine_mode, m.trainer_mode, patched(m), k1,
                   f"{m.k3 * 1e4:.2f}", f"{m.rms:.4f}", f"{m.max_abs:.4f}", f"{m.bitexact_fraction:.1%}",
                   str(m.tokens))
     out.print(t)
@@ -306,7 +336,7 @@ def print_kl(result) -> None:  # noqa: ANN001 - KLResult
         for b in result.measurements[0].position:
             p.add_column(f"{b.start}-{b.stop - 1}", justify="right")
         for m in result.measurements:
-            p.add_row(f"{m.engine_mode} / {m.trainer_mode}" + (f" +{'+'.join(m.regions)}" if m.regions else ""),
+            p.add_row(f"{m.engine_mode} / {m.trainer_mode}" + (f" + {patched(m)}" if m.regions else ""),
                       *(f"{b.rms:.4f}" for b in m.position))
         out.print(p)
     a = result.attribution
@@ -321,8 +351,10 @@ def print_kl(result) -> None:  # noqa: ANN001 - KLResult
         out.print(s)
         best = ("none (alignment does not reduce the gap)" if a.minimal_set is None else
                 f"{'+'.join(a.minimal_set)} (measured {a.minimal_set_reduction * 1e4:.2f}e-4, {a.minimal_set_method})")
-        out.print(f"gap {a.baseline * 1e4:.2f}e-4 unpatched, {a.aligned * 1e4:.2f}e-4 with all regions; "
+        out.print(f"{a.metric} {a.baseline * 1e4:.2f}e-4 unpatched, {a.aligned * 1e4:.2f}e-4 with all regions; "
                   f"minimal set for {a.target:.0%} of the reduction: {best}")
+    for note in result.notes:
+        out.print(f"[yellow]note:[/] {note}")
     out.print(f"how: {result.method}")
     out.print(f"reproduce: {result.reproduce}")
 

@@ -98,6 +98,15 @@ class Graph(BaseModel):
             self._by_name = {n.name: n for n in self.nodes}
         return self._by_name
 
+    def __eq__(self, other: object) -> bool:
+        # The caches above are derived state: equality is about the graph itself.
+        if not isinstance(other, Graph):
+            return NotImplemented
+        return (self.name, self.nodes, self.kernels, self.inputs) == (other.name, other.nodes, other.kernels,
+                                                                      other.inputs)
+
+    __hash__ = None  # mutable, like every pydantic model
+
     def position(self, name: str) -> int:
         """Index of a node in topological order."""
         if self._pos is None or len(self._pos) != len(self.nodes):

