@@ -195,6 +195,7 @@ class Site(BaseModel):
     confidence: float
     changed_fraction: float  # fraction of elements the rounding changes on the rounding side
     evidence: str
+    nonuniformity: float | None = None  # rounding-position statistic of the values rounded here
 
 
 class Region(BaseModel):
@@ -238,6 +239,9 @@ class ScanResult(BaseModel):
     reproduce: str = ""
     notes: list[str] = Field(default_factory=list)
     kl: dict | None = None  # filled by `graphdiff kl` when run as part of a scan
+    # Rounding non-uniformity (measure.uniformity), median over layers: per region, and for
+    # ordinary outputs ("contrast: ...") of the same trainer graph.
+    nonuniformity: dict[str, float] = Field(default_factory=dict)
 
 
 # --- log-prob gap measurement (`graphdiff kl`) -------------------------------------------------------

@@ -262,7 +262,8 @@ def html_context(scan: ScanResult, train: Capture | None, engine: Capture | None
             "naive": max((r.naive_bitexact for r in reps), default=None),
         })
     ok = [r for r in scan.replay if not r.error]
-    kl = kl_view(scan.kl)
+    measured = {**(scan.kl or {}), **({"nonuniformity": scan.nonuniformity} if scan.nonuniformity else {})}
+    kl = kl_view(measured or None)
     region_slugs = {x["r"].name: x["slug"] for x in regions}
     kernels = _kernels(engine, scan, region_slugs)
     return {

@@ -367,38 +367,41 @@ def eager_values(gm: torch.fx.GraphModule, inputs: list[Any]) -> dict[str, Any]:
     return values
 
 
+def rerun_fp32(n: torch.fx.Node, values: dict[str, Any]) -> Any:
+    """Re-run one eager node's op in FP32 on the same (stored) inputs: the value before rounding."""
+
+    def up(x: Any) -> Any:
+        if isinstance(x, torch.fx.Node):
+            x = values[x.name]
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.float()
+        if isinstance(x, torch.dtype) and x.is_floating_point:
+            return torch.float32
+        return x
+
+    with torch.no_grad():
+        return n.target(*torch.fx.node.map_aggregate(n.args, up), **torch.fx.node.map_aggregate(n.kwargs, up))
+
+
 def train_rounding(gm: torch.fx.GraphModule, values: dict[str, Any]) -> dict[str, float]:
     """Low-precision nodes of an eager graph whose op really rounds, with the fraction of elements
     it changes (the op re-run in FP32 on the same inputs differs from its stored result)."""
     rounded: dict[str, float] = {}
-    with torch.no_grad():
-        for n in gm.graph.nodes:
-            out = values.get(n.name)
-            if n.op != "call_function" or not isinstance(out, torch.Tensor) or out.dtype not in LOW:
-                continue
-            if op_name(str(n.target)) in VIEW_OPS | DATA_MOVEMENT:
-                continue  # moves data, cannot round (and re-running a gather in FP32 upcasts a whole table)
-
-            def up(x: Any) -> Any:
-                if isinstance(x, torch.fx.Node):
-                    x = values[x.name]
-                if isinstance(x, torch.Tensor) and x.is_floating_point():
-                    return x.float()
-                if isinstance(x, torch.dtype) and x.is_floating_point:
-                    return torch.float32
-                return x
-
-            try:
-                args = torch.fx.node.map_aggregate(n.args, up)
-                kwargs = torch.fx.node.map_aggregate(n.kwargs, up)
-                exact = n.target(*args, **kwargs)
-            except Exception:
-                rounded[n.name] = 1.0  # cannot re-run it in FP32: treat as rounding (atomic op)
-                continue
-            if not isinstance(exact, torch.Tensor) or exact.shape != out.shape:
-                rounded[n.name] = 1.0
-                continue
-            changed = float((exact.to(out.dtype).float() != exact).float().mean())
-            if changed > 0:
-                rounded[n.name] = changed
+    for n in gm.graph.nodes:
+        out = values.get(n.name)
+        if n.op != "call_function" or not isinstance(out, torch.Tensor) or out.dtype not in LOW:
+            continue
+        if op_name(str(n.target)) in VIEW_OPS | DATA_MOVEMENT:
+            continue  # moves data, cannot round (and re-running a gather in FP32 upcasts a whole table)
+        try:
+            exact = rerun_fp32(n, values)
+        except Exception:
+            rounded[n.name] = 1.0  # cannot re-run it in FP32: treat as rounding (atomic op)
+            continue
+        if not isinstance(exact, torch.Tensor) or exact.shape != out.shape:
+            rounded[n.name] = 1.0
+            continue
+        changed = float((exact.to(out.dtype).float() != exact).float().mean())
+        if changed > 0:
+            rounded[n.name] = changed
     return rounded

@@ -19,6 +19,7 @@ import torch
 
 from graphdiff.errors import GraphdiffError
 from graphdiff.match import match_values
+from graphdiff.measure.site_uniformity import site_nonuniformity
 from graphdiff.model import Capture, KernelEvidence, ScanResult
 from graphdiff.rounding import eager_values, engine_rounding, train_rounding
 from graphdiff.sites import find_sites, group_regions
@@ -44,6 +45,7 @@ class TrainSide:
     capture: Capture
     values: dict[str, Any]
     rounded: dict[str, float]
+    gm: Any = None  # the executable eager graph (re-runs ops in FP32 for the statistics)
 
 
 def run_train_side(model_dir: Path, prompt: list[int]) -> TrainSide:
@@ -51,7 +53,7 @@ def run_train_side(model_dir: Path, prompt: list[int]) -> TrainSide:
 
     cap, live = capture_hf(model_dir, input_ids=prompt)
     values = eager_values(live["graph_module"], live["inputs"])
-    return TrainSide(cap, values, train_rounding(live["graph_module"], values))
+    return TrainSide(cap, values, train_rounding(live["graph_module"], values), live["graph_module"])
 
 
 def analyze(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide, *, model: str, layers_total: int,
@@ -64,6 +66,7 @@ def analyze(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide, *, m
     sites, replay, unmatched_k = [], [], []
     matched, unmatched_all = 0, set(n.name for n in tgraph.nodes)
     timings: dict[str, float] = {}
+    engine_values: dict[str, Any] = {}
 
     def lap(name: str, since: float) -> float:
         now = time.perf_counter()
@@ -83,10 +86,14 @@ def analyze(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide, *, m
         matched += len(matches)
         unmatched_all &= set(unmatched)
         sites += find_sites(tgraph, train.values, train.rounded, egraph, er, matches, unmatched)
+        engine_values.update(er.values)
         lap("sites_s", t)
         used = {m.engine for m in matches}
         unmatched_k += [k.id for k in egraph.kernels if k.kind == "generated" and not (set(k.nodes) & used)]
     regions = group_regions(sites)
+    t = time.perf_counter()
+    uniformity = site_nonuniformity(tgraph, train.gm, train.values, sites, engine_values) if train.gm else {}
+    lap("nonuniformity_s", t)
     layers_scanned = len({s.layer for s in sites if s.layer is not None}) or layers_total
     return ScanResult(
         model=model, architecture=engine_cap.architecture, config_sha256=config_sha256(config),
@@ -96,7 +103,7 @@ def analyze(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide, *, m
         unmatched_train=[n for n in (x.name for x in tgraph.nodes) if n in unmatched_all
                          and tgraph.node_map()[n].op == "call_function"][:500],
         unmatched_engine_kernels=unmatched_k, timings={"analysis_s": round(time.perf_counter() - t0, 3), **timings},
-        reproduce=reproduce, notes=notes or [],
+        reproduce=reproduce, notes=notes or [], nonuniformity=uniformity,
     )
 
 
