@@ -136,3 +136,15 @@ def test_dump_import_gives_the_same_partition(engine_run):
         [(n.name, n.target, n.dtype, n.shape, n.sym, n.inputs, n.call) for n in live.nodes]
     assert [n.source.line if n.source else None for n in d.nodes] == \
         [n.source.line if n.source else None for n in live.nodes]
+
+
+def test_recorded_buffers_survive_later_engine_steps(engine_run):
+    """The engine reuses its input buffers every step; the records must be copies, not views."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    g = _graph(engine_run)
+    ids = next(name for name, p in g.inputs.items() if p == "input_ids")
+    engine_run.llm.generate([TokensPrompt(prompt_token_ids=[5] * 40)], SamplingParams(max_tokens=2), use_tqdm=False)
+    first = engine_run.buffers[g.kernels[0].id]
+    assert first["in"][ids].tolist() == engine_run.capture.prompt_tokens

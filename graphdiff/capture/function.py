@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphdiff.capture.fx import graph_from_fx
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
-from graphdiff.capture.vllm import BufferRecorder, build_graph, inductor_hooks, input_names
+from graphdiff.capture.vllm import BufferRecorder, build_graph, inductor_hooks, input_names, weight_inputs
 from graphdiff.model import Graph
 
 
@@ -57,7 +57,7 @@ def capture_compiled(module: torch.nn.Module, args: tuple[torch.Tensor, ...],
         src = comp.module.__file__
         code = open(src).read()
         defs = parse_kernel_defs(code)
-        recorder = BufferRecorder(comp.module, parse_kernel_calls(code, defs), defs, set(graph.inputs))
+        recorder = BufferRecorder(comp.module, parse_kernel_calls(code, defs), defs, weight_inputs(graph))
         recorder.armed = True
         compiled(*args)
         recorder.armed = False

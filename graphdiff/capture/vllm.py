@@ -165,8 +165,10 @@ def inductor_hooks() -> Iterator[_Hooks]:
 class BufferRecorder:
     """Wraps a compiled module's generated kernels to record one forward's real buffers."""
 
-    def __init__(self, module: ModuleType, calls: list[KernelCall], defs: dict, graph_inputs: set[str]) -> None:
-        self.graph_inputs = graph_inputs  # weights and ids: not written during a forward, kept by reference
+    def __init__(self, module: ModuleType, calls: list[KernelCall], defs: dict, weights: set[str]) -> None:
+        # Weights are never written by a forward: keep them by reference (an embedding table is
+        # gigabytes). Everything else is copied: the engine reuses its input buffers every step.
+        self.weights = weights
         self.records: dict[str, dict[str, Any]] = {}
         self.armed = False
         self._sites: dict[str, list[KernelCall]] = defaultdict(list)
@@ -189,7 +191,7 @@ class BufferRecorder:
             rec: dict[str, Any] = {"in": {}, "out": {}, "scalars": {}}
             for arg, bufname, role in zip(args, site.args, roles):
                 if isinstance(arg, torch.Tensor):
-                    if role == "in" and bufname in self.graph_inputs:
+                    if role == "in" and bufname in self.weights:
                         rec["in"][bufname] = arg.detach()
                     elif role in ("in", "inout"):
                         rec["in"][bufname] = arg.detach().clone()
@@ -206,6 +208,11 @@ class BufferRecorder:
 
     def complete(self) -> bool:
         return all(self._seen[n] == len(s) for n, s in self._sites.items())
+
+
+def weight_inputs(graph: Graph) -> set[str]:
+    """Placeholders that hold module parameters/buffers (named like `model.layers.0.x.weight`)."""
+    return {p for p, name in graph.inputs.items() if "." in name and "#" not in name}
 
 
 def kernel_args_role(param: str, dtype: str | None) -> str:
@@ -437,7 +444,7 @@ def capture_vllm(
             graph = build_graph(comp, names, root, len(graphs))
             src = Path(comp.module.__file__).read_text()
             defs = parse_kernel_defs(src)
-            recorders.append(BufferRecorder(comp.module, parse_kernel_calls(src, defs), defs, set(graph.inputs)))
+            recorders.append(BufferRecorder(comp.module, parse_kernel_calls(src, defs), defs, weight_inputs(graph)))
             graphs.append(graph)
         for r in recorders:
             r.armed = True
