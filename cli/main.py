@@ -44,17 +44,6 @@ def progress(title: str) -> Iterator:
         yield update
 
 
-def resolve_model(spec: str) -> Path:
-    """A local checkpoint directory, or `tiny:ARCH[:LAYERS]` for a bundled seeded tiny model."""
-    from graphdiff.tiny import tiny_path
-
-    if spec.startswith("tiny:"):
-        parts = spec.split(":")
-        layers = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 2
-        return tiny_path(parts[1], layers)
-    return Path(spec)
-
-
 @app.command("make-tiny")
 def make_tiny_cmd(
     arch: str = typer.Argument(..., help="qwen3, qwen2 or llama"),
@@ -92,7 +81,10 @@ def capture(
 
             cap = import_dump(Path(model))
         else:
-            model_dir = resolve_model(model)
+            from graphdiff.scan import config_sha256, prepare_model
+
+            resolved, _ = prepare_model(model, layers, None, lambda m: console.log(m))
+            model_dir = resolved.path
             prompt = prompt_tokens(model_dir, tokens)
             if engine == "hf":
                 from graphdiff.capture.hf import capture_hf
@@ -108,6 +100,7 @@ def capture(
                 with progress("starting vLLM") as update:
                     run = capture_vllm(model_dir, prompt, layers=layers, debug_dir=debug, progress=update)
                 cap = run.capture
+                cap.config_sha256 = config_sha256(resolved.config)
                 out_dir.mkdir(parents=True, exist_ok=True)
                 torch.save(run.buffers, out_dir / "buffers.pt")
                 cap.buffers_file = "buffers.pt"
@@ -131,6 +124,9 @@ def scan_cmd(
     tokens: int = typer.Option(16, help="length of the seeded prompt both sides run"),
     out_dir: Path | None = typer.Option(None, "--out", help="output directory (default scans/<model>)"),
     report: bool = typer.Option(False, "--report", help="also render OUT/report.html (see `graphdiff report`)"),
+    patch: bool = typer.Option(False, "--patch", help="also generate the patch into OUT/patch (see `graphdiff patch`)"),
+    engine_dump: Path | None = typer.Option(None, "--engine-dump", help="engine capture made elsewhere by "
+                                            "`graphdiff capture MODEL --engine vllm --out DIR` (no engine start)"),
 ) -> None:
     """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
     from graphdiff.model import save_json
@@ -143,7 +139,8 @@ def scan_cmd(
             raise GraphdiffError("--tokens must be at least 2")
         out_dir = out_dir or Path("scans") / model.replace("/", "--").replace(":", "-")
         with progress("scanning") as update:
-            result, run = scan(model, layers=layers, tokens=tokens, progress=update, argv=sys.argv[1:])
+            result, run = scan(model, layers=layers, tokens=tokens, progress=update, argv=sys.argv[1:],
+                               engine_dump=engine_dump)
         # The two captured graphs travel with the result: the report draws them.
         save_json(run.capture, out_dir / "engine.capture.json")
         save_json(run.train.capture, out_dir / "train.capture.json")
@@ -152,10 +149,17 @@ def scan_cmd(
             from graphdiff.report import write_report
 
             html = write_report(out_dir)[0]
+        if patch:
+            from graphdiff.codegen import generate
+
+            manifest = generate(out_dir, out_dir / "patch", None)
     print_scan(result)
     out.print(f"wrote {path}")
     if report:
         out.print(f"wrote {html}")
+    if patch:
+        made = sum(r.generated for r in manifest.regions)
+        out.print(f"wrote {out_dir / 'patch' / 'manifest.json'} ({made} of {len(manifest.regions)} regions generated)")
 
 
 @app.command("report")

@@ -138,6 +138,7 @@ class Capture(BaseModel):
     graphs: list[Graph]
     packed: list[PackedParam] = Field(default_factory=list)
     buffers_file: str | None = None  # torch.save file with real kernel inputs/outputs
+    config_sha256: str = ""  # of the model config the capture ran (scan --engine-dump checks it)
     prompt_tokens: list[int] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
 

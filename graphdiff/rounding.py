@@ -308,9 +308,12 @@ def engine_rounding(graph: Graph, buffers: dict[str, dict[str, Any]]) -> EngineR
         if rec:
             for buf, t in rec["in"].items():
                 node = known.get(buf)
-                if node and isinstance(t, torch.Tensor) and t.is_floating_point():
-                    seen_outside.setdefault(node, t.float())
-                    values.setdefault(node, t.float())
+                # Graph inputs (weights) are not computed values; upcasting an embedding table is gigabytes.
+                if not node or node in seen_outside or nodes[node].op == "placeholder":
+                    continue
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    seen_outside[node] = t.float()
+                    values.setdefault(node, seen_outside[node])
             for rep in (r for r in replays if r.kernel == k.id):
                 for buf, node in rep.outputs.items():
                     t = rec["out"].get(buf)
@@ -383,9 +386,11 @@ def rerun_fp32(n: torch.fx.Node, values: dict[str, Any]) -> Any:
         return n.target(*torch.fx.node.map_aggregate(n.args, up), **torch.fx.node.map_aggregate(n.kwargs, up))
 
 
-def train_rounding(gm: torch.fx.GraphModule, values: dict[str, Any]) -> dict[str, float]:
+def train_rounding(gm: torch.fx.GraphModule, values: dict[str, Any],
+                   fp32: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """Low-precision nodes of an eager graph whose op really rounds, with the fraction of elements
-    it changes (the op re-run in FP32 on the same inputs differs from its stored result)."""
+    it changes (the op re-run in FP32 on the same inputs differs from its stored result).
+    `fp32`, when given, collects those FP32 results (the values each rounding acts on)."""
     rounded: dict[str, float] = {}
     for n in gm.graph.nodes:
         out = values.get(n.name)
@@ -404,4 +409,6 @@ def train_rounding(gm: torch.fx.GraphModule, values: dict[str, Any]) -> dict[str
         changed = float((exact.to(out.dtype).float() != exact).float().mean())
         if changed > 0:
             rounded[n.name] = changed
+        if fp32 is not None:
+            fp32[n.name] = exact
     return rounded

@@ -46,6 +46,7 @@ class TrainSide:
     values: dict[str, Any]
     rounded: dict[str, float]
     gm: Any = None  # the executable eager graph (re-runs ops in FP32 for the statistics)
+    fp32: dict[str, Any] | None = None  # each rounding node's FP32 result before it was rounded
 
 
 def run_train_side(model_dir: Path, prompt: list[int]) -> TrainSide:
@@ -53,7 +54,9 @@ def run_train_side(model_dir: Path, prompt: list[int]) -> TrainSide:
 
     cap, live = capture_hf(model_dir, input_ids=prompt)
     values = eager_values(live["graph_module"], live["inputs"])
-    return TrainSide(cap, values, train_rounding(live["graph_module"], values), live["graph_module"])
+    fp32: dict[str, Any] = {}
+    rounded = train_rounding(live["graph_module"], values, fp32)
+    return TrainSide(cap, values, rounded, live["graph_module"], fp32)
 
 
 def analyze(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide, *, model: str, layers_total: int,
@@ -92,7 +95,8 @@ def analyze(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide, *, m
         unmatched_k += [k.id for k in egraph.kernels if k.kind == "generated" and not (set(k.nodes) & used)]
     regions = group_regions(sites)
     t = time.perf_counter()
-    uniformity = site_nonuniformity(tgraph, train.gm, train.values, sites, engine_values) if train.gm else {}
+    uniformity = (site_nonuniformity(tgraph, train.gm, train.values, sites, engine_values, train.fp32)
+                  if train.gm else {})
     lap("nonuniformity_s", t)
     layers_scanned = len({s.layer for s in sites if s.layer is not None}) or layers_total
     return ScanResult(
@@ -107,17 +111,13 @@ def analyze(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide, *, m
     )
 
 
-def scan(spec: str, *, layers: int | None = None, tokens: int = 16, work_dir: Path | None = None,
-         progress: Progress = lambda m: None, argv: list[str] | None = None) -> tuple[ScanResult, Any]:
-    """Resolve `spec`, run the real engine and the HF trainer on the same weights and tokens, analyze."""
-    from graphdiff.capture.vllm import capture_vllm
+def prepare_model(spec: str, layers: int | None, work_dir: Path | None, progress: Progress) -> tuple[Any, list[str]]:
+    """Resolve a model spec to a checkpoint dir both sides can load (seeded weights if it has none)."""
     from graphdiff.resolve import resolve_model
     from graphdiff.tiny import write_random_weights
 
-    t_start = time.perf_counter()
     resolved = resolve_model(spec, work_dir=work_dir, layers=layers if layers is not None else DEFAULT_LAYERS)
-    config = resolved.config
-    total = int(config.get("num_hidden_layers", 0))
+    total = int(resolved.config.get("num_hidden_layers", 0))
     notes = []
     if resolved.origin == "bundled" or resolved.origin == "hf-cache":
         notes.append(f"config from {resolved.origin}; decoder layers are identical, so {total} layer(s) are "
@@ -126,12 +126,73 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, work_dir: Pa
         progress("writing seeded random weights (same on both sides; no download)")
         write_random_weights(resolved.path)
         notes.append("weights: seeded random (graphdiff.tiny.write_random_weights), identical on both sides")
-    prompt = prompt_tokens(config, tokens)
-    progress("starting the engine (compile)")
-    run = capture_vllm(resolved.path, prompt, progress=progress)
+    return resolved, notes
+
+
+def load_engine_capture(directory: Path) -> tuple[Capture, dict[str, Any]]:
+    """An engine capture with real kernel buffers, made elsewhere by `graphdiff capture --engine vllm`."""
+    from graphdiff.model import load_capture
+
+    if not (directory / "capture.json").exists():
+        if directory.exists() and any(directory.rglob("output_code.py")):
+            raise GraphdiffError(
+                f"{directory} is a TORCH_COMPILE_DEBUG dump without recorded kernel buffers, which the scan "
+                "replays; on the engine machine run `graphdiff capture MODEL --engine vllm --out DIR` and pass DIR")
+        raise GraphdiffError(f"{directory} holds no engine capture (capture.json from `graphdiff capture`)")
+    cap = load_capture(directory / "capture.json")
+    if cap.side != "engine" or not cap.buffers_file or not (directory / cap.buffers_file).exists():
+        raise GraphdiffError(f"{directory / 'capture.json'} is not an engine capture with recorded buffers")
+    try:
+        buffers = torch.load(directory / cap.buffers_file, weights_only=False)
+    except Exception as e:
+        raise GraphdiffError(f"cannot read {directory / cap.buffers_file}: {type(e).__name__}") from None
+    return cap, buffers
+
+
+def check_same_weights(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide) -> None:
+    """Both sides must have run the same weights: compare every weight a kernel recorded."""
+    train_inputs = train.capture.graphs[0].inputs
+    by_name = {name: train.values.get(node) for node, name in train_inputs.items()}
+    for g in engine_cap.graphs:
+        for rec in (buffers.get(k.id) for k in g.kernels):
+            for buf, t in (rec or {}).get("in", {}).items():
+                name = g.inputs.get(buf, "")
+                ref = by_name.get(name)
+                if isinstance(ref, torch.Tensor) and isinstance(t, torch.Tensor) and not torch.equal(ref, t):
+                    raise GraphdiffError(f"the engine capture ran other weights than {train.capture.model} "
+                                         f"({name} differs); scan the checkpoint the engine ran")
+
+
+def scan(spec: str, *, layers: int | None = None, tokens: int = 16, work_dir: Path | None = None,
+         progress: Progress = lambda m: None, argv: list[str] | None = None,
+         engine_dump: Path | None = None) -> tuple[ScanResult, Any]:
+    """Resolve `spec`, run the real engine (or take its capture from `engine_dump`) and the HF trainer
+    on the same weights and tokens, analyze."""
+    from graphdiff.capture.vllm import EngineRun, capture_vllm
+
+    t_start = time.perf_counter()
+    resolved, notes = prepare_model(spec, layers, work_dir, progress)
+    config = resolved.config
+    total = int(config.get("num_hidden_layers", 0))
+    if engine_dump is not None:
+        cap, buffers = load_engine_capture(engine_dump)
+        if cap.config_sha256 and cap.config_sha256 != config_sha256(config):
+            raise GraphdiffError(f"{engine_dump} was captured from another model config than {spec} "
+                                 f"(layers, sizes or architecture differ)")
+        run = EngineRun(llm=None, capture=cap, buffers=buffers, startup_s=0.0)
+        prompt = cap.prompt_tokens
+        notes.append(f"engine side from {engine_dump} (captured with {cap.versions.get('vllm', '?')}); "
+                     "the engine was not started")
+    else:
+        prompt = prompt_tokens(config, tokens)
+        progress("starting the engine (compile)")
+        run = capture_vllm(resolved.path, prompt, progress=progress)
+        run.capture.config_sha256 = config_sha256(config)
     t_engine = time.perf_counter()
     progress("tracing the trainer's eager forward")
     train = run_train_side(resolved.path, prompt)
+    if engine_dump is not None:
+        check_same_weights(run.capture, run.buffers, train)
     t_train = time.perf_counter()
     progress("replaying kernels, matching values, finding sites")
     reproduce = "graphdiff " + shlex.join(argv) if argv else f"graphdiff scan {shlex.quote(spec)} --engine vllm"

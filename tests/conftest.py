@@ -28,3 +28,24 @@ def engine_run(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFa
     run = capture_vllm(tiny_models["qwen3"], PROMPT, debug_dir=debug)
     run.debug_dir = debug
     return run
+
+
+@pytest.fixture(scope="session")
+def cli_scan(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """`graphdiff scan` of a tiny model in a fresh process (the session already holds an engine);
+    one run per architecture, shared by the tests that need a scan directory."""
+    import subprocess
+    import sys
+
+    done: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def run(arch: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if arch not in done:
+            out = tmp_path_factory.mktemp(f"scan-{arch}")
+            proc = subprocess.run([sys.executable, "-m", "graphdiff_cli.main", "scan", str(tiny_models[arch]),
+                                   "--out", str(out)], capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[arch] = (out, proc)
+        return done[arch]
+
+    return run

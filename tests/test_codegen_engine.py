@@ -18,17 +18,12 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_generated_regions_of_other_architectures(arch: str, tiny_models: dict[str, Path],
-                                                  tmp_path: Path) -> None:
+def test_generated_regions_of_other_architectures(arch: str, tiny_models: dict[str, Path], tmp_path: Path,
+                                                  cli_scan) -> None:
     pytest.importorskip("vllm")
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.model import save_json
-    from graphdiff.scan import scan
 
-    scan_dir, out = tmp_path / "scan", tmp_path / "patch"
-    result, run = scan(f"tiny:{arch}")
-    save_json(run.train.capture, scan_dir / "train.capture.json")
-    save_json(result, scan_dir / "scan.json")
+    scan_dir, out = cli_scan(arch)[0], tmp_path / "patch"
     manifest = generate(scan_dir, out)
     assert {"rope", "gated_act", "residual_norm", "norm_weight"} <= {r.kind for r in manifest.regions}
     assert all(r.generated for r in manifest.regions), [r.reason for r in manifest.regions]

@@ -66,11 +66,8 @@ def test_scan_result_round_trips_as_json(qwen3_scan):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_scan_cli_on_qwen2_and_llama_finds_the_analogous_regions(arch, tiny_models, tmp_path):
-    out = tmp_path / arch
-    proc = subprocess.run([sys.executable, "-m", "graphdiff_cli.main", "scan", str(tiny_models[arch]), "--out",
-                           str(out)], capture_output=True, text=True, timeout=600, env={**os.environ})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_scan_cli_on_qwen2_and_llama_finds_the_analogous_regions(arch, cli_scan):
+    out, proc = cli_scan(arch)
     result = ScanResult.model_validate_json((out / "scan.json").read_text())
     kinds = {r.kind for r in result.regions}
     assert {"rope", "gated_act", "residual_norm"} <= kinds
@@ -90,3 +87,35 @@ def test_scan_of_a_bundled_hf_id_runs_offline(tmp_path):
     assert result.layers_total == 28 and result.layers_scanned == 1
     assert {"rope", "qk_norm", "gated_act"} <= {r.kind for r in result.regions}
     assert any("bundled" in n for n in result.notes)
+
+
+def test_scan_from_an_engine_capture_made_elsewhere(engine_run, tiny_models, tmp_path):
+    """`capture --engine vllm` on the engine machine, `scan --engine-dump` on a laptop: same sites."""
+    import torch
+
+    from graphdiff.errors import GraphdiffError
+    from graphdiff.model import save_json
+    from graphdiff.scan import scan
+    from graphdiff.tiny import make_tiny
+
+    dump = tmp_path / "engine"
+    cap = engine_run.capture.model_copy()
+    cap.buffers_file = "buffers.pt"
+    save_json(cap, dump / "capture.json")
+    torch.save(engine_run.buffers, dump / "buffers.pt")
+    result, run = scan(str(tiny_models["qwen3"]), engine_dump=dump)
+    assert run.llm is None  # no engine was started
+    assert {"rope", "qk_norm", "gated_act", "residual_norm"} <= {r.kind for r in result.regions}
+    assert all(r.predicted_bitexact >= 0.999 for r in result.replay)
+    other = make_tiny("qwen3", tmp_path / "other-weights", layers=2, seed=7)
+    with pytest.raises(GraphdiffError, match="other weights"):
+        scan(str(other), engine_dump=dump)
+
+
+def test_scan_refuses_a_dump_without_buffers(tmp_path):
+    from tests.conftest import FIXTURES
+    from tests.test_cli_errors import one_error_line, run_cli
+
+    msg = one_error_line(run_cli("scan", "tiny:qwen3", "--engine-dump", str(FIXTURES / "dumps" / "vllm-cpu-tiny-qwen3"),
+                                 "--out", str(tmp_path)))
+    assert "without recorded kernel buffers" in msg

@@ -24,8 +24,11 @@ from graphdiff.rounding import rerun_fp32
 MATMULS = {"mm", "addmm", "bmm", "matmul"}
 
 
-def _fp32_values(gm: torch.fx.GraphModule, values: dict[str, Any], name: str) -> torch.Tensor | None:
-    node = next((n for n in gm.graph.nodes if n.name == name), None)
+def _fp32_values(fx_nodes: dict[str, torch.fx.Node], values: dict[str, Any], name: str,
+                 known: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+    if known and isinstance(known.get(name), torch.Tensor):
+        return known[name].float()  # computed already while deciding where the trainer rounds
+    node = fx_nodes.get(name)
     if node is None or node.op != "call_function":
         return None
     try:
@@ -73,12 +76,14 @@ def contrast_groups(train: Graph) -> dict[str, list[str]]:
 
 
 def site_nonuniformity(train: Graph, gm: torch.fx.GraphModule, values: dict[str, Any], sites: list[Site],
-                       engine_values: dict[str, torch.Tensor]) -> dict[str, float]:
+                       engine_values: dict[str, torch.Tensor],
+                       known: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """Statistic per region (median over layers) and per contrast group; sets Site.nonuniformity."""
+    fx_nodes = {n.name: n for n in gm.graph.nodes}
     per_region: dict[str, dict[int | None, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
     for s in sites:
         if s.rounded_on == "train":
-            x = _fp32_values(gm, values, s.train.node)
+            x = _fp32_values(fx_nodes, values, s.train.node, known)
         else:
             v = engine_values.get(s.engine.node if s.engine else "")
             x = v.float() if isinstance(v, torch.Tensor) else None
@@ -91,7 +96,7 @@ def site_nonuniformity(train: Graph, gm: torch.fx.GraphModule, values: dict[str,
     for group, names in contrast_groups(train).items():
         layers: dict[int | None, list[torch.Tensor]] = defaultdict(list)
         for name in names:
-            x = _fp32_values(gm, values, name)
+            x = _fp32_values(fx_nodes, values, name, known)
             if x is not None:
                 layers[layer_of(train.node_map()[name].module)].append(x)
         if (v := _grouped(layers)) is not None:
