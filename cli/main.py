@@ -127,6 +127,8 @@ def scan_cmd(
     patch: bool = typer.Option(False, "--patch", help="also generate the patch into OUT/patch (see `graphdiff patch`)"),
     engine_dump: Path | None = typer.Option(None, "--engine-dump", help="engine capture made elsewhere by "
                                             "`graphdiff capture MODEL --engine vllm --out DIR` (no engine start)"),
+    kl: bool = typer.Option(False, "--kl", help="also measure the log-prob gap (8 prompts x 64 tokens; with "
+                            "--patch: patched vs unpatched) into scan.json `kl` and OUT/kl.json"),
 ) -> None:
     """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
     from graphdiff.model import save_json
@@ -145,15 +147,28 @@ def scan_cmd(
         save_json(run.capture, out_dir / "engine.capture.json")
         save_json(run.train.capture, out_dir / "train.capture.json")
         path = save_json(result, out_dir / "scan.json")
-        if report:
-            from graphdiff.report import write_report
-
-            html = write_report(out_dir)[0]
         if patch:
             from graphdiff.codegen import generate
 
             manifest = generate(out_dir, out_dir / "patch", None)
+        if kl:
+            from graphdiff.measure.kl import measure, random_prompts
+
+            model_dir = run.model_dir or Path(run.capture.model)
+            with progress("measuring the log-prob gap") as update:
+                kl_result = measure(model_dir, random_prompts(result_config(model_dir), 8, 16, 0), max_tokens=64,
+                                    manifest=out_dir / "patch" / "manifest.json" if patch else None,
+                                    out_dir=out_dir, progress=update, reproduce="graphdiff " + shlex.join(sys.argv[1:]))
+            save_json(kl_result, out_dir / "kl.json")
+            result.kl = kl_result.model_dump(mode="json")
+            path = save_json(result, out_dir / "scan.json")
+        if report:
+            from graphdiff.report import write_report
+
+            html = write_report(out_dir)[0]
     print_scan(result)
+    if kl:
+        print_kl(kl_result)
     out.print(f"wrote {path}")
     if report:
         out.print(f"wrote {html}")
@@ -181,6 +196,12 @@ def report_cmd(
     if fmt == "model-explorer":
         out.print("node values: 1 = rounded to BF16 on the train side only (orange), 2 = on the engine side only "
                   "(blue); load them in Model Explorer with 'Add per-node data'")
+
+
+def result_config(model_dir: Path) -> dict:
+    from graphdiff.resolve import read_config
+
+    return read_config(model_dir)
 
 
 def print_scan(result) -> None:  # noqa: ANN001 - ScanResult
@@ -293,17 +314,15 @@ def kl_cmd(
     """Measure the engine-vs-trainer log-prob gap on engine samples; write OUT/kl.json."""
     from graphdiff.measure.kl import SAMPLES_FILE, measure, random_prompts, read_prompts
     from graphdiff.model import save_json
-    from graphdiff.resolve import resolve_model as resolve_spec
-    from graphdiff.tiny import write_random_weights
+    from graphdiff.scan import prepare_model
 
     with user_errors():
         if engine != "vllm":
             raise GraphdiffError(f"unknown engine {engine!r}; graphdiff kl measures vllm")
         if prompts_file is not None and random is not None:
             raise GraphdiffError("give --prompts or --random, not both")
-        resolved = resolve_spec(model)
-        if not resolved.has_weights:
-            write_random_weights(resolved.path)  # a config-only model: seeded weights, the same on both sides
+        # Same resolution as scan (layer cut, seeded weights), so a scan's patch manifest matches.
+        resolved, _ = prepare_model(model, None, None, lambda m: console.log(m))
         out_dir = out_dir or Path("kl") / model.replace("/", "--").replace(":", "-")
         vocab = int(resolved.config.get("vocab_size", 0))
         prompts = (read_prompts(prompts_file, resolved.path, vocab) if prompts_file is not None

@@ -201,6 +201,7 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, work_dir: Pa
     result.timings.update(engine_startup_s=round(run.startup_s, 3), wall_s=round(time.perf_counter() - t_start, 3),
                           engine_total_s=round(t_engine - t_start, 3), train_s=round(t_train - t_engine, 3))
     run.train = train  # the caller may persist both captures beside the result
+    run.model_dir = resolved.path
     if not result.sites and not result.replay:
         raise GraphdiffError("the engine graph had no generated kernels to compare (is compile disabled?)")
     return result, run

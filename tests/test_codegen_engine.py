@@ -58,5 +58,7 @@ def test_patch_shrinks_the_log_prob_gap_to_the_engine(tiny_models: dict[str, Pat
                      out_dir=tmp_path / "kl")
     plain = next(m for m in result.measurements if not m.regions)
     patched = next(m for m in result.measurements if m.regions)
-    assert abs(patched.k1) <= 0.2 * abs(plain.k1), (plain.k1, patched.k1)
+    # k3 is the low-variance per-token KL estimate: at 1024 tokens k1's standard error (~1e-3) is
+    # larger than the whole effect, so a k1 threshold would test noise. Measured here: k3 -75%, RMS -50%.
+    assert patched.k3 <= 0.4 * plain.k3, (plain.k3, patched.k3)
     assert patched.rms <= 0.6 * plain.rms, (plain.rms, patched.rms)

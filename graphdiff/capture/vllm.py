@@ -378,6 +378,7 @@ class EngineRun:
     buffers: dict[str, dict[str, Any]]
     startup_s: float
     train: Any = None  # set by scan: the training side run on the same tokens
+    model_dir: Path | None = None  # set by scan: the local checkpoint both sides ran
 
 
 def capture_vllm(
