@@ -236,6 +236,8 @@ def print_scan(result) -> None:  # noqa: ANN001 - ScanResult
 
 
 def print_summary(cap, show_kernels: bool = True) -> None:  # noqa: ANN001 - Capture
+    from graphdiff.rounding import VIEW_OPS
+
     for g in cap.graphs:
         ops = Counter(n.target for n in g.nodes if n.op == "call_function")
         t = Table(title=f"{cap.side} graph {g.name} ({cap.engine}, {cap.architecture})", show_header=True)
@@ -256,7 +258,7 @@ def print_summary(cap, show_kernels: bool = True) -> None:  # noqa: ANN001 - Cap
             for k in g.kernels:
                 fused = [nodes[n].target.split(".")[1] if "." in nodes[n].target else nodes[n].target
                          for n in k.nodes if n in nodes]
-                compute = [f for f in dict.fromkeys(fused) if f not in VIEW_OPS]
+                compute = [f for f in dict.fromkeys(fused) if f not in VIEW_OPS and f not in ("empty", "full")]
                 stores = ", ".join(f"{a.name}:{a.dtype}" for a in k.args if a.role in ("out", "inout") and a.dtype)
                 kt.add_row(k.id, k.kind, " ".join(compute), stores)
             out.print(kt)
@@ -288,9 +290,6 @@ def patch_cmd(
     out.print(t)
     out.print(f"wrote {out_dir / manifest.module_file} and {out_dir / 'manifest.json'}")
 
-
-VIEW_OPS = {"getitem", "view", "reshape", "unsqueeze", "squeeze", "split", "split_with_sizes", "slice", "permute",
-            "expand", "alias", "t", "transpose", "select", "empty", "full"}
 
 
 @app.command("kl")

@@ -240,10 +240,9 @@ def group_regions(sites: list[Site]) -> list[Region]:
         differing = [ly for ly in layers[1:] if ly is not None and signature(by_layer[ly]) != first]
         kernels = sorted({(s.engine.kernel if s.engine and s.engine.kernel else "").split(":")[0]
                           for s in members} - {""})
-        for i, s in enumerate(sorted(members, key=lambda s: (s.layer or 0, s.train.node))):
+        for s in members:
             s.region = name
             s.id = f"{name}/L{s.layer}/{s.train.node}" if s.layer is not None else f"{name}/{s.train.node}"
-            _ = i
         regions.append(Region(name=name, kind=kind, module=pattern, layers=layers, sites=[s.id for s in members],
                               rounded_on=sorted({s.rounded_on for s in members}), kernels=kernels,
                               differing_layers=differing))
