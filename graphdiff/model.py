@@ -10,13 +10,14 @@ Inductor chose (which FX nodes each generated kernel fuses, what it loads and st
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, Field, PrivateAttr
 
 from graphdiff.errors import GraphdiffError
 
 SCHEMA_VERSION = 1
+M = TypeVar("M", bound=BaseModel)
 
 Side = Literal["train", "engine"]
 
@@ -151,18 +152,22 @@ def save_json(obj: BaseModel, path: Path) -> Path:
     return path
 
 
-def load_capture(path: Path) -> Capture:
-    if path.is_dir():
-        path = path / "capture.json"
-    if not path.exists():
-        raise GraphdiffError(f"no capture at {path}")
+def load_versioned(cls: type[M], path: Path, what: str) -> M:
+    """A persisted model, or one clear GraphdiffError (missing, not valid, other schema version)."""
+    if not path.is_file():
+        raise GraphdiffError(f"no {what} at {path}")
     try:
-        cap = Capture.model_validate_json(path.read_text())
+        obj = cls.model_validate_json(path.read_text())
     except ValueError as e:
-        raise GraphdiffError(f"{path} is not a valid graphdiff capture: {str(e).splitlines()[0]}") from None
-    if cap.schema_version != SCHEMA_VERSION:
-        raise GraphdiffError(f"{path} has capture schema {cap.schema_version}; this graphdiff reads {SCHEMA_VERSION}")
-    return cap
+        raise GraphdiffError(f"{path} is not a valid graphdiff {what}: {str(e).splitlines()[0]}") from None
+    version = getattr(obj, "schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise GraphdiffError(f"{path} has {what} schema {version}; this graphdiff reads {SCHEMA_VERSION}")
+    return obj
+
+
+def load_capture(path: Path) -> Capture:
+    return load_versioned(Capture, path / "capture.json" if path.is_dir() else path, "capture")
 
 
 # --- scan results --------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from markupsafe import Markup
 
 from graphdiff import report_graphs as rg
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import SCHEMA_VERSION, Capture, Graph, Region, ScanResult, Site, load_capture
+from graphdiff.model import Capture, Graph, Region, ScanResult, Site, load_capture, load_versioned
 
 TEMPLATES = Path(__file__).parent / "report_templates"
 FORMATS = ("html", "dot", "svg", "model-explorer")
@@ -40,12 +40,7 @@ def load_scan(scan_dir: Path) -> tuple[ScanResult, Capture | None, Capture | Non
     path = scan_dir / "scan.json" if scan_dir.is_dir() else scan_dir
     if not path.exists():
         raise GraphdiffError(f"no scan.json in {scan_dir}; run `graphdiff scan MODEL --out {scan_dir}` first")
-    try:
-        scan = ScanResult.model_validate_json(path.read_text())
-    except ValueError as e:
-        raise GraphdiffError(f"{path} is not a valid graphdiff scan: {str(e).splitlines()[0]}") from None
-    if scan.schema_version != SCHEMA_VERSION:
-        raise GraphdiffError(f"{path} has scan schema {scan.schema_version}; this graphdiff reads {SCHEMA_VERSION}")
+    scan = load_versioned(ScanResult, path, "scan")
     caps = [load_capture(path.parent / f) if (path.parent / f).exists() else None
             for f in ("train.capture.json", "engine.capture.json")]
     return scan, caps[0], caps[1]

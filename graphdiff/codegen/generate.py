@@ -27,6 +27,7 @@ from graphdiff.model import (
     ManifestSplice,
     Node,
     ScanResult,
+    load_versioned,
     save_json,
 )
 
@@ -38,12 +39,7 @@ def load_scan_dir(scan_dir: Path) -> tuple[ScanResult, Capture]:
     for p in (scan_path, train_path):
         if not p.is_file():
             raise GraphdiffError(f"{p} is missing: `graphdiff scan MODEL --out {scan_dir}` writes it")
-    try:
-        scan = ScanResult.model_validate_json(scan_path.read_text())
-        train = Capture.model_validate_json(train_path.read_text())
-    except ValueError as e:
-        raise GraphdiffError(f"cannot read the scan in {scan_dir}: {str(e).splitlines()[0]}") from None
-    return scan, train
+    return load_versioned(ScanResult, scan_path, "scan"), load_versioned(Capture, train_path, "capture")
 
 
 def _probe(node: Node, gen: torch.Generator) -> torch.Tensor:
