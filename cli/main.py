@@ -44,6 +44,24 @@ def progress(title: str) -> Iterator:
         yield update
 
 
+@app.command("configs")
+def configs_cmd() -> None:
+    """List the model ids whose configs are bundled (usable offline as MODEL)."""
+    import json
+    from importlib import resources
+
+    from graphdiff.resolve import bundled_ids
+
+    t = Table(title="bundled model configs (seeded random weights; no download)")
+    for col in ("model id", "architecture", "layers", "hidden", "heads / kv", "vocab"):
+        t.add_column(col)
+    for model_id in bundled_ids():
+        cfg = json.loads((resources.files("graphdiff.configs") / (model_id.replace("/", "--") + ".json")).read_text())
+        t.add_row(model_id, cfg["architectures"][0], str(cfg.get("num_hidden_layers")), str(cfg.get("hidden_size")),
+                  f"{cfg.get('num_attention_heads')} / {cfg.get('num_key_value_heads')}", str(cfg.get("vocab_size")))
+    out.print(t)
+
+
 @app.command("make-tiny")
 def make_tiny_cmd(
     arch: str = typer.Argument(..., help="qwen3, qwen2 or llama"),
