@@ -175,6 +175,7 @@ def test_model_explorer_uses_model_node_data_for_several_graphs(scan: ScanResult
 
 def test_measured_kl_is_shown_with_shapley_and_nonuniformity_charts(scan_dir: Path, scan: ScanResult) -> None:
     raw = json.loads((scan_dir / "scan.json").read_text())
+    raw["nonuniformity"] = {}  # only the Shapley chart in this page
     raw["kl"] = {"kl_before": 3.1e-3, "kl_after": 2.5e-5,
                  "shapley": {r.name: 1e-4 * (i + 1) for i, r in enumerate(scan.regions)},
                  "nonuniformity": {"mul": 0.8, "add": -0.1}, "per_prompt": [1, 2]}
@@ -192,6 +193,7 @@ def test_kl_result_shows_measurements_and_shapley_with_intervals(scan_dir: Path,
     meas = {"engine_mode": "compiled", "trainer_mode": "eager", "k3": 1e-4, "rms": 0.06, "max_abs": 0.4,
             "bitexact_fraction": 0.0, "tokens": 1024, "sequences": 8}
     raw = json.loads((scan_dir / "scan.json").read_text())
+    raw["nonuniformity"] = {}  # only the Shapley chart in this page
     raw["kl"] = {
         "schema_version": 1, "kind": "graphdiff.kl", "model": "tiny:qwen3", "seed": 0, "temperature": 1.0,
         "max_tokens": 128, "prompts": 8, "method": "prompt_logprobs vs HF forward",
@@ -211,7 +213,18 @@ def test_kl_result_shows_measurements_and_shapley_with_intervals(scan_dir: Path,
 
 
 def test_report_without_kl_says_not_measured(scan_dir: Path) -> None:
+    raw = json.loads((scan_dir / "scan.json").read_text())
+    raw["kl"], raw["nonuniformity"] = None, {}
+    (scan_dir / "scan.json").write_text(json.dumps(raw))
     assert "not measured in this scan" in write_report(scan_dir)[0].read_text()
+
+
+def test_report_shows_the_measured_gap_and_nonuniformity(scan_dir: Path, scan: ScanResult) -> None:
+    """The recorded scan ran with --patch --kl: its gap table and the non-uniformity chart are shown."""
+    assert scan.kl and scan.nonuniformity
+    text = write_report(scan_dir)[0].read_text()
+    assert "<th>k3</th>" in text and "nonuniformity" in text.lower()
+    assert "contrast: projections" in text
 
 
 def test_cli_report_writes_each_format(scan_dir: Path) -> None:
