@@ -115,11 +115,36 @@ def _call_of(stmt: ast.stmt) -> tuple[ast.Call, str | None] | None:
     return None
 
 
+def _statements_after(lines: list[str], i: int, limit: int = 6) -> list[ast.stmt]:
+    """The next few statements after line i (a statement may span several lines), up to the next handle."""
+    out: list[ast.stmt] = []
+    j = i + 1
+    while j < len(lines) and len(out) < limit and not _HANDLE.search(lines[j]):
+        text = lines[j].strip()
+        if not text or text.startswith("#"):
+            j += 1
+            continue
+        k = j
+        while True:
+            try:
+                out.extend(ast.parse(text).body)
+                break
+            except SyntaxError:
+                k += 1
+                if k >= len(lines) or k - j > 50:
+                    return out
+                text += "\n" + lines[k].strip()
+        j = k + 1
+    return out
+
+
 def parse_kernel_calls(src: str, defs: dict[str, KernelDef] | None = None) -> list[KernelCall]:
     """Kernel calls in the wrapper's call(), in order, each tagged by its provenance handle.
 
     Requires Inductor's provenance tracking (TORCH_COMPILE_DEBUG=1 or INDUCTOR_PROVENANCE=1),
-    which writes `# [Provenance debug handles] name:N` before every kernel call.
+    which writes `# [Provenance debug handles] name:N` before every kernel call (the Triton wrapper
+    may put a `stream0 = get_raw_stream(0)` between the two: the call is the statement that calls
+    `name` or `name.run`).
     """
     defs = parse_kernel_defs(src) if defs is None else defs
     lines = src.splitlines()
@@ -130,35 +155,16 @@ def parse_kernel_calls(src: str, defs: dict[str, KernelDef] | None = None) -> li
             continue
         handle = m.group(1)
         name = handle.rsplit(":", 1)[0]
-        # The call is the next statement (it may span several lines).
-        j = i + 1
-        while j < len(lines) and not lines[j].strip():
-            j += 1
-        text = lines[j].strip()
-        k = j
-        while k + 1 < len(lines):
-            try:
-                stmt = ast.parse(text).body[0]
-                break
-            except SyntaxError:
-                k += 1
-                text += "\n" + lines[k].strip()
-        else:
-            continue
-        found = _call_of(stmt)
-        if found is None:
-            continue
-        call, result = found
-        calls.append(
-            KernelCall(
-                id=handle,
-                name=name,
-                extern=name not in defs,
-                args=[_base_name(a) for a in call.args],
-                result=result,
-                kwargs={kw.arg: _base_name(kw.value) for kw in call.keywords if kw.arg},
-            )
-        )
+        for stmt in _statements_after(lines, i):
+            found = _call_of(stmt)
+            if found is None or ast.unparse(found[0].func) not in (name, f"{name}.run"):
+                continue
+            call, result = found
+            calls.append(KernelCall(
+                id=handle, name=name, extern=name not in defs, args=[_base_name(a) for a in call.args],
+                result=result, kwargs={kw.arg: _base_name(kw.value) for kw in call.keywords if kw.arg},
+            ))
+            break
     return calls
 
 

@@ -162,6 +162,17 @@ def inductor_hooks() -> Iterator[_Hooks]:
         inductor_config.trace.provenance_tracking_level = saved_level
 
 
+class _Launcher:
+    """Stands in for a Triton launcher: `.run` records, everything else is the real launcher's."""
+
+    def __init__(self, inner: Any, run: Callable) -> None:
+        self._inner = inner
+        self.run = run
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 class BufferRecorder:
     """Wraps a compiled module's generated kernels to record one forward's real buffers."""
 
@@ -179,7 +190,9 @@ class BufferRecorder:
         for name in self._sites:
             setattr(module, name, self._wrap(getattr(module, name), name, defs[name]))
 
-    def _wrap(self, fn: Callable, name: str, kdef: Any) -> Callable:
+    def _wrap(self, kernel: Any, name: str, kdef: Any) -> Any:
+        # C++ kernels are plain callables; Triton kernels are launcher objects called as `.run(...)`.
+        fn: Callable = kernel.run if hasattr(kernel, "run") else kernel
         roles = [kernel_args_role(p, dt) for p, dt in kdef.params]
 
         def recording_kernel(*args: Any, **kwargs: Any) -> Any:
@@ -204,7 +217,7 @@ class BufferRecorder:
             self.records[site.id] = rec
             return result
 
-        return recording_kernel
+        return _Launcher(kernel, recording_kernel) if hasattr(kernel, "run") else recording_kernel
 
     def complete(self) -> bool:
         return all(self._seen[n] == len(s) for n, s in self._sites.items())
