@@ -147,6 +147,8 @@ def scan_cmd(
                                             "`graphdiff capture MODEL --engine vllm --out DIR` (no engine start)"),
     kl: bool = typer.Option(False, "--kl", help="also measure the log-prob gap (8 prompts x 64 tokens; with "
                             "--patch: patched vs unpatched) into scan.json `kl` and OUT/kl.json"),
+    manifest: Path | None = typer.Option(None, "--manifest", help="scan the trainer patched by this manifest: "
+                                         "the sites are what the patch leaves"),
 ) -> None:
     """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
     from graphdiff.model import save_json
@@ -160,7 +162,7 @@ def scan_cmd(
         out_dir = out_dir or Path("scans") / model.replace("/", "--").replace(":", "-")
         with progress("scanning") as update:
             result, run = scan(model, layers=layers, tokens=tokens, progress=update, argv=sys.argv[1:],
-                               engine_dump=engine_dump)
+                               engine_dump=engine_dump, manifest=manifest)
         # The two captured graphs travel with the result: the report draws them.
         save_json(run.capture, out_dir / "engine.capture.json")
         save_json(run.train.capture, out_dir / "train.capture.json")

@@ -49,10 +49,10 @@ class TrainSide:
     fp32: dict[str, Any] | None = None  # each rounding node's FP32 result before it was rounded
 
 
-def run_train_side(model_dir: Path, prompt: list[int]) -> TrainSide:
+def run_train_side(model_dir: Path, prompt: list[int], manifest: Path | None = None) -> TrainSide:
     from graphdiff.capture.hf import capture_hf
 
-    cap, live = capture_hf(model_dir, input_ids=prompt)
+    cap, live = capture_hf(model_dir, input_ids=prompt, manifest=manifest)
     values = eager_values(live["graph_module"], live["inputs"])
     fp32: dict[str, Any] = {}
     rounded = train_rounding(live["graph_module"], values, fp32)
@@ -165,7 +165,7 @@ def check_same_weights(engine_cap: Capture, buffers: dict[str, Any], train: Trai
 
 def scan(spec: str, *, layers: int | None = None, tokens: int = 16, work_dir: Path | None = None,
          progress: Progress = lambda m: None, argv: list[str] | None = None,
-         engine_dump: Path | None = None) -> tuple[ScanResult, Any]:
+         engine_dump: Path | None = None, manifest: Path | None = None) -> tuple[ScanResult, Any]:
     """Resolve `spec`, run the real engine (or take its capture from `engine_dump`) and the HF trainer
     on the same weights and tokens, analyze."""
     from graphdiff.capture.vllm import EngineRun, capture_vllm
@@ -190,7 +190,9 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, work_dir: Pa
         run.capture.config_sha256 = config_sha256(config)
     t_engine = time.perf_counter()
     progress("tracing the trainer's eager forward")
-    train = run_train_side(resolved.path, prompt)
+    train = run_train_side(resolved.path, prompt, manifest)
+    if manifest is not None:
+        notes.append(f"trainer side patched with {manifest}: the sites are what the patch leaves")
     if engine_dump is not None:
         check_same_weights(run.capture, run.buffers, train)
     t_train = time.perf_counter()

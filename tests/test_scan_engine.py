@@ -119,3 +119,26 @@ def test_scan_refuses_a_dump_without_buffers(tmp_path):
     msg = one_error_line(run_cli("scan", "tiny:qwen3", "--engine-dump", str(FIXTURES / "dumps" / "vllm-cpu-tiny-qwen3"),
                                  "--out", str(tmp_path)))
     assert "without recorded kernel buffers" in msg
+
+
+def test_scan_of_the_patched_trainer_finds_no_site_left(engine_run, tiny_models, tmp_path):
+    """The generated patch (from the recorded tiny-Qwen3 scan) leaves no one-sided rounding that the
+    scanner can see: trainer and engine now round in the same places."""
+    import torch
+
+    from graphdiff.codegen import generate
+    from graphdiff.model import save_json
+    from graphdiff.scan import scan
+    from tests.conftest import FIXTURES
+
+    manifest = generate(FIXTURES / "scans" / "tiny-qwen3", tmp_path / "patch")
+    assert all(r.generated for r in manifest.regions)
+    dump = tmp_path / "engine"
+    cap = engine_run.capture.model_copy()
+    cap.buffers_file = "buffers.pt"
+    save_json(cap, dump / "capture.json")
+    torch.save(engine_run.buffers, dump / "buffers.pt")
+    plain, _ = scan(str(tiny_models["qwen3"]), engine_dump=dump)
+    patched, _ = scan(str(tiny_models["qwen3"]), engine_dump=dump, manifest=tmp_path / "patch" / "manifest.json")
+    assert len(plain.sites) >= 20
+    assert patched.sites == [], [s.id for s in patched.sites]

@@ -124,9 +124,11 @@ def _version(package: str) -> str:
 
 
 def capture_hf(
-    model_path: Path, input_ids: list[int] | None = None, num_tokens: int = 16, seed: int = 0
+    model_path: Path, input_ids: list[int] | None = None, num_tokens: int = 16, seed: int = 0,
+    manifest: Path | None = None,
 ) -> tuple[Capture, dict[str, Any]]:
-    """Capture the HF eager graph of `model_path` on one prompt.
+    """Capture the HF eager graph of `model_path` on one prompt (patched first by `manifest`, if given:
+    a scan of the patched trainer shows which one-sided roundings the patch leaves).
 
     Returns the Capture and {"graph_module", "model", "inputs", "input_names"}: `inputs` are the real
     tensors, in placeholder order, so `graph_module(*inputs)` recomputes the logits.
@@ -134,6 +136,10 @@ def capture_hf(
     import transformers
 
     model = load_hf_model(Path(model_path))
+    if manifest is not None:
+        from graphdiff import runtime
+
+        runtime.apply(model, manifest)
     vocab = model.get_input_embeddings().num_embeddings
     if input_ids is None:
         if num_tokens < 1:
