@@ -303,6 +303,7 @@ def engine_rounding(graph: Graph, buffers: dict[str, dict[str, Any]]) -> EngineR
             rounded[node] = f"converted in registers by {k.id.split(':')[0]}"
     # Values the engine reads from opaque kernels: whatever downstream kernels loaded.
     seen_outside: dict[str, torch.Tensor] = {}  # values as stored (rounded), as other kernels see them
+    replayed = {r.kernel: r for r in replays}
     for k in graph.kernels:
         rec = buffers.get(k.id)
         if rec:
@@ -314,8 +315,8 @@ def engine_rounding(graph: Graph, buffers: dict[str, dict[str, Any]]) -> EngineR
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
                     seen_outside[node] = t.float()
                     values.setdefault(node, seen_outside[node])
-            for rep in (r for r in replays if r.kernel == k.id):
-                for buf, node in rep.outputs.items():
+            if k.id in replayed:
+                for buf, node in replayed[k.id].outputs.items():
                     t = rec["out"].get(buf)
                     if isinstance(t, torch.Tensor) and t.is_floating_point():
                         seen_outside[node] = t.float()

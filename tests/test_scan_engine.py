@@ -89,27 +89,34 @@ def test_scan_of_a_bundled_hf_id_runs_offline(tmp_path):
     assert any("bundled" in n for n in result.notes)
 
 
-def test_scan_from_an_engine_capture_made_elsewhere(engine_run, tiny_models, tmp_path):
-    """`capture --engine vllm` on the engine machine, `scan --engine-dump` on a laptop: same sites."""
+@pytest.fixture(scope="module")
+def engine_capture_dir(engine_run, tmp_path_factory) -> Path:
+    """The session engine's capture as `graphdiff capture --engine vllm --out DIR` writes it."""
     import torch
 
-    from graphdiff.errors import GraphdiffError
     from graphdiff.model import save_json
-    from graphdiff.scan import scan
-    from graphdiff.tiny import make_tiny
 
-    dump = tmp_path / "engine"
+    dump = tmp_path_factory.mktemp("engine-capture")
     cap = engine_run.capture.model_copy()
     cap.buffers_file = "buffers.pt"
     save_json(cap, dump / "capture.json")
     torch.save(engine_run.buffers, dump / "buffers.pt")
-    result, run = scan(str(tiny_models["qwen3"]), engine_dump=dump)
+    return dump
+
+
+def test_scan_from_an_engine_capture_made_elsewhere(engine_capture_dir, tiny_models, tmp_path):
+    """`capture --engine vllm` on the engine machine, `scan --engine-dump` on a laptop: same sites."""
+    from graphdiff.errors import GraphdiffError
+    from graphdiff.scan import scan
+    from graphdiff.tiny import make_tiny
+
+    result, run = scan(str(tiny_models["qwen3"]), engine_dump=engine_capture_dir)
     assert run.llm is None  # no engine was started
     assert {"rope", "qk_norm", "gated_act", "residual_norm"} <= {r.kind for r in result.regions}
     assert all(r.predicted_bitexact >= 0.999 for r in result.replay)
     other = make_tiny("qwen3", tmp_path / "other-weights", layers=2, seed=7)
     with pytest.raises(GraphdiffError, match="other weights"):
-        scan(str(other), engine_dump=dump)
+        scan(str(other), engine_dump=engine_capture_dir)
 
 
 def test_scan_refuses_a_dump_without_buffers(tmp_path):
@@ -121,24 +128,17 @@ def test_scan_refuses_a_dump_without_buffers(tmp_path):
     assert "without recorded kernel buffers" in msg
 
 
-def test_scan_of_the_patched_trainer_finds_no_site_left(engine_run, tiny_models, tmp_path):
+def test_scan_of_the_patched_trainer_finds_no_site_left(engine_capture_dir, tiny_models, tmp_path):
     """The generated patch (from the recorded tiny-Qwen3 scan) leaves no one-sided rounding that the
     scanner can see: trainer and engine now round in the same places."""
-    import torch
-
     from graphdiff.codegen import generate
-    from graphdiff.model import save_json
     from graphdiff.scan import scan
     from tests.conftest import FIXTURES
 
     manifest = generate(FIXTURES / "scans" / "tiny-qwen3", tmp_path / "patch")
     assert all(r.generated for r in manifest.regions)
-    dump = tmp_path / "engine"
-    cap = engine_run.capture.model_copy()
-    cap.buffers_file = "buffers.pt"
-    save_json(cap, dump / "capture.json")
-    torch.save(engine_run.buffers, dump / "buffers.pt")
-    plain, _ = scan(str(tiny_models["qwen3"]), engine_dump=dump)
-    patched, _ = scan(str(tiny_models["qwen3"]), engine_dump=dump, manifest=tmp_path / "patch" / "manifest.json")
+    plain, _ = scan(str(tiny_models["qwen3"]), engine_dump=engine_capture_dir)
+    patched, _ = scan(str(tiny_models["qwen3"]), engine_dump=engine_capture_dir,
+                      manifest=tmp_path / "patch" / "manifest.json")
     assert len(plain.sites) >= 20
     assert patched.sites == [], [s.id for s in patched.sites]

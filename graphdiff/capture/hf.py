@@ -21,16 +21,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import graphdiff
 from graphdiff.capture.fx import graph_from_fx
-from graphdiff.errors import GraphdiffError
+from graphdiff.errors import GraphdiffError, first_line
 from graphdiff.model import Capture
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-def _first_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return lines[0] if lines else type(e).__name__
-
 
 def load_hf_model(
     path: Path, dtype: torch.dtype = torch.bfloat16, attn_implementation: str = "sdpa"
@@ -46,7 +41,7 @@ def load_hf_model(
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
-        raise GraphdiffError(f"transformers cannot read {path / 'config.json'}: {_first_line(e)}") from None
+        raise GraphdiffError(f"transformers cannot read {path / 'config.json'}: {first_line(e)}") from None
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path,
@@ -57,7 +52,7 @@ def load_hf_model(
             output_loading_info=True,
         )
     except Exception as e:
-        raise GraphdiffError(f"transformers cannot load the model at {path}: {_first_line(e)}") from None
+        raise GraphdiffError(f"transformers cannot load the model at {path}: {first_line(e)}") from None
     # A checkpoint with missing tensors loads with random weights; a capture of that would be meaningless.
     if info.get("missing_keys"):
         missing = sorted(info["missing_keys"])

@@ -168,12 +168,16 @@ def parse_kernel_calls(src: str, defs: dict[str, KernelDef] | None = None) -> li
     return calls
 
 
+def arg_role(param: str, dtype: str | None) -> str:
+    """A kernel parameter's role; parameters without an element type are scalars (sizes)."""
+    return param_role(param) if dtype is not None else "scalar"
+
+
 def kernel_args(call: KernelCall, kdef: KernelDef | None) -> list[BufferArg]:
     """Pair a generated kernel call's arguments with the kernel's parameters (role, dtype)."""
     if kdef is None:
         return [BufferArg(name=a or "?", role="in") for a in call.args]
     out = []
     for arg, (pname, dtype) in zip(call.args, kdef.params):
-        role = param_role(pname) if dtype is not None else "scalar"
-        out.append(BufferArg(name=arg or "?", role=role, dtype=dtype))
+        out.append(BufferArg(name=arg or "?", role=arg_role(pname, dtype), dtype=dtype))
     return out

@@ -30,12 +30,12 @@ import torch
 
 from graphdiff.capture.inductor_code import (
     KernelCall,
+    arg_role,
     kernel_args,
-    param_role,
     parse_kernel_calls,
     parse_kernel_defs,
 )
-from graphdiff.errors import GraphdiffError
+from graphdiff.errors import GraphdiffError, first_line
 from graphdiff.model import BufferArg, Capture, Graph, Kernel, PackedParam
 from graphdiff.resolve import architecture, read_config
 
@@ -193,7 +193,7 @@ class BufferRecorder:
     def _wrap(self, kernel: Any, name: str, kdef: Any) -> Any:
         # C++ kernels are plain callables; Triton kernels are launcher objects called as `.run(...)`.
         fn: Callable = kernel.run if hasattr(kernel, "run") else kernel
-        roles = [kernel_args_role(p, dt) for p, dt in kdef.params]
+        roles = [arg_role(p, dt) for p, dt in kdef.params]
 
         def recording_kernel(*args: Any, **kwargs: Any) -> Any:
             k = self._seen[name]
@@ -226,10 +226,6 @@ class BufferRecorder:
 def weight_inputs(graph: Graph) -> set[str]:
     """Placeholders that hold module parameters/buffers (named like `model.layers.0.x.weight`)."""
     return {p for p, name in graph.inputs.items() if "." in name and "#" not in name}
-
-
-def kernel_args_role(param: str, dtype: str | None) -> str:
-    return param_role(param) if dtype is not None else "scalar"
 
 
 # --- names -------------------------------------------------------------------------------
@@ -443,7 +439,7 @@ def capture_vllm(
         try:
             llm = LLM(**kwargs)
         except Exception as e:  # vLLM raises many types; one informative line is what the user needs
-            raise GraphdiffError(f"vLLM could not start on {model_dir}: {_one_line(e)}") from e
+            raise GraphdiffError(f"vLLM could not start on {model_dir}: {first_line(e)[:400]}") from e
         startup = time.perf_counter() - t0
         progress(f"engine ready in {startup:.1f}s; recording one forward's kernel buffers")
         model = _engine_model(llm)
@@ -478,15 +474,6 @@ def capture_vllm(
         notes=notes,
     )
     return EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup)
-
-
-def _one_line(e: BaseException) -> str:
-    """The informative line of an exception (pydantic puts it after a 'N validation error' header)."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    noise = re.compile(r"\d+ validation errors? for |For further information")
-    lines = [ln for ln in lines if not noise.match(ln)]
-    text = lines[0] if lines else type(e).__name__
-    return re.sub(r"^Value error, ", "", text)[:400]
 
 
 def _engine_model(llm: Any) -> torch.nn.Module:
