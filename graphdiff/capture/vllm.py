@@ -440,6 +440,11 @@ def capture_vllm(
             llm = LLM(**kwargs)
         except Exception as e:  # vLLM raises many types; one informative line is what the user needs
             raise GraphdiffError(f"vLLM could not start on {model_dir}: {first_line(e)[:400]}") from e
+        finally:
+            # The dump is for this engine's compile only; a process started later (another engine,
+            # a scan in a subprocess) must not write its graphs into the same directory.
+            for var in ("TORCH_COMPILE_DEBUG", "TORCH_COMPILE_DEBUG_DIR"):
+                os.environ.pop(var, None)
         startup = time.perf_counter() - t0
         progress(f"engine ready in {startup:.1f}s; recording one forward's kernel buffers")
         model = _engine_model(llm)
