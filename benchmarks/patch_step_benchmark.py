@@ -1,12 +1,15 @@
-"""Training-step cost of the patch: forward+backward time, patched / unpatched, in one process.
+"""Training-step cost of the patch: forward+backward time (and peak memory on GPU), patched / unpatched.
 
     python benchmarks/patch_step_benchmark.py --scan fixtures/scans/tiny-qwen3 --arch qwen3
-    python benchmarks/patch_step_benchmark.py --scan DIR --model CHECKPOINT_DIR --batch 4 --seq 512
+    python benchmarks/patch_step_benchmark.py --scan SCAN_DIR --config Qwen/Qwen3-8B --device cuda \\
+        --batch 2 --seq 4096 --variants unpatched,rope,all
 
-The model is a seeded tiny checkpoint of the scan's config (or --model). On CPU the runtime uses the
-generated PyTorch functions; on a GPU (--device cuda) the Triton kernels. Steps alternate between the
-two configurations (remove/apply between them) so that drift in machine speed hits both alike; the
-median of each is reported.
+The model is a seeded tiny checkpoint (--arch), a checkpoint dir (--model), or a bundled config at full
+depth with random weights made on the device (--config; the scan may have cut it to fewer layers: the patch
+applies to every layer). On CPU the runtime uses the generated PyTorch functions; on a GPU the Triton
+kernels. A variant is `unpatched`, `all`, or region kinds joined by `+` (e.g. `rope`, `rope+gated_act`):
+those regions aligned, the others spliced but rounding where HF does. Steps cycle through the variants
+(remove/apply between them) so that drift in machine speed hits all alike; medians are reported.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from graphdiff import runtime
 from graphdiff.codegen import generate
+from graphdiff.model import Manifest
 
 
 def step(model: torch.nn.Module, ids: torch.Tensor) -> float:
@@ -34,43 +38,105 @@ def step(model: torch.nn.Module, ids: torch.Tensor) -> float:
     return time.perf_counter() - t
 
 
+def regions_of(variant: str, manifest: Manifest) -> list[str] | None:
+    """None: unpatched; else the manifest regions the variant aligns."""
+    if variant == "unpatched":
+        return None
+    if variant == "all":
+        return [r.name for r in manifest.regions if r.generated]
+    kinds = set(variant.split("+"))
+    unknown = kinds - {r.kind for r in manifest.regions}
+    if unknown:
+        raise SystemExit(f"no region of kind {', '.join(sorted(unknown))} in the patch; kinds: "
+                         f"{', '.join(sorted({r.kind for r in manifest.regions}))}")
+    return [r.name for r in manifest.regions if r.generated and r.kind in kinds]
+
+
+def load_model(args: argparse.Namespace, work: Path) -> tuple[torch.nn.Module, str]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if args.config:  # bundled config (or a config dir), full depth, random weights made on the device
+        from graphdiff.resolve import _bundled_config
+
+        published = _bundled_config(args.config)
+        cfg_dir = Path(args.config) if published is None else work / "config"
+        if published is not None:
+            cfg_dir.mkdir(parents=True, exist_ok=True)
+            (cfg_dir / "config.json").write_text(json.dumps(published))
+        config = AutoConfig.from_pretrained(cfg_dir)
+        torch.manual_seed(0)
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        return model.train(), args.config
+    from graphdiff.capture.hf import load_hf_model
+    from graphdiff.tiny import make_tiny
+
+    model_dir = args.model or make_tiny(args.arch, work / "model", layers=args.layers)
+    return load_hf_model(model_dir).to(args.device).train(), str(model_dir)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scan", type=Path, required=True, help="scan directory (scan.json + train.capture.json)")
-    ap.add_argument("--arch", default="qwen3", help="tiny architecture to build when --model is not given")
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--arch", default="qwen3", help="tiny architecture to build when --model/--config are not given")
+    ap.add_argument("--layers", type=int, default=2, help="layers of the tiny model")
     ap.add_argument("--model", type=Path, help="checkpoint dir (its config must match the scan)")
+    ap.add_argument("--config", help="bundled model id or config dir: full-depth model with random weights")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--variants", default="unpatched,all", help="comma-separated: unpatched, all, KIND[+KIND]")
+    ap.add_argument("--allow-version-mismatch", action="store_true",
+                    help="apply although torch/transformers differ from the scan's (timing only)")
+    ap.add_argument("--json", type=Path, help="also write the result here")
     args = ap.parse_args()
 
-    from graphdiff.capture.hf import load_hf_model
-    from graphdiff.tiny import make_tiny
-
     work = Path(tempfile.mkdtemp(prefix="gd-bench-"))
-    model_dir = args.model or make_tiny(args.arch, work / "model", layers=args.layers)
     manifest = generate(args.scan, work / "patch")
-    model = load_hf_model(model_dir).to(args.device).train()
+    model, label = load_model(args, work)
+    variants = {v: regions_of(v, manifest) for v in args.variants.split(",")}
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen).to(args.device)
-    times: dict[str, list[float]] = {"unpatched": [], "patched": []}
-    for label in ("unpatched", "patched"):  # warm-up (allocator, Triton compile)
-        runtime.apply(model, work / "patch") if label == "patched" else runtime.remove(model)
+
+    def use(variant: str) -> None:
+        regions = variants[variant]
+        if regions is None:
+            runtime.remove(model)
+        else:
+            runtime.apply(model, work / "patch", regions=regions, allow_version_mismatch=args.allow_version_mismatch)
+
+    cuda = args.device.startswith("cuda")
+    peak: dict[str, float] = {}
+    for v in variants:  # warm-up (allocator, Triton compile), then one step for the peak memory
+        use(v)
         step(model, ids)
+        if cuda:
+            model.zero_grad(set_to_none=True)
+            torch.cuda.reset_peak_memory_stats()
+            step(model, ids)
+            peak[v] = torch.cuda.max_memory_allocated() / 2**30
+    times: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.steps):
-        for label in ("unpatched", "patched"):
-            runtime.apply(model, work / "patch") if label == "patched" else runtime.remove(model)
-            times[label].append(step(model, ids))
-    med = {k: statistics.median(v) for k, v in times.items()}
-    path = "triton" if args.device.startswith("cuda") and any(s.triton_fn for s in manifest.splices) else "pytorch"
-    print(json.dumps({
-        "model": str(model_dir), "architecture": manifest.architecture, "device": args.device, "path": path,
-        "batch": args.batch, "seq": args.seq, "steps": args.steps, "threads": torch.get_num_threads(),
-        "unpatched_s": round(med["unpatched"], 4), "patched_s": round(med["patched"], 4),
-        "ratio": round(med["patched"] / med["unpatched"], 3),
-    }, indent=1))
+        for v in variants:
+            use(v)
+            times[v].append(step(model, ids))
+    med = {v: statistics.median(t) for v, t in times.items()}
+    base = med.get("unpatched")
+    path = "triton" if cuda and any(s.triton_fn for s in manifest.splices) else "pytorch"
+    result = {
+        "model": label, "architecture": manifest.architecture, "layers": model.config.num_hidden_layers,
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "path": path, "batch": args.batch,
+        "seq": args.seq, "steps": args.steps, "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "variants": {v: {"regions": len(r) if r is not None else 0, "median_s": round(med[v], 4),
+                         "ratio": round(med[v] / base, 4) if base else None,
+                         **({"peak_gib": round(peak[v], 2)} if v in peak else {})}
+                     for v, r in variants.items()},
+    }
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

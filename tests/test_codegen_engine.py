@@ -12,7 +12,7 @@ import torch
 
 from graphdiff import runtime
 from graphdiff.codegen import generate
-from tests.test_codegen import GRAD_RTOL, QWEN3, check_pytorch_path, triton_in_interpreter
+from tests.test_codegen import QWEN3, check_pytorch_path, triton_in_interpreter
 
 pytestmark = pytest.mark.engine
 
@@ -27,9 +27,8 @@ def test_generated_regions_of_other_architectures(arch: str, tiny_models: dict[s
     manifest = generate(scan_dir, out)
     assert {"rope", "gated_act", "residual_norm", "norm_weight"} <= {r.kind for r in manifest.regions}
     assert all(r.generated for r in manifest.regions), [r.reason for r in manifest.regions]
-    check_pytorch_path(scan_dir, out, manifest, f"gd_patch_{arch}")
-    worst = triton_in_interpreter(scan_dir, out)
-    assert worst and max(worst.values()) < GRAD_RTOL
+    check_pytorch_path(scan_dir, out)
+    triton_in_interpreter(scan_dir, out)
     model = load_hf_model(tiny_models[arch])
     ids = torch.tensor([[5, 77, 300, 12, 999, 4, 18, 250]])
     with torch.no_grad():
@@ -59,6 +58,7 @@ def test_patch_shrinks_the_log_prob_gap_to_the_engine(tiny_models: dict[str, Pat
     plain = next(m for m in result.measurements if not m.regions)
     patched = next(m for m in result.measurements if m.regions)
     # k3 is the low-variance per-token KL estimate: at 1024 tokens k1's standard error (~1e-3) is
-    # larger than the whole effect, so a k1 threshold would test noise. Measured here: k3 -75%, RMS -50%.
-    assert patched.k3 <= 0.4 * plain.k3, (plain.k3, patched.k3)
+    # larger than the whole effect, so a k1 threshold would test noise (benchmarks/exact_kl.py measures the
+    # exact KL: -99.5%). The issue's goals: KL -80%, RMS of the log-prob difference -40%.
+    assert patched.k3 <= 0.2 * plain.k3, (plain.k3, patched.k3)
     assert patched.rms <= 0.6 * plain.rms, (plain.rms, patched.rms)

@@ -64,3 +64,33 @@ def test_corrupt_graph_file_is_one_clear_error(tmp_path):
     (bad / "torchinductor" / "model__0_inference_0.0" / "fx_graph_transformed.py").write_text("def forward(:\n")
     with pytest.raises(GraphdiffError, match="unreadable dump"):
         import_dump(bad)
+
+
+TRITON_DUMP = FIXTURES / "dumps" / "inductor-triton-h200-tiny-qwen3-hf"
+
+
+def test_real_triton_backend_dump_imports():
+    """A Triton-backend dump recorded on a GPU (README beside it): every generated call is a Triton kernel
+    with its fused FX nodes, pointer roles and dtypes; SiLU·up and the q/k norm + RoPE fusions are found."""
+    text = (TRITON_DUMP / "torchinductor" / "model__0_inference_0.0" / "output_code.py").read_text()
+    defs = parse_kernel_defs(text)
+    assert defs and all(d.backend == "triton" for d in defs.values())
+    assert defs["triton_poi_fused__unsafe_view_mul_silu_10"].params[:2] == [("in_out_ptr0", "bfloat16"),
+                                                                            ("in_ptr0", "bfloat16")]
+    cap = import_dump(TRITON_DUMP)
+    (g,) = cap.graphs
+    nodes = g.node_map()
+    generated = [k for k in g.kernels if k.kind == "generated"]
+    assert len(generated) == 19 and all("@triton.jit" in k.code and k.nodes for k in generated)
+    assert {k.name for k in g.kernels if k.kind == "extern"} == {
+        "extern_kernels.mm", "torch.ops.aten._scaled_dot_product_cudnn_attention.default"}
+    silu = [k for k in generated if k.name == "triton_poi_fused__unsafe_view_mul_silu_10"]
+    assert len(silu) == 2  # one call per layer
+    for k in silu:
+        assert {"aten.exp.default", "aten.div.Tensor", "aten.mul.Tensor"} <= {nodes[n].target for n in k.nodes}
+        assert [a.role for a in k.args] == ["inout", "in", "scalar"]
+    rope = [k for k in generated if "cos" in k.name and "rsqrt" in k.name and "sin" in k.name]
+    assert rope and all({"aten.rsqrt.default", "aten.neg.default", "aten.cat.default"}
+                        <= {nodes[n].target for n in k.nodes} for k in rope)
+    assert all(nodes[n].kernel is not None for k in generated for n in k.nodes)
+    assert any(n.source and n.source.file.endswith("modeling_qwen3.py") for n in g.nodes)

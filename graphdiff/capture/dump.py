@@ -154,7 +154,8 @@ def parse_fx_graph(text: str) -> list[Node]:
 def _is_model_graph(nodes: list[Node]) -> bool:
     # Graphs of the model proper trace through the engine's model code; other compiled
     # helpers (e.g. the sampler) do not.
-    return any(n.source and "/model_executor/" in n.source.file for n in nodes)
+    return any(n.source and ("/model_executor/" in n.source.file or "/transformers/models/" in n.source.file)
+               for n in nodes)
 
 
 def import_dump(root: Path, model: str = "") -> Capture:
