@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import sys
 import time
@@ -195,6 +196,8 @@ def scan_cmd(
     if patch:
         made = sum(r.generated for r in manifest.regions)
         out.print(f"wrote {out_dir / 'patch' / 'manifest.json'} ({made} of {len(manifest.regions)} regions generated)")
+        for note in manifest.notes:
+            out.print(f"[yellow]note:[/] {note}", highlight=False)
 
 
 @app.command("report")
@@ -243,7 +246,8 @@ def print_scan(result) -> None:  # noqa: ANN001 - ScanResult
             layers += f" (differs: {','.join(map(str, r.differing_layers))})"
         t.add_row(r.name, r.kind, layers, str(len(r.sites)), "/".join(r.rounded_on), rep,
                   f"{Path(src.file).name}:{src.line} {src.code[:48]}" if src else "-",
-                  f"{Path(esrc.file).name}:{esrc.line} {esrc.code[:48]}" if esrc else "(inside the kernel)")
+                  f"{Path(esrc.file).name}:{esrc.line} {esrc.code[:48]}" if esrc else
+                  first.engine.how if first.engine and r.kind == "attention" else "(inside the kernel)")
     out.print(t)
     worst = min((r.predicted_bitexact for r in result.replay if not r.error), default=0.0)
     naive = max((r.naive_bitexact for r in result.replay if not r.error), default=0.0)
@@ -291,6 +295,9 @@ def patch_cmd(
     scan_dir: Path = typer.Argument(..., help="a scan output directory (scan.json + train.capture.json)"),
     out_dir: Path = typer.Option(..., "--out", help="where to write graphdiff_patch.py and manifest.json"),
     regions: str | None = typer.Option(None, help="comma-separated regions to patch (default all)"),
+    verify: bool = typer.Option(False, "--verify", help="check every generated splice against the scan's plan "
+                                "replay and a float64 backward, on --device"),
+    device: str = typer.Option("cpu", help="device for --verify (cuda: the Triton kernels on this GPU)"),
 ) -> None:
     """Generate the FP32-preserving patch (PyTorch + Triton code and manifest.json) from a scan."""
     from graphdiff.codegen import generate
@@ -308,7 +315,38 @@ def patch_cmd(
         t.add_row(r.name, r.kind, "-" if s is None else f"{s.target} {s.key}", "yes" if r.generated else r.reason,
                   triton)
     out.print(t)
+    for note in manifest.notes:
+        out.print(f"[yellow]note:[/] {note}", highlight=False)
     out.print(f"wrote {out_dir / manifest.module_file} and {out_dir / 'manifest.json'}")
+    if verify:
+        verify_patch(scan_dir, out_dir, device)
+
+
+def verify_patch(scan_dir: Path, out_dir: Path, device: str) -> None:
+    import torch
+
+    from graphdiff.codegen.verify import GRAD_RTOL, verify
+
+    triton = device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"
+    with user_errors():
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise GraphdiffError(f"--device {device}: no CUDA device is visible to torch {torch.__version__}")
+        checks = verify(scan_dir, out_dir, device=device, triton=triton)
+    t = Table(title=f"verify on {device}: forward vs the plan replay (Triton vs PyTorch with exact reductions), "
+                    f"backward vs float64 (limit {GRAD_RTOL:.0e})")
+    for col in ("splice", "path", "aligned", "forward", "max ulp", "grad rel err", "ok"):
+        t.add_column(col, justify="left" if col in ("splice", "path") else "right")
+    for c in checks:
+        t.add_row(c.splice, c.path, "yes" if c.aligned else "no", "bit-identical" if c.identical else "differs",
+                  f"{c.max_ulp:.1f}", f"{c.grad_rel_err:.1e}", "[green]ok[/]" if c.ok else "[red]FAIL[/]")
+    out.print(t)
+    if not triton:
+        out.print("[yellow]note:[/] Triton kernels not run (CPU without TRITON_INTERPRET=1); PyTorch path only")
+    failed = sorted({f"{c.splice} ({c.path})" for c in checks if not c.ok})
+    if failed:
+        console.print(f"[bold red]error:[/] verification failed for {', '.join(failed)}", highlight=False)
+        raise typer.Exit(1)
+    out.print(f"all {len(checks)} checks passed")
 
 
 

@@ -141,6 +141,8 @@ class Capture(BaseModel):
     buffers_file: str | None = None  # torch.save file with real kernel inputs/outputs
     config_sha256: str = ""  # of the model config the capture ran (scan --engine-dump checks it)
     prompt_tokens: list[int] = Field(default_factory=list)
+    # engine: its attention kernel (opaque to the scan), e.g. {"backend": "CPU_ATTN", "isa": "vec", ...}
+    attention: dict[str, str] = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
 
 
@@ -231,6 +233,7 @@ class ScanResult(BaseModel):
     model: str
     architecture: str
     config_sha256: str = ""
+    config: dict[str, object] = Field(default_factory=dict)  # runtime.scanned_config of the scanned model
     versions: dict[str, str] = Field(default_factory=dict)
     layers_scanned: int
     layers_total: int
@@ -373,14 +376,15 @@ class KLResult(BaseModel):
 
 # --- patch manifest (`graphdiff patch`) ----------------------------------------------------------------
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 
 
 class ManifestSplice(BaseModel):
-    """One place the runtime changes the HF model: a module forward, a module-level function, or a carry hook."""
+    """One place the runtime changes the HF model: a module forward, a module-level function, a carry hook, or
+    the attention function (registered with transformers' AttentionInterface)."""
 
     key: str  # module pattern (`model.layers.*.self_attn.q_norm`) or dotted function path
-    target: Literal["module", "function", "carry"]
+    target: Literal["module", "function", "carry", "attention"]
     module: str  # HF module path pattern, layers collapsed as `layers.*`
     module_class: str = ""
     function: str = ""  # dotted path of the replaced function (target "function")
@@ -414,6 +418,9 @@ class Manifest(BaseModel):
     model: str
     architecture: str
     config_sha256: str  # scan.json's: config.json without transformers_version/_name_or_path, at layers_scanned
+    # transformers-normalized config fields that differ from their defaults, at layers_scanned (no run settings):
+    # apply() compares the model's config with these
+    config: dict[str, object]
     layers_scanned: int
     versions: dict[str, str] = Field(default_factory=dict)  # torch / transformers / engine the scan ran
     module_file: str  # generated module, relative to the manifest

@@ -21,6 +21,7 @@ from graphdiff.errors import GraphdiffError
 from graphdiff.match import match_values
 from graphdiff.measure.site_uniformity import site_nonuniformity
 from graphdiff.model import Capture, KernelEvidence, ScanResult
+from graphdiff.opaque import attention_sites
 from graphdiff.rounding import eager_values, engine_rounding, train_rounding
 from graphdiff.sites import find_sites, group_regions
 
@@ -59,6 +60,16 @@ def run_train_side(model_dir: Path, prompt: list[int], manifest: Path | None = N
     return TrainSide(cap, values, rounded, live["graph_module"], fp32)
 
 
+def _scanned_config(config: dict) -> dict:
+    """What the patch's runtime compares a trainer's config with (transformers-normalized, run settings out)."""
+    from transformers import AutoConfig
+
+    from graphdiff.runtime import scanned_config
+
+    rest = dict(config)
+    return scanned_config(AutoConfig.for_model(rest.pop("model_type"), **rest))
+
+
 def analyze(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide, *, model: str, layers_total: int,
             config: dict, reproduce: str = "", notes: list[str] | None = None) -> ScanResult:
     """Everything after both sides have run: rounding, replay evidence, matching, sites, regions."""
@@ -93,6 +104,12 @@ def analyze(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide, *, m
         lap("sites_s", t)
         used = {m.engine for m in matches}
         unmatched_k += [k.id for k in egraph.kernels if k.kind == "generated" and not (set(k.nodes) & used)]
+    t = time.perf_counter()
+    attn_sites, attn_notes = attention_sites(engine_cap.attention, tgraph, train.gm, train.values,
+                                             engine_cap.graphs)
+    sites += attn_sites
+    notes = [*(notes or []), *attn_notes]
+    lap("attention_s", t)
     regions = group_regions(sites)
     t = time.perf_counter()
     uniformity = (site_nonuniformity(tgraph, train.gm, train.values, sites, engine_values, train.fp32)
@@ -101,6 +118,7 @@ def analyze(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide, *, m
     layers_scanned = len({s.layer for s in sites if s.layer is not None}) or layers_total
     return ScanResult(
         model=model, architecture=engine_cap.architecture, config_sha256=config_sha256(config),
+        config=_scanned_config(config),
         versions={**train.capture.versions, **engine_cap.versions},
         layers_scanned=int(config.get("num_hidden_layers", layers_scanned)), layers_total=layers_total,
         prompt_tokens=engine_cap.prompt_tokens, sites=sites, regions=regions, replay=replay, matched=matched,

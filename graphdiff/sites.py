@@ -223,11 +223,11 @@ def group_regions(sites: list[Site]) -> list[Region]:
     for s in sites:
         groups[(module_pattern(s.train.module), s.kind)].append(s)
     patterns = defaultdict(int)
-    for pattern, _ in groups:
-        patterns[pattern] += 1
+    for pattern, kind in groups:
+        patterns[pattern] += kind != "attention"  # an attention region never renames the module's other region
     regions = []
     for (pattern, kind), members in groups.items():
-        name = pattern if patterns[pattern] == 1 else f"{pattern}#{kind}"
+        name = pattern if patterns[pattern] == 1 and kind != "attention" else f"{pattern}#{kind}"
         by_layer: dict[int | None, list[Site]] = defaultdict(list)
         for s in members:
             by_layer[s.layer].append(s)
@@ -246,6 +246,7 @@ def group_regions(sites: list[Site]) -> list[Region]:
         regions.append(Region(name=name, kind=kind, module=pattern, layers=layers, sites=[s.id for s in members],
                               rounded_on=sorted({s.rounded_on for s in members}), kernels=kernels,
                               differing_layers=differing))
-    order = {k: i for i, k in enumerate(("rope", "qk_norm", "gated_act", "residual_norm", "norm_weight", "other"))}
+    order = {k: i for i, k in enumerate(("rope", "qk_norm", "attention", "gated_act", "residual_norm", "norm_weight",
+                                         "other"))}
     regions.sort(key=lambda r: (order.get(r.kind, 9), r.name))
     return regions

@@ -118,7 +118,7 @@ def test_refuses_a_changed_module_or_other_versions(qwen3, patch_dir: Path, tmp_
 
 def test_refuses_another_config(qwen3, patch_dir: Path) -> None:
     qwen3.config.rms_norm_eps = 1e-5
-    with pytest.raises(PatchError, match="not the scanned one"):
+    with pytest.raises(PatchError, match="rms_norm_eps=1e-05, the scanned one 1e-06"):
         runtime.apply(qwen3, patch_dir)
 
 
@@ -131,3 +131,30 @@ def test_runtime_imports_neither_vllm_nor_the_scanner() -> None:
             "'graphdiff.codegen'))]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_config_check_reads_the_published_config_form(patch_dir: Path, tmp_path: Path) -> None:
+    """A scan of an HF id runs the published config.json (torch_dtype, top-level rope_theta), cut to a few
+    layers; the trainer loads the whole model, normalized by transformers and with its own run settings.
+    The patch still fits it, and still refuses a model that computes differently."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from graphdiff.resolve import _bundled_config, _with_layers
+    from graphdiff.runtime import _check
+    from graphdiff.scan import _scanned_config
+
+    published = _bundled_config("Qwen/Qwen3-8B")
+    assert "torch_dtype" in published and "rope_theta" in published
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    config = AutoConfig.from_pretrained(tmp_path)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    manifest = runtime.load_manifest(patch_dir).model_copy(
+        update={"layers_scanned": 2, "config": _scanned_config(_with_layers(published, 2))})
+    _check(model, manifest, patch_dir / "manifest.json", allow_version_mismatch=False)
+    model.config.intermediate_size += 1
+    with pytest.raises(PatchError, match="intermediate_size=12289, the scanned one 12288"):
+        _check(model, manifest, patch_dir / "manifest.json", allow_version_mismatch=False)

@@ -476,9 +476,27 @@ def capture_vllm(
     cap = Capture(
         side="engine", engine="vllm", model=str(model_dir), architecture=architecture(config),
         versions=_versions(), graphs=graphs, packed=packed_params(model), prompt_tokens=list(prompt_tokens),
-        notes=notes,
+        attention=attention_info(model), notes=notes,
     )
     return EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup)
+
+
+def attention_info(model: torch.nn.Module) -> dict[str, str]:
+    """The engine's attention kernel, as its first attention layer reports it (its internals are opaque to the
+    scan; graphdiff.opaque knows what some backends round inside)."""
+    for mod in model.modules():
+        backend = getattr(mod, "attn_backend", None)
+        impl = getattr(mod, "impl", None)
+        if backend is None or impl is None:
+            continue
+        info = {"backend": str(backend.get_name()), "impl": type(impl).__name__,
+                "device": str(next((p.device.type for p in model.parameters()), "cpu"))}
+        for key in ("isa", "head_size", "kv_cache_dtype"):
+            value = getattr(mod, key, None)
+            if value is not None:
+                info[key] = str(value)
+        return info
+    return {}
 
 
 def _engine_model(llm: Any) -> torch.nn.Module:

@@ -69,6 +69,7 @@ class Fragment:
     keep_fp32: dict[str, bool] = field(default_factory=dict)  # output -> may leave the fragment in FP32
     regions: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     compiled: object = None  # the emitted PyTorch function, once emitted (codegen uses it to verify bindings)
 
 
@@ -89,11 +90,44 @@ def dotted_module(file: str) -> str | None:
     return ".".join(parts[i:])
 
 
-def _representative_sites(scan: ScanResult, region: Region) -> tuple[int | None, list]:
+def _layer_nodes(graph: Graph, module: str) -> list[Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.module == module]
+
+
+def _representative_sites(scan: ScanResult, graph: Graph, region: Region) -> tuple[list[str], list[str], list[str]]:
+    """The region's site nodes in its first layer, problems (why they cannot stand for every layer), notes.
+
+    Layers whose sites differ from the first: when the engine runs one kernel code for the region in every
+    layer (and HF runs one module code), the rounding plan is the same in every layer, and a site seen in
+    only some layers is one the scan could not confirm elsewhere (weak evidence). Those sites are mapped to
+    the first layer by their position in the layer's module and the union is generated. Otherwise refused."""
     sites = {s.id: s for s in scan.sites}
     members = [sites[i] for i in region.sites if i in sites]
     layer = region.layers[0] if region.layers else None
-    return layer, [s for s in members if s.layer == layer]
+    first = [s for s in members if s.layer == layer]
+    names = [s.train.node for s in first]
+    if not region.differing_layers:
+        return names, [], []
+    if len(region.kernels) != 1 or not first:
+        return names, [f"layers {region.differing_layers} differ from layer {layer} and run other engine "
+                              "kernels: one code for all layers would be wrong"]
+    base = _layer_nodes(graph, first[0].train.module or "")
+    added: list[str] = []
+    for s in members:
+        if s.layer == layer:
+            continue
+        here = _layer_nodes(graph, s.train.module or "")
+        pos = next((k for k, n in enumerate(here) if n.name == s.train.node), None)
+        if pos is None or len(here) != len(base) or any(op_name(a.target) != op_name(b.target)
+                                                        for a, b in zip(here, base)):
+            return names, [f"layer {s.layer}'s module {s.train.module} is not laid out like layer {layer}'s"], []
+        if base[pos].name not in names:
+            names.append(base[pos].name)
+            added.append(f"{base[pos].name} (seen at layer {s.layer} as {s.train.node})")
+    extra = f": added {', '.join(added)}" if added else f" (layer {layer} holds them all)"
+    return names, [], [f"{region.name}: the sites of layers {region.differing_layers} differ from layer {layer}'s; "
+                       f"one engine kernel ({region.kernels[0]}) serves every layer, so the union of the sites is "
+                       f"generated{extra}"]
 
 
 def _grow(graph: Graph, seeds: list[str], keep) -> list[str]:  # noqa: ANN001 - predicate over Node
@@ -125,8 +159,8 @@ def _boundary(graph: Graph, names: list[str]) -> tuple[list[str], list[str]]:
 def fragment_for(scan: ScanResult, graph: Graph, region: Region) -> Fragment:
     """Cut the region's splice point out of the HF graph (representative layer: the region's first)."""
     nodes = graph.node_map()
-    layer, sites = _representative_sites(scan, region)
-    site_nodes = [s.train.node for s in sites if s.train.node in nodes]
+    site_nodes, problems, notes = _representative_sites(scan, graph, region)
+    site_nodes = [n for n in site_nodes if n in nodes]
     if not site_nodes:
         return Fragment(key=region.name, target="module", module=region.module, module_class="",
                         problems=["no site of the region is in the training graph"])
@@ -167,10 +201,8 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region) -> Fragment:
         if len(acts) != 1 or len(frag.outputs) != 1:
             frag.problems.append(f"module forward with {len(acts)} activation inputs and {len(frag.outputs)} "
                                  "outputs: only one-in one-out module forwards are re-emitted")
-    if region.differing_layers:
-        frag.problems.append(f"layers {region.differing_layers} differ from layer {layer}: one code for all layers "
-                             "would be wrong")
-    _ = layer
+    frag.problems += problems
+    frag.notes += notes
     return frag
 
 

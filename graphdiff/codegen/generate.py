@@ -30,6 +30,7 @@ from graphdiff.model import (
     load_versioned,
     save_json,
 )
+from graphdiff.opaque import ATTENTION_FN, ATTENTION_SOURCE
 
 MODULE_FILE = "graphdiff_patch.py"
 
@@ -39,7 +40,11 @@ def load_scan_dir(scan_dir: Path) -> tuple[ScanResult, Capture]:
     for p in (scan_path, train_path):
         if not p.is_file():
             raise GraphdiffError(f"{p} is missing: `graphdiff scan MODEL --out {scan_dir}` writes it")
-    return load_versioned(ScanResult, scan_path, "scan"), load_versioned(Capture, train_path, "capture")
+    scan = load_versioned(ScanResult, scan_path, "scan")
+    if not scan.config:
+        raise GraphdiffError(f"{scan_path} records no model config (written by an older graphdiff): rescan with "
+                             f"`{scan.reproduce or 'graphdiff scan MODEL --out ' + str(scan_dir)}`")
+    return scan, load_versioned(Capture, train_path, "capture")
 
 
 def _probe(node: Node, gen: torch.Generator) -> torch.Tensor:
@@ -95,11 +100,19 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) ->
         if unknown:
             known = ", ".join(r.name for r in scan.regions)
             raise GraphdiffError(f"no region {', '.join(unknown)} in the scan; regions: {known}")
-    frags = merge([fragment_for(scan, graph, r) for r in wanted])
+    frags = merge([fragment_for(scan, graph, r) for r in wanted if r.kind != "attention"])
     decide_outputs(graph, frags)
     body: list[str] = []
     splices: list[ManifestSplice] = []
     status: dict[str, str] = {}
+    site_node = {s.id: s.train.node for s in scan.sites}
+    for r in (r for r in wanted if r.kind == "attention"):  # one opaque op: no fragment to emit
+        owner = next((nodes[site_node[i]].module_type for i in r.sites if site_node.get(i) in nodes), "") or ""
+        body += ["", "", f"# attention: region {r.name}", *ATTENTION_SOURCE.strip("\n").splitlines()]
+        splices.append(ManifestSplice(key="attention", target="attention", module=r.module, module_class=owner,
+                                      regions=[r.name],
+                                      function="transformers.integrations.sdpa_attention.sdpa_attention_forward",
+                                      torch_fn=ATTENTION_FN, triton_problem="calls torch's sdpa on FP32 inputs"))
     for frag in frags:
         slug = region_slug(frag.key.rsplit(".", 1)[-1] if frag.target == "function" else frag.key)
         splice = ManifestSplice(key=frag.key, target=frag.target, module=frag.module, module_class=frag.module_class,
@@ -144,7 +157,8 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) ->
     (out_dir / MODULE_FILE).write_text(source)
     manifest = Manifest(
         schema_version=MANIFEST_VERSION, model=scan.model, architecture=scan.architecture,
-        config_sha256=scan.config_sha256, layers_scanned=scan.layers_scanned, versions=scan.versions,
+        config_sha256=scan.config_sha256, config=scan.config, layers_scanned=scan.layers_scanned,
+        versions=scan.versions,
         module_file=MODULE_FILE, module_sha256=hashlib.sha256(source.encode()).hexdigest(),
         regions=[ManifestRegion(name=r.name, kind=r.kind, module=r.module, layers=r.layers, sites=r.sites,
                                 splices=[s.key for s in splices if r.name in s.regions and not s.problems],
@@ -152,6 +166,7 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) ->
                  for r in wanted],
         splices=splices,
         replaced=sorted({s.function or s.module_class for s in splices if not s.problems}),
+        notes=[note for f in frags for note in f.notes],
     )
     save_json(manifest, out_dir / "manifest.json")
     return manifest

@@ -12,6 +12,9 @@ How the generated code is spliced in (no per-model code; everything comes from t
   by the caller at call time) is replaced; its arguments are bound by name as the manifest says;
 - carry splices (residual stream): a forward pre-hook upcasts the layer's incoming activation to FP32, and
   eager type promotion keeps the residual sums in FP32, as the engine does;
+- attention splice (an engine whose attention keeps the softmax probabilities FP32, graphdiff.opaque): the
+  generated attention function is registered with transformers' AttentionInterface and set as the model's
+  attention implementation (HF's sdpa on FP32-upcast q/k/v, output rounded once);
 - every nn.Linear rounds a floating input to its weight dtype: the engine stores every matmul input in
   low precision, and an FP32 value the patch produced must be rounded exactly there.
 Splices of regions not in `regions` are installed too, rounding where HF eager rounds (bit-identical to
@@ -41,7 +44,7 @@ import torch
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import MANIFEST_VERSION, Manifest, ManifestSplice
 
-__all__ = ["PatchError", "apply", "remove", "active_regions", "load_manifest", "config_sha256"]
+__all__ = ["PatchError", "apply", "remove", "active_regions", "load_manifest", "scanned_config"]
 
 
 class PatchError(GraphdiffError):
@@ -75,19 +78,35 @@ def load_manifest(path: str | Path) -> Manifest:
     return manifest
 
 
-def config_sha256(config: dict, layers: int | None = None) -> str:
-    """The scan's config hash, with the config cut to `layers` decoder layers as the scan cut it."""
+# Fields that say how a run is set up, not what the model computes: a trainer may set them differently.
+_RUN_FIELDS = {"transformers_version", "_name_or_path", "_commit_hash", "dtype", "torch_dtype", "use_cache",
+               "architectures", "output_attentions", "output_hidden_states", "return_dict", "bos_token_id",
+               "eos_token_id", "pad_token_id", "_attn_implementation_autoset"}
+
+
+def cut_config(config: dict, layers: int | None) -> dict:
+    """`config` as the scan saw it when it kept only the first `layers` decoder layers (resolve._with_layers)."""
     config = dict(config)
     old = int(config.get("num_hidden_layers", 0) or 0)
-    if layers is not None and 1 <= layers < old:  # the scan cut the model (resolve._with_layers)
+    if layers is not None and 1 <= layers < old:
         config = {k: v[:layers] if isinstance(v, list) and len(v) == old else v for k, v in config.items()}
         config["num_hidden_layers"] = layers
         if isinstance(config.get("max_window_layers"), int):
             config["max_window_layers"] = min(config["max_window_layers"], layers)
         if isinstance(config.get("mlp_only_layers"), list):
             config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
-    keep = {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path")}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
+    return config
+
+
+def _plain(value: Any) -> Any:
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def scanned_config(config: Any) -> dict:
+    """The fields of a transformers config that a patch depends on: those that differ from the class's
+    defaults (as transformers normalizes them: `torch_dtype` -> `dtype`, `rope_theta` -> `rope_parameters`),
+    without run settings. The scan records this; `apply` compares the model's values at these keys."""
+    return _plain({k: v for k, v in config.to_diff_dict().items() if k not in _RUN_FIELDS})
 
 
 def _base_version(v: str) -> str:
@@ -102,10 +121,13 @@ def _check(model: torch.nn.Module, manifest: Manifest, path: Path, allow_version
     if manifest.architecture not in archs:
         raise PatchError(f"the manifest is for {manifest.architecture}, the model is {archs[0]}: "
                          "scan this model and generate its own patch")
-    got = config_sha256(config.to_diff_dict(), manifest.layers_scanned)
-    if got != manifest.config_sha256:
-        raise PatchError(f"the model's config (sha256 {got[:12]}) is not the scanned one "
-                         f"({manifest.config_sha256[:12]}): scan this model and generate its own patch")
+    # Field by field over what the scan recorded, so that a field a newer transformers adds with its
+    # default, or a run setting (use_cache, dtype), does not refuse the patch.
+    model_config = _plain(cut_config(config.to_dict(), manifest.layers_scanned))
+    for key, scanned in manifest.config.items():
+        if model_config.get(key) != scanned:
+            raise PatchError(f"the model's config has {key}={json.dumps(model_config.get(key))}, the scanned one "
+                             f"{json.dumps(scanned)}: scan this model and generate its own patch")
     if not allow_version_mismatch:
         import transformers
 
@@ -226,6 +248,9 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
             if align & set(splice.regions):
                 for _, mod in targets:
                     state.undo.append(mod.register_forward_pre_hook(gen.carry_fp32, with_kwargs=True).remove)
+        elif splice.target == "attention":
+            if align & set(splice.regions) and targets:
+                state.undo.append(_use_attention(model, getattr(gen, splice.torch_fn)))
         elif splice.target == "module":
             run = _chooser(gen, splice)
             for _, mod in targets:
@@ -243,6 +268,22 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
             state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
     setattr(model, _ATTR, state)
     return model
+
+
+def _use_attention(model: torch.nn.Module, fn: Callable) -> Callable[[], None]:
+    """Register `fn` as a transformers attention function and make the model's attention layers call it (they
+    look the implementation up in the shared config at every forward); returns the undo."""
+    from transformers import AttentionInterface
+
+    name = f"graphdiff_{fn.__name__}"
+    AttentionInterface.register(name, fn)
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = name
+
+    def undo() -> None:
+        model.config._attn_implementation = previous
+
+    return undo
 
 
 def _unpatch(key: str, owner: ModuleType, fn_name: str) -> None:

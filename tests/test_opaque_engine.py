@@ -1,0 +1,66 @@
+"""The registry of opaque engine kernels (graphdiff.opaque) against the installed engine's real kernel.
+
+Marked `engine` (needs vLLM's compiled CPU ops, not a running engine): vLLM's CPU attention op on seeded
+q/k/v is compared with torch's sdpa on FP32-upcast inputs rounded once (what the generated attention
+function does) and with torch's sdpa on BF16 inputs (what HF's trainer does).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphdiff.opaque import attention_rule
+
+pytestmark = pytest.mark.engine
+
+
+def vllm_cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, isa: str) -> torch.Tensor:
+    """vLLM's CPU attention op, prefill of one causal sequence: q [S, H, D], k/v [S, KH, D] (BF16)."""
+    import vllm._custom_ops as ops
+
+    s, h, d = q.shape
+    kh, block = k.shape[1], 128
+    blocks = (s + block - 1) // block + 1
+    cache = torch.zeros(blocks, kh, block * 2, d, dtype=torch.bfloat16)
+    k_cache, v_cache = cache.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, torch.arange(s), isa)
+    starts, lens = torch.tensor([0, s], dtype=torch.int32), torch.tensor([s], dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(num_reqs=1, num_heads=h, num_kv_heads=kh, head_dim=d, seq_lens=lens,
+                                               dtype=torch.bfloat16, query_start_loc=starts, causal=True,
+                                               sliding_window_size=-1, isa=isa, enable_kv_split=True)
+    out = torch.zeros(s, h, d, dtype=torch.bfloat16)
+    ops.cpu_attention_with_kv_cache(query=q.contiguous(), key_cache=k_cache, value_cache=v_cache, output=out,
+                                    query_start_loc=starts, seq_lens=lens, scale=scale, causal=True,
+                                    alibi_slopes=None, sliding_window=-1,
+                                    block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0.0,
+                                    scheduler_metadata=meta, s_aux=None)
+    return out
+
+
+def test_cpu_attention_keeps_probabilities_fp32_as_the_registry_says() -> None:
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    s, h, kh, d = 96, 4, 2, 64
+    isa = _get_attn_isa(torch.bfloat16, 128, d, "auto")
+    rule = attention_rule({"backend": "CPU_ATTN", "isa": isa})
+    if rule is None:
+        pytest.skip(f"this CPU runs vLLM's {isa} attention kernel, which the registry does not describe")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, n, d, generator=gen).mul(2).to(torch.bfloat16) for n in (h, kh, kh))
+    scale = d ** -0.5
+    engine = vllm_cpu_attention(q, k, v, scale, isa)
+
+    def sdpa(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """As HF's sdpa path calls it: key/value heads repeated, [1, H, S, D], causal ([S, H, D] in and out)."""
+        x, y, z = (t.repeat_interleave(h // t.shape[1], 1).transpose(0, 1)[None].contiguous() for t in (x, y, z))
+        out = F.scaled_dot_product_attention(x, y, z, is_causal=True, scale=scale)
+        return out[0].transpose(0, 1).to(torch.bfloat16)
+
+    fp32_inputs = (sdpa(q.float(), k.float(), v.float()) == engine).float().mean().item()
+    bf16_inputs = (sdpa(q, k, v) == engine).float().mean().item()
+    assert rule.probabilities_fp32
+    assert fp32_inputs >= 0.998, fp32_inputs  # the last bits of exp and summation order may differ rarely
+    assert bf16_inputs < fp32_inputs - 0.05, (bf16_inputs, fp32_inputs)  # P rounded to BF16: visibly different
