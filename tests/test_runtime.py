@@ -61,6 +61,28 @@ def test_each_region_toggles_alone(qwen3, patch_dir: Path) -> None:
     runtime.remove(qwen3)
 
 
+def test_patched_models_in_one_process_do_not_affect_each_other(tiny_models: dict[str, Path],
+                                                                  patch_dir: Path) -> None:
+    """A function splice (apply_rotary_pos_emb) is one module-level name for the whole process: each model
+    still runs its own alignment, and an unpatched model the original."""
+    from graphdiff.capture.hf import load_hf_model
+
+    a, b, c = (load_hf_model(tiny_models["qwen3"]) for _ in range(3))
+    base = logits(c)
+    runtime.apply(a, patch_dir)
+    aligned = logits(a)
+    rope = ["model.layers.*.self_attn"]
+    runtime.apply(b, patch_dir, regions=rope)
+    rope_only = logits(b)
+    assert not torch.equal(rope_only, base) and not torch.equal(rope_only, aligned)
+    assert torch.equal(logits(a), aligned)  # b's patch left a's alignment alone
+    assert torch.equal(logits(c), base)  # and the unpatched model runs HF's own function
+    runtime.remove(a)
+    assert torch.equal(logits(b), rope_only)
+    runtime.remove(b)
+    assert torch.equal(logits(b), base)
+
+
 def loss_and_grads(model) -> tuple[float, dict[str, torch.Tensor]]:  # noqa: ANN001
     model.zero_grad(set_to_none=True)
     out = model(input_ids=IDS, labels=IDS, use_cache=False)

@@ -9,7 +9,9 @@ How the generated code is spliced in (no per-model code; everything comes from t
 - module splices: each module matching the splice's path pattern and class gets an instance `forward` that
   calls the generated function (FP32 inside; an output stays FP32 only where the engine keeps it so);
 - function splices: the module-level function (e.g. `apply_rotary_pos_emb` in the modeling module, looked up
-  by the caller at call time) is replaced; its arguments are bound by name as the manifest says;
+  by the caller at call time) is replaced by a dispatcher; while a patched model's calling module runs
+  (forward hooks set a context variable), it runs that model's replacement, elsewhere the original, so
+  other models in the process are not affected; arguments are bound by name as the manifest says;
 - carry splices (residual stream): a forward pre-hook upcasts the layer's incoming activation to FP32, and
   eager type promotion keeps the residual sums in FP32, as the engine does;
 - attention splice (an engine whose attention keeps the softmax probabilities FP32, graphdiff.opaque): the
@@ -34,6 +36,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -60,6 +63,8 @@ class _State:
 
 _ATTR = "_graphdiff_patch"
 _FUNCTIONS: dict[str, tuple[Any, int]] = {}  # dotted function -> (original, patched models using it)
+# dotted function -> the replacement of the patched module running now (set by that module's forward hooks)
+_CALLERS: ContextVar[dict[str, Callable] | None] = ContextVar("graphdiff_callers", default=None)
 
 
 def load_manifest(path: str | Path) -> Manifest:
@@ -211,6 +216,38 @@ def _function(original: Callable, splice: ManifestSplice, run: Callable, align: 
     return replacement
 
 
+def _dispatcher(key: str, original: Callable) -> Callable:
+    """Stands in for the module-level function: inside a patched model's calling module it runs that model's
+    replacement; anywhere else (another model in the process, patched or not) what that model needs."""
+
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        return (_CALLERS.get() or {}).get(key, original)(*args, **kwargs)
+
+    dispatch.__wrapped__ = original
+    dispatch.__name__ = getattr(original, "__name__", "dispatch")
+    return dispatch
+
+
+def _calls_replacement(mod: torch.nn.Module, key: str, replacement: Callable) -> Callable[[], None]:
+    """While `mod` runs forward (recomputation under gradient checkpointing included), the dispatcher of `key`
+    calls `replacement`; returns the undo."""
+    tokens: list[Token] = []
+
+    def enter(module: torch.nn.Module, args: tuple) -> None:
+        tokens.append(_CALLERS.set({**(_CALLERS.get() or {}), key: replacement}))
+
+    def leave(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if tokens:
+            _CALLERS.reset(tokens.pop())
+
+    hooks = [mod.register_forward_pre_hook(enter), mod.register_forward_hook(leave, always_call=True)]
+    def undo() -> None:
+        for h in hooks:
+            h.remove()
+
+    return undo
+
+
 def _round_linear_input(module: torch.nn.Module, args: tuple) -> tuple | None:
     x = args[0] if args else None
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != module.weight.dtype:
@@ -257,12 +294,18 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
                 mod.forward = _module_forward(mod, splice, run, align)
                 state.undo.append(lambda mod=mod: mod.__dict__.pop("forward", None))
         elif targets:  # function: only when this model has the modules that call it
-            owner_name, fn_name = splice.function.rsplit(".", 1)
+            key = splice.function
+            owner_name, fn_name = key.rsplit(".", 1)
             owner = importlib.import_module(owner_name)
-            original, users = _FUNCTIONS.get(splice.function, (getattr(owner, fn_name), 0))
-            setattr(owner, fn_name, _function(original, splice, _chooser(gen, splice), align))
-            _FUNCTIONS[splice.function] = (original, users + 1)
-            state.undo.append(lambda key=splice.function, owner=owner, fn_name=fn_name: _unpatch(key, owner, fn_name))
+            if key not in _FUNCTIONS:  # one dispatcher per function and process; the replacement is per model
+                _FUNCTIONS[key] = (getattr(owner, fn_name), 0)
+                setattr(owner, fn_name, _dispatcher(key, _FUNCTIONS[key][0]))
+            original, users = _FUNCTIONS[key]
+            _FUNCTIONS[key] = (original, users + 1)
+            state.undo.append(lambda key=key, owner=owner, fn_name=fn_name: _unpatch(key, owner, fn_name))
+            replacement = _function(original, splice, _chooser(gen, splice), align)
+            for _, mod in targets:
+                state.undo.append(_calls_replacement(mod, key, replacement))
     for _, mod in named:
         if isinstance(mod, torch.nn.Linear):
             state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
@@ -275,7 +318,7 @@ def _use_attention(model: torch.nn.Module, fn: Callable) -> Callable[[], None]:
     look the implementation up in the shared config at every forward); returns the undo."""
     from transformers import AttentionInterface
 
-    name = f"graphdiff_{fn.__name__}"
+    name = f"graphdiff_{fn.__module__}_{fn.__name__}"  # one per generated module: manifests may differ
     AttentionInterface.register(name, fn)
     previous = model.config._attn_implementation
     model.config._attn_implementation = name
