@@ -14,3 +14,17 @@ def test_help_names_every_command():
     assert proc.returncode == 0
     for cmd in ("scan", "capture", "report", "patch", "kl", "make-tiny", "configs"):
         assert cmd in proc.stdout
+
+
+def test_patch_verify_checks_every_splice_and_refuses_a_missing_gpu(tmp_path):
+    from tests.conftest import FIXTURES
+    from tests.test_cli_errors import one_error_line
+
+    scan = str(FIXTURES / "scans" / "tiny-qwen3")
+    proc = run_cli("patch", scan, "--out", str(tmp_path / "p"), "--verify")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "all 14 checks passed" in proc.stdout and "PyTorch path only" in proc.stdout
+    pre = "import torch; torch.cuda.is_available = lambda: False"
+    msg = one_error_line(run_cli("patch", scan, "--out", str(tmp_path / "q"), "--verify", "--device", "cuda", pre=pre))
+    assert "no CUDA device" in msg
+    assert (tmp_path / "q" / "manifest.json").is_file()  # what was generated before the check stays
