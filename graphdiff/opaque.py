@@ -47,8 +47,9 @@ def attention_rule(info: dict[str, str]) -> AttentionRule | None:
     return None
 
 
-def _changed_fraction(n: torch.fx.Node, values: dict[str, Any]) -> float | None:
-    """Fraction of the attention output that differs from the same op on FP32 inputs, rounded once."""
+def _changed_fraction(n: torch.fx.Node, values: dict[str, Any]) -> tuple[float, str] | None:
+    """Fraction of the attention output that differs from the same op on FP32 inputs rounded once, and the
+    output's dtype."""
     from graphdiff.rounding import rerun_fp32
 
     out = values.get(n.name)
@@ -60,7 +61,7 @@ def _changed_fraction(n: torch.fx.Node, values: dict[str, Any]) -> float | None:
     except Exception:  # an op that refuses FP32 inputs: no evidence either way
         return None
     exact = exact[0] if isinstance(exact, tuple | list) else exact
-    return float((exact.to(out.dtype) != out).float().mean())
+    return float((exact.to(out.dtype) != out).float().mean()), str(out.dtype).removeprefix("torch.")
 
 
 def attention_sites(info: dict[str, str], graph: Graph, gm: torch.fx.GraphModule | None,
@@ -78,19 +79,20 @@ def attention_sites(info: dict[str, str], graph: Graph, gm: torch.fx.GraphModule
     fx_nodes = {n.name: n for n in gm.graph.nodes}
     # the engine's attention calls, in layer order (one per layer, like the trainer's)
     calls = [k.id for g in engine_graphs for k in g.kernels if k.kind == "extern" and "attention" in k.name]
+    attention = [n for n in graph.nodes
+                 if n.op == "call_function" and any(op in n.target for op in ATTENTION_OPS) and n.name in fx_nodes]
     sites = []
-    for n in graph.nodes:
-        if n.op != "call_function" or not any(op in n.target for op in ATTENTION_OPS) or n.name not in fx_nodes:
+    for i, n in enumerate(attention):
+        found = _changed_fraction(fx_nodes[n.name], values)
+        if found is None or not found[0]:
             continue
-        changed = _changed_fraction(fx_nodes[n.name], values)
-        if not changed:
-            continue
+        changed, dtype = found
         sites.append(Site(
             id="", region="", kind="attention", layer=layer_of(n.module), rounded_on="train",
-            train=SideRef(node=n.name, op=n.target, dtype=n.dtype, module=n.module, source=n.source,
+            train=SideRef(node=n.name, op=n.target, dtype=dtype, module=n.module, source=n.source,
                           how=f"rounds P to BF16 inside (changes {changed:.0%} of its output vs FP32 inputs)"),
             engine=SideRef(node="", op=label, how=f"P kept FP32 inside {label} (registry)",
-                           kernel=calls[len(sites)] if len(sites) < len(calls) else None),
+                           kernel=calls[i] if len(calls) == len(attention) else None),
             matched=False, confidence=1.0, changed_fraction=changed,
             evidence=f"trainer: its attention on FP32-upcast inputs, rounded once, differs on {changed:.0%} of the "
                      f"output; engine {label}: {rule.source}"))

@@ -215,7 +215,8 @@ def _add_nodes(g: graphviz.Digraph, graph: Graph, names: list[str], side: str, p
         if name in marks:
             badge, rounding, here = marks[name]
             color, fill = SIDE_COLORS[rounding]
-            note = f"rounds to {_DT.get(n.dtype or '', n.dtype)}" if here else "keeps FP32"
+            # an op with several outputs (attention) has no node dtype: it rounds inside
+            note = (f"rounds to {_DT.get(n.dtype, n.dtype)}" if n.dtype else "rounds inside") if here else "keeps FP32"
             attrs |= {"color": color, "penwidth": "2", "fillcolor": fill if here else "#ffffff",
                       "style": "rounded,filled" if here else "rounded,filled,dashed"}
         elif n.op == "placeholder":
