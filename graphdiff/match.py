@@ -13,16 +13,14 @@ Each match carries its evidence and a confidence; unmatched values are listed.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
-from graphdiff.model import Graph, Node
-from graphdiff.rounding import is_view, op_name
+from graphdiff.model import Graph, Node, layer_of, op_name
+from graphdiff.rounding import is_view
 
 TOLERANCE = 0.015  # relative L2 distance of sorted values accepted as "the same value"
-_LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 _CAST = {"_to_copy", "convert_element_type", "to", "type_as"}
 
 
@@ -33,11 +31,6 @@ class Match:
     distance: float  # relative L2 distance of the sorted values
     confidence: float  # 1 at distance 0, 0 at the tolerance; lowered when the runner-up is close
     evidence: str
-
-
-def layer_of(module: str | None) -> int | None:
-    m = _LAYER.search("." + (module or ""))
-    return int(m.group(1)) if m else None
 
 
 def _compatible(a: str | None, b: str | None, same_layer: bool) -> bool:

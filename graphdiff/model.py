@@ -9,6 +9,7 @@ Inductor chose (which FX nodes each generated kernel fuses, what it loads and st
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -80,6 +81,27 @@ class PackedParam(BaseModel):
     dim: int  # the dimension the HF tensors are concatenated along
     parts: list[tuple[str, int, int]]  # (hf name, start, stop) along `dim`
 
+
+# Matmul-like ops and attention: boundaries of elementwise regions (region kinds, fragments, pictures).
+HEAVY_OPS = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm", "embedding", "convolution", "onednn_mm"}
+_LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
+
+
+def op_name(target: str) -> str:
+    """"aten.mul.Tensor" -> "mul"; "getitem" -> "getitem"."""
+    parts = target.split(".")
+    return parts[1] if len(parts) >= 2 else parts[0]
+
+
+def layer_of(module: str | None) -> int | None:
+    """Decoder layer index in an HF module path ("model.layers.3.mlp" -> 3)."""
+    m = _LAYER.search("." + (module or ""))
+    return int(m.group(1)) if m else None
+
+
+def is_heavy(n: Node) -> bool:
+    name = op_name(n.target)
+    return name in HEAVY_OPS or "attention" in name or "scaled_dot_product" in name
 
 class Graph(BaseModel):
     """One captured graph (the engine may compile several, split at attention)."""

@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from graphdiff.match import layer_of
-from graphdiff.model import Graph, SideRef, Site
+from graphdiff.model import Graph, SideRef, Site, layer_of
 
 ATTENTION_OPS = ("scaled_dot_product",)  # aten._scaled_dot_product_{flash_attention_for_cpu,flash,...}
 

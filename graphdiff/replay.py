@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from graphdiff.model import Node
+from graphdiff.model import Node, op_name
 
 LOW = (torch.bfloat16, torch.float16)
 # Ops that only move or select data: exact in any dtype, so they run in the input dtype and their
@@ -29,12 +29,6 @@ DATA_MOVEMENT = {
     "view", "reshape", "_unsafe_view", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze", "cat",
     "clone", "alias", "contiguous", "as_strided", "unbind", "chunk", "narrow",
 }
-
-
-def op_name(target: str) -> str:
-    """"aten.mul.Tensor" -> "mul"; "getitem" -> "getitem"."""
-    parts = target.split(".")
-    return parts[1] if len(parts) >= 2 else parts[0]
 
 
 def resolve_target(name: str) -> Any:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import graphviz
 from markupsafe import Markup
 
-from graphdiff.model import Graph, Node, Site
+from graphdiff.model import Graph, Node, Site, is_heavy, layer_of, op_name
 
 TRAIN_COLOR, TRAIN_FILL = "#e8710a", "#fde3cc"  # train = orange
 ENGINE_COLOR, ENGINE_FILL = "#1a73e8", "#d2e3fc"  # engine = blue
@@ -30,31 +30,14 @@ GLUE = {"getitem", "view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "s
         "permute", "expand", "alias", "t", "transpose", "select", "clone", "contiguous", "detach", "as_strided",
         "_reshape_alias", "unbind", "chunk", "lift_fresh_copy", "sym_size", "output"}
 ALLOC = {"empty", "empty_like", "empty_strided", "zeros", "full", "new_empty"}
-HEAVY = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm", "embedding", "convolution", "onednn_mm"}
 HOPS = 2
 MAX_NODES = 28  # per side, for region pictures
 MAX_SEEDS = 8  # engine nodes standing in for a site no engine node computes
-_LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 
 
 def dot_binary() -> str | None:
     """Path of Graphviz `dot`; the report degrades to a note without it (tests patch this)."""
     return shutil.which("dot")
-
-
-def op_name(target: str) -> str:
-    parts = target.split(".")
-    return parts[1] if len(parts) >= 2 else parts[0]
-
-
-def layer_of(module: str | None) -> int | None:
-    m = _LAYER.search("." + (module or ""))
-    return int(m.group(1)) if m else None
-
-
-def is_heavy(n: Node) -> bool:
-    name = op_name(n.target)
-    return name in HEAVY or "attention" in name or "scaled_dot_product" in name
 
 
 def hidden(n: Node) -> bool:

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from graphdiff.model import Graph, Kernel, Node
-from graphdiff.replay import DATA_MOVEMENT, LOW, bits_equal_fraction, op_name, run_fragment, to_dtype
+from graphdiff.model import Graph, Kernel, Node, op_name
+from graphdiff.replay import DATA_MOVEMENT, LOW, bits_equal_fraction, run_fragment, to_dtype
 
 # Ops that move or reinterpret data without computing (no rounding can happen in them).
 VIEW_OPS = {

@@ -24,20 +24,14 @@ from collections import defaultdict
 
 import torch
 
-from graphdiff.match import Match, layer_of
-from graphdiff.model import Graph, Node, Region, Side, SideRef, Site
+from graphdiff.match import Match
+from graphdiff.model import Graph, Node, Region, Side, SideRef, Site, is_heavy, layer_of, op_name
 from graphdiff.replay import LOW
-from graphdiff.rounding import EngineRounding, is_view, op_name
+from graphdiff.rounding import EngineRounding, is_view
 
-HEAVY = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm", "embedding", "convolution", "onednn_mm"}
 ACTIVATIONS = {"silu", "gelu", "sigmoid", "tanh", "relu", "softplus", "mish", "elu", "leaky_relu", "hardswish",
                "gelu_tanh"}
 MAX_HOPS = 12
-
-
-def _is_heavy(n: Node) -> bool:
-    name = op_name(n.target)
-    return name in HEAVY or "attention" in name or "scaled_dot_product" in name
 
 
 def _closure(graph: Graph, start: str, users: dict[str, list[str]], down: bool) -> tuple[set[str], bool]:
@@ -50,7 +44,7 @@ def _closure(graph: Graph, start: str, users: dict[str, list[str]], down: bool) 
         for name in frontier:
             for other in (users.get(name, []) if down else nodes[name].inputs):
                 n = nodes[other]
-                if _is_heavy(n):
+                if is_heavy(n):
                     attention |= down and ("attention" in n.target or "scaled_dot_product" in n.target)
                     continue
                 if other not in seen and n.op == "call_function":
@@ -138,7 +132,7 @@ def _nearest_matched(graph: Graph, start: str, users: dict[str, list[str]], matc
             for other in (users.get(name, []) if down else nodes[name].inputs):
                 if other in matched:
                     return other
-                if other not in seen and nodes[other].op == "call_function" and not _is_heavy(nodes[other]):
+                if other not in seen and nodes[other].op == "call_function" and not is_heavy(nodes[other]):
                     seen.add(other)
                     nxt.append(other)
         frontier = nxt

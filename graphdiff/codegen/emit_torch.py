@@ -7,8 +7,8 @@ of model templates. Casts are identities (the value is FP32 throughout); the pla
 
 from __future__ import annotations
 
-from graphdiff.codegen.fragment import EXACT, Fragment, low, op_name, rounds
-from graphdiff.model import Node
+from graphdiff.codegen.fragment import EXACT, Fragment, low, rounds
+from graphdiff.model import Node, op_name
 
 BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 UNARY = {"rsqrt": "torch.rsqrt", "sqrt": "torch.sqrt", "exp": "torch.exp", "sigmoid": "torch.sigmoid",

@@ -13,8 +13,8 @@ reverse pass in FP32, treating roundings as identities (straight-through, like a
 from __future__ import annotations
 
 from graphdiff.codegen.emit_torch import Unsupported, expression
-from graphdiff.codegen.fragment import EXACT, Fragment, low, op_name, rounds
-from graphdiff.model import Node
+from graphdiff.codegen.fragment import EXACT, Fragment, low, rounds
+from graphdiff.model import Node, op_name
 
 IDENTITY = {"_to_copy", "convert_element_type", "alias", "clone", "contiguous"}
 CORE = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "sigmoid", "silu", "reciprocal", "mean",

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from graphdiff.model import Graph, Node, Region, ScanResult
+from graphdiff.model import Graph, Node, Region, ScanResult, op_name
+from graphdiff.model import is_heavy as model_is_heavy
 
-HEAVY = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm", "embedding", "convolution"}
 # Ops that move or select data: exact in any dtype, never a rounding point.
 EXACT = {"view", "reshape", "_unsafe_view", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze",
          "slice", "cat", "select", "clone", "alias", "contiguous", "neg"}
@@ -29,14 +29,9 @@ EXACT = {"view", "reshape", "_unsafe_view", "permute", "transpose", "t", "expand
 Target = Literal["module", "function", "carry"]
 
 
-def op_name(target: str) -> str:
-    parts = target.split(".")
-    return parts[1] if len(parts) >= 2 else parts[0]
-
-
 def is_heavy(n: Node) -> bool:
-    name = op_name(n.target)
-    return name in HEAVY or "attention" in name or "scaled_dot_product" in name or n.target == "getitem"
+    """A fragment boundary: matmul-like, attention, or a getitem of a multi-output op."""
+    return model_is_heavy(n) or n.target == "getitem"
 
 
 def low(dtype: str | None) -> bool:

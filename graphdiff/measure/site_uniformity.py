@@ -15,10 +15,8 @@ from typing import Any
 
 import torch
 
-from graphdiff.match import layer_of
 from graphdiff.measure.uniformity import median_over_layers, nonuniformity
-from graphdiff.model import Graph, Site
-from graphdiff.replay import op_name
+from graphdiff.model import Graph, Site, layer_of, op_name
 from graphdiff.rounding import rerun_fp32
 
 MATMULS = {"mm", "addmm", "bmm", "matmul"}
