@@ -56,9 +56,9 @@ def load_model(args: argparse.Namespace, work: Path) -> tuple[torch.nn.Module, s
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.config:  # bundled config (or a config dir), full depth, random weights made on the device
-        from graphdiff.resolve import _bundled_config
+        from graphdiff.resolve import bundled_config
 
-        published = _bundled_config(args.config)
+        published = bundled_config(args.config)
         cfg_dir = Path(args.config) if published is None else work / "config"
         if published is not None:
             cfg_dir.mkdir(parents=True, exist_ok=True)

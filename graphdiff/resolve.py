@@ -60,7 +60,7 @@ def bundled_ids() -> list[str]:
     return sorted(name.removesuffix(".json").replace("--", "/", 1) for name in names)
 
 
-def _bundled_config(model_id: str) -> dict | None:
+def bundled_config(model_id: str) -> dict | None:
     f = resources.files(CONFIGS_PACKAGE) / (model_id.replace("/", "--") + ".json")
     return json.loads(f.read_text()) if f.is_file() else None
 
@@ -93,6 +93,16 @@ def _with_layers(config: dict, layers: int) -> dict:
     old = int(config.get("num_hidden_layers", 0))
     if not 1 <= layers <= old:
         raise GraphdiffError(f"cannot keep {layers} layers of a model with {old}; choose 1 to {old}")
+    return cut_layers(config, layers)
+
+
+def cut_layers(config: dict, layers: int | None) -> dict:
+    """`config` with only its first `layers` decoder layers (unchanged when `layers` is None or not fewer).
+    The patch runtime cuts a trainer's config the same way to compare it with the scanned one."""
+    config = dict(config)
+    old = int(config.get("num_hidden_layers", 0) or 0)
+    if layers is None or not 1 <= layers < old:
+        return config
     # Lists with one entry per layer (layer_types and the like) keep their first `layers` entries.
     config = {k: v[:layers] if isinstance(v, list) and len(v) == old else v for k, v in config.items()}
     config["num_hidden_layers"] = layers
@@ -142,7 +152,7 @@ def resolve_model(spec: str, work_dir: Path | None = None, layers: int | None = 
             snapshot = _materialize(spec, _with_layers(config, layers), work_dir, link_from=snapshot)
             config = read_config(snapshot)
         return ResolvedModel(spec, snapshot, config, has_weights(snapshot), "hf-cache")
-    config = _bundled_config(spec)
+    config = bundled_config(spec)
     if config is None:
         raise GraphdiffError(
             f"unknown model {spec!r}: no local directory, no snapshot in the HF cache ({_hub_cache()}) and no "

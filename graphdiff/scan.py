@@ -228,7 +228,7 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, work_dir: Pa
 
 
 def _published_layers(spec: str, scanned: int) -> int:
-    from graphdiff.resolve import _bundled_config
+    from graphdiff.resolve import bundled_config
 
-    cfg = _bundled_config(spec) if "/" in spec else None
+    cfg = bundled_config(spec) if "/" in spec else None
     return int(cfg.get("num_hidden_layers", scanned)) if cfg else scanned

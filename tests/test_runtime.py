@@ -163,11 +163,11 @@ def test_config_check_reads_the_published_config_form(patch_dir: Path, tmp_path:
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from graphdiff.resolve import _bundled_config, _with_layers
+    from graphdiff.resolve import _with_layers, bundled_config
     from graphdiff.runtime import _check
     from graphdiff.scan import _scanned_config
 
-    published = _bundled_config("Qwen/Qwen3-8B")
+    published = bundled_config("Qwen/Qwen3-8B")
     assert "torch_dtype" in published and "rope_theta" in published
     (tmp_path / "config.json").write_text(json.dumps(published))
     config = AutoConfig.from_pretrained(tmp_path)

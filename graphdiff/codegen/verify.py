@@ -15,19 +15,16 @@ CPU and (TRITON_INTERPRET=1) in Triton's interpreter.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from graphdiff.codegen.fragment import Fragment, decide_outputs, fragment_for, merge, rounds
-from graphdiff.codegen.generate import MODULE_FILE, load_scan_dir
+from graphdiff.codegen.generate import load_scan_dir
 from graphdiff.model import Node
 from graphdiff.replay import RoundingInterpreter, fragment_graph
-from graphdiff.runtime import load_manifest
+from graphdiff.runtime import load_generated, load_manifest
 
 GRAD_RTOL = 2e-2  # BF16 storage of the forward values and (PyTorch path) of the gradients: ~2^-8 each
 TRANSCENDENTAL_ULP = 2  # FP32 exp differs between implementations (ATen vectorized, numpy)
@@ -53,14 +50,6 @@ class Check:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def load_module(out_dir: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, out_dir / MODULE_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.modules[name] = module
-    return module
 
 
 def fragments(scan_dir: Path) -> tuple[dict[str, Fragment], dict[str, Node]]:
@@ -105,11 +94,10 @@ def _grad_error(outs: list[torch.Tensor], xs: list[torch.Tensor], g64: tuple, we
     return max(errs, default=0.0)
 
 
-def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool = True,
-           module_name: str | None = None) -> list[Check]:
+def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool = True) -> list[Check]:
     """Every generated splice of the patch in `out_dir` (made from `scan_dir`) against the references."""
     manifest = load_manifest(out_dir)
-    gen = load_module(out_dir, module_name or f"graphdiff_verify_{manifest.module_sha256[:16]}")
+    gen = load_generated(manifest, out_dir / "manifest.json")  # the module the runtime loads, sha256-checked
     frags, nodes = fragments(scan_dir)
     checks: list[Check] = []
     for splice in manifest.splices:
@@ -127,8 +115,7 @@ def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool =
                        .to(device) for o in exact]
             g64 = torch.autograd.grad(sum((o * w).sum() for o, w in zip(exact, weights)), x64, allow_unused=True)
 
-            gen.EXACT_REDUCTIONS = False  # the plan replay reduces as ATen does
-            with torch.no_grad():
+            with torch.no_grad():  # the plan replay reduces as ATen does, as the PyTorch path does by default
                 ref = replay(frag, nodes, [x.detach() for x in xs], align)
             ours = getattr(gen, splice.torch_fn)(*xs, align=align)
             same = all(torch.equal(o.float(), r.float()) for o, r in zip(ours, ref))
@@ -137,10 +124,12 @@ def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool =
                                 max(_ulp(o, r) for o, r in zip(ours, ref)), err, same and err < GRAD_RTOL))
             if not (triton and splice.triton_fn):
                 continue
-            gen.EXACT_REDUCTIONS = True
-            ref = getattr(gen, splice.torch_fn)(*xs, align=align)
-            tri = getattr(gen, splice.triton_fn)(*xs, align=align)
-            gen.EXACT_REDUCTIONS = False
+            gen.EXACT_REDUCTIONS = True  # the module is the runtime's own (shared): always switched back
+            try:
+                ref = getattr(gen, splice.torch_fn)(*xs, align=align)
+                tri = getattr(gen, splice.triton_fn)(*xs, align=align)
+            finally:
+                gen.EXACT_REDUCTIONS = False
             same = all(r.dtype == t.dtype and r.shape == t.shape and torch.equal(r, t) for r, t in zip(ref, tri))
             ulp = max(_ulp(r, t) for r, t in zip(ref, tri))
             # a transcendental's FP32 output may differ by a few ulp; a BF16 store of it must still match

@@ -46,8 +46,9 @@ import torch
 
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import MANIFEST_VERSION, Manifest, ManifestSplice
+from graphdiff.resolve import cut_layers
 
-__all__ = ["PatchError", "apply", "remove", "active_regions", "load_manifest", "scanned_config"]
+__all__ = ["PatchError", "apply", "remove", "active_regions", "load_manifest", "load_generated", "scanned_config"]
 
 
 class PatchError(GraphdiffError):
@@ -89,20 +90,6 @@ _RUN_FIELDS = {"transformers_version", "_name_or_path", "_commit_hash", "dtype",
                "eos_token_id", "pad_token_id", "_attn_implementation_autoset"}
 
 
-def cut_config(config: dict, layers: int | None) -> dict:
-    """`config` as the scan saw it when it kept only the first `layers` decoder layers (resolve._with_layers)."""
-    config = dict(config)
-    old = int(config.get("num_hidden_layers", 0) or 0)
-    if layers is not None and 1 <= layers < old:
-        config = {k: v[:layers] if isinstance(v, list) and len(v) == old else v for k, v in config.items()}
-        config["num_hidden_layers"] = layers
-        if isinstance(config.get("max_window_layers"), int):
-            config["max_window_layers"] = min(config["max_window_layers"], layers)
-        if isinstance(config.get("mlp_only_layers"), list):
-            config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
-    return config
-
-
 def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, sort_keys=True, default=str))
 
@@ -128,7 +115,7 @@ def _check(model: torch.nn.Module, manifest: Manifest, path: Path, allow_version
                          "scan this model and generate its own patch")
     # Field by field over what the scan recorded, so that a field a newer transformers adds with its
     # default, or a run setting (use_cache, dtype), does not refuse the patch.
-    model_config = _plain(cut_config(config.to_dict(), manifest.layers_scanned))
+    model_config = _plain(cut_layers(config.to_dict(), manifest.layers_scanned))
     for key, scanned in manifest.config.items():
         if model_config.get(key) != scanned:
             raise PatchError(f"the model's config has {key}={json.dumps(model_config.get(key))}, the scanned one "
@@ -143,7 +130,9 @@ def _check(model: torch.nn.Module, manifest: Manifest, path: Path, allow_version
                                  "code may round elsewhere now; rescan, or pass allow_version_mismatch=True")
 
 
-def _load_module(manifest: Manifest, path: Path) -> ModuleType:
+def load_generated(manifest: Manifest, path: Path) -> ModuleType:
+    """The generated module beside the manifest at `path`, refused if changed since generation; one per
+    content (sys.modules)."""
     file = path.parent / manifest.module_file
     try:
         source = file.read_bytes()
@@ -271,7 +260,7 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
     failed = [f"{r.name} ({r.reason})" for r in manifest.regions if r.name in regions and not r.generated]
     if failed:
         raise PatchError(f"not generated, cannot apply: {'; '.join(failed)}")
-    gen = _load_module(manifest, path)
+    gen = load_generated(manifest, path)
     remove(model)
     align = frozenset(regions)
     state = _State(path, list(regions))
