@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from graphdiff.errors import GraphdiffError
+from graphdiff.model import save_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Find where an inference engine and its trainer round to BF16 in different places.")
@@ -86,46 +87,69 @@ def capture(
     out_dir: Path = typer.Option(..., "--out", help="directory for capture.json (and buffers.pt for vllm)"),
     layers: int | None = typer.Option(None, help="override num_hidden_layers (identical layers need not all run)"),
     tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="length of the seeded test prompt"),
+    shapes: str | None = typer.Option(None, "--shapes", help="engine forwards to record (see `scan --shapes`); "
+                                      "default: one prefill of --tokens"),
+    compilation_config: str | None = typer.Option(None, "--compilation-config", "-cc",
+                                                  help="the engine's compilation config, JSON as for `vllm serve`"),
     keep_dump: bool = typer.Option(False, help="keep the TORCH_COMPILE_DEBUG dump in OUT/inductor-debug"),
     kernels: bool = typer.Option(True, help="print one line per kernel"),
 ) -> None:
     """Capture one side's graph and write OUT/capture.json."""
-    from graphdiff.model import save_json
+    from graphdiff.scandir import ScanDir
 
     with user_errors():
         if engine not in ("vllm", "hf", "dump"):
             raise GraphdiffError(f"unknown engine {engine!r}; choose vllm, hf or dump")
+        ScanDir(out_dir).check_writable()
         if engine == "dump":
             from graphdiff.capture.dump import import_dump
 
             cap = import_dump(Path(model))
+            path = save_json(cap, out_dir / "capture.json")
         else:
             from graphdiff.scan import config_sha256, prepare_model
+            from graphdiff.shapes import check_shapes, parse_shapes, prefill, with_prompts
 
             resolved, _ = prepare_model(model, layers, None, lambda m: console.log(m))
-            model_dir = resolved.path
-            prompt = prompt_tokens(model_dir, tokens)
+            wanted = parse_shapes(shapes, tokens) if shapes else [prefill(tokens)]
+            check_shapes(wanted, resolved.config)
+            wanted = with_prompts(wanted, resolved.config)
             if engine == "hf":
                 from graphdiff.capture.hf import capture_hf
 
                 with progress("tracing the HF eager forward"):
-                    cap = capture_hf(model_dir, input_ids=prompt)[0]
+                    cap = capture_hf(resolved.path, input_ids=wanted[0].prompts[0])[0]
+                path = save_json(cap, out_dir / "capture.json")
             else:
-                import torch
+                from graphdiff.capture.engine_process import save_engine_capture
+                from graphdiff.capture.vllm import EngineOptions, capture_vllm
 
-                from graphdiff.capture.vllm import capture_vllm
-
-                debug = out_dir / "inductor-debug" if keep_dump else None
+                config = parse_json_option(compilation_config, "--compilation-config")
+                options = EngineOptions(compilation_config=config, layers=layers,
+                                        debug_dir=out_dir / "inductor-debug" if keep_dump else None)
                 with progress("starting vLLM") as update:
-                    run = capture_vllm(model_dir, prompt, layers=layers, debug_dir=debug, progress=update)
+                    run = capture_vllm(resolved.path, wanted, options=options, progress=update)
                 cap = run.capture
                 cap.config_sha256 = config_sha256(resolved.config)
-                out_dir.mkdir(parents=True, exist_ok=True)
-                torch.save(run.buffers, out_dir / "buffers.pt")
-                cap.buffers_file = "buffers.pt"
-        path = save_json(cap, out_dir / "capture.json")
+                cap.startup_s = round(run.startup_s, 3)
+                path = save_engine_capture(cap, run.buffers, out_dir)
     print_summary(cap, kernels)
     out.print(f"wrote {path}")
+
+
+def parse_json_option(text: str | None, name: str) -> dict:
+    """A JSON object given on the command line, or one clear error."""
+    import json
+
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GraphdiffError(f"{name}: not valid JSON ({e.msg} at character {e.pos}): {text}") from None
+    if not isinstance(value, dict):
+        raise GraphdiffError(f"{name}: expected a JSON object such as '{{\"mode\": 3}}', got {text}")
+    return value
 
 
 def prompt_tokens(model_dir: Path, n: int, seed: int = 0) -> list[int]:
@@ -140,64 +164,139 @@ def scan_cmd(
     model: str = typer.Argument(..., help="HF id (bundled config or local HF cache), checkpoint dir, or tiny:ARCH"),
     engine: str = typer.Option("vllm", help="the inference engine (vllm)"),
     layers: int | None = typer.Option(None, help="decoder layers to scan for an HF id (default 2: layers repeat)"),
-    tokens: int = typer.Option(16, help="length of the seeded prompt both sides run"),
+    tokens: int = typer.Option(16, help="length of the seeded prompt both sides run (the first shape)"),
+    shapes: str | None = typer.Option(None, "--shapes", help="engine forwards to record and replay: N (a prefill of N "
+                                      "tokens), decode:BxC (a decode step of B sequences with C cached tokens), comma-"
+                                      "separated; default: --tokens, 512, 2048 (as the model allows), decode:8x64"),
+    compilation_config: str | None = typer.Option(None, "--compilation-config", "-cc",
+                                                  help="the engine's compilation config, JSON as for `vllm serve` "
+                                                  "(e.g. '{\"mode\": 3}' for vLLM's piecewise graphs)"),
     out_dir: Path | None = typer.Option(None, "--out", help="output directory (default scans/<model>)"),
     report: bool = typer.Option(False, "--report", help="also render OUT/report.html (see `graphdiff report`)"),
     patch: bool = typer.Option(False, "--patch", help="also generate the patch into OUT/patch (see `graphdiff patch`)"),
     engine_dump: Path | None = typer.Option(None, "--engine-dump", help="engine capture made elsewhere by "
                                             "`graphdiff capture MODEL --engine vllm --out DIR` (no engine start)"),
-    kl: bool = typer.Option(False, "--kl", help="also measure the log-prob gap (8 prompts x 64 tokens; with "
-                            "--patch: patched vs unpatched) into scan.json `kl` and OUT/kl.json"),
+    kl: bool = typer.Option(False, "--kl", help="also measure the log-prob gap (see `graphdiff kl`; with --patch: "
+                            "patched vs unpatched) into scan.json `kl` and OUT/kl.json"),
     manifest: Path | None = typer.Option(None, "--manifest", help="scan the trainer patched by this manifest: "
                                          "the sites are what the patch leaves"),
 ) -> None:
     """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
-    from graphdiff.model import save_json
     from graphdiff.scan import scan
+    from graphdiff.scandir import ScanDir
+    from graphdiff.shapes import parse_shapes
 
     with user_errors():
         if engine != "vllm":
             raise GraphdiffError(f"unknown engine {engine!r}; graphdiff scans vllm")
         if tokens < 2:
             raise GraphdiffError("--tokens must be at least 2")
-        out_dir = out_dir or Path("scans") / model.replace("/", "--").replace(":", "-")
+        d = ScanDir(out_dir or Path("scans") / model.replace("/", "--").replace(":", "-"))
+        d.check_writable()
+        wanted = parse_shapes(shapes, tokens) if shapes else None
+        config = parse_json_option(compilation_config, "--compilation-config")
+        if manifest is not None and not manifest.exists():
+            raise GraphdiffError(f"--manifest {manifest}: no such file")
         with progress("scanning") as update:
-            result, run = scan(model, layers=layers, tokens=tokens, progress=update, argv=sys.argv[1:],
-                               engine_dump=engine_dump, manifest=manifest)
-        # The two captured graphs travel with the result: the report draws them.
-        save_json(run.capture, out_dir / "engine.capture.json")
-        save_json(run.train.capture, out_dir / "train.capture.json")
-        path = save_json(result, out_dir / "scan.json")
+            outcome = scan(model, layers=layers, tokens=tokens, shapes=wanted, out=d, progress=update,
+                           argv=sys.argv[1:], engine_dump=engine_dump, manifest=manifest, compilation_config=config)
+        result = outcome.result
+        if engine_dump is not None:  # the report draws the engine graph from the scan directory
+            from graphdiff.capture.engine_process import save_engine_capture
+
+            save_engine_capture(outcome.engine, outcome.buffers, d.engine_dir)
+        d.save_train(outcome.train.capture)
+        path = d.save_scan(result)
         if patch:
             from graphdiff.codegen import generate
 
-            manifest = generate(out_dir, out_dir / "patch", None)
+            made = generate(d.root, d.patch_dir, None)
         if kl:
-            from graphdiff.measure.kl import measure, random_prompts
+            from graphdiff.measure.kl import DEFAULT_MAX_TOKENS, measure, random_prompts
 
-            model_dir = run.model_dir or Path(run.capture.model)
             with progress("measuring the log-prob gap") as update:
-                kl_result = measure(model_dir, random_prompts(result_config(model_dir), 8, 16, 0), max_tokens=64,
-                                    manifest=out_dir / "patch" / "manifest.json" if patch else None,
-                                    out_dir=out_dir, progress=update, reproduce="graphdiff " + shlex.join(sys.argv[1:]))
-            save_json(kl_result, out_dir / "kl.json")
+                kl_result = measure(outcome.model_dir, random_prompts(outcome.config, 8, 16, 0),
+                                    max_tokens=DEFAULT_MAX_TOKENS, manifest=d.patch_dir / "manifest.json" if patch
+                                    else None, out_dir=d.root, progress=update,
+                                    reproduce="graphdiff " + shlex.join(sys.argv[1:]), compilation_config=config)
+            save_json(kl_result, d.kl_json)
             result.kl = kl_result.model_dump(mode="json")
-            path = save_json(result, out_dir / "scan.json")
+            path = d.save_scan(result)
         if report:
             from graphdiff.report import write_report
 
-            html = write_report(out_dir)[0]
-    print_scan(result)
+            html = write_report(d.root)[0]
+    print_scan(result, d.root)
     if kl:
         print_kl(kl_result)
     out.print(f"wrote {path}")
     if report:
         out.print(f"wrote {html}")
     if patch:
-        made = sum(r.generated for r in manifest.regions)
-        out.print(f"wrote {out_dir / 'patch' / 'manifest.json'} ({made} of {len(manifest.regions)} regions generated)")
-        for note in manifest.notes:
-            out.print(f"[yellow]note:[/] {note}", highlight=False)
+        print_patch_notes(made, d.patch_dir)
+
+
+def print_patch_notes(manifest, where: Path) -> None:  # noqa: ANN001 - Manifest
+    done = sum(r.generated for r in manifest.regions)
+    out.print(f"wrote {where / 'manifest.json'} ({done} of {len(manifest.regions)} regions generated)")
+    for note in manifest.notes:
+        out.print(f"[yellow]note:[/] {note}", highlight=False)
+
+
+def default_scan_dir(scan_dir: Path | None) -> Path:
+    """SCAN_DIR, else the current directory if it holds a scan, else the only scan under ./scans."""
+    if scan_dir is not None:
+        return scan_dir
+    if Path("scan.json").is_file():
+        return Path(".")
+    found = sorted(p.parent for p in Path("scans").glob("*/scan.json"))
+    if len(found) == 1:
+        return found[0]
+    raise GraphdiffError("give the scan directory (SCAN_DIR): " + (
+        f"{len(found)} scans under ./scans" if found else "none here or under ./scans"))
+
+
+@app.command("explain")
+def explain_cmd(
+    site: str = typer.Argument(..., help="a site id from scan.json (or a part of it naming one site)"),
+    scan_dir: Path | None = typer.Argument(None, help="the scan directory (default: ., or the only one in ./scans)"),
+) -> None:
+    """One site on one screen: both values and source lines, the rule and evidence, the kernel and its replay."""
+    from graphdiff.explain import explain_lines, find_site
+    from graphdiff.scandir import ScanDir
+
+    with user_errors():
+        where = default_scan_dir(scan_dir)
+        scan = ScanDir(where).load_scan()
+        lines = explain_lines(where, scan, find_site(scan, site))
+    for line in lines:
+        out.print(line, highlight=False, soft_wrap=True, markup=False)
+
+
+@app.command("replay")
+def replay_cmd(
+    scan_dir: Path = typer.Argument(..., help="a scan directory (its engine/ capture holds the kernel buffers)"),
+    kernel: str = typer.Argument(..., help="a kernel call id, e.g. cpp_fused_add_mean_mul_0:3 (scan.json replay)"),
+    shape: str | None = typer.Option(None, help="the recorded shape to replay it at (default: the first)"),
+) -> None:
+    """Replay one engine kernel on its recorded buffers under the predicted and the naive rounding model."""
+    from graphdiff.explain import replay_one
+
+    with user_errors():
+        r = replay_one(scan_dir, kernel, shape)
+    if r.error:
+        out.print(f"{kernel} @ {r.shape}: not replayed: {r.error}")
+        raise typer.Exit(1)
+    t = Table(title=f"{kernel} @ {r.shape}: its fragment re-run on the recorded inputs, compared bit for bit with "
+                    "its recorded stores")
+    for col in ("store", "node", "dtype", "predicted", "naive"):
+        t.add_column(col, justify="right" if col in ("predicted", "naive") else "left")
+    for buf, (node, dtype, pred, naive) in r.per_output.items():
+        t.add_row(buf, node, dtype, f"{pred:.2%}", f"{naive:.2%}")
+    out.print(t)
+    out.print(f"predicted rounding model (FP32 in registers, rounded at stores"
+              f"{', and at ' + ', '.join(r.explicit) if r.explicit else ''}): {r.predicted:.2%} of {r.elements} "
+              f"low-precision elements bit-identical; naive round-after-every-op: {r.naive:.2%}")
 
 
 @app.command("report")
@@ -221,46 +320,49 @@ def report_cmd(
                   "(blue); load them in Model Explorer with 'Add per-node data'")
 
 
-def result_config(model_dir: Path) -> dict:
-    from graphdiff.resolve import read_config
+def print_scan(result, scan_dir: Path) -> None:  # noqa: ANN001 - ScanResult
+    from graphdiff.headline import headline
 
-    return read_config(model_dir)
-
-
-def print_scan(result) -> None:  # noqa: ANN001 - ScanResult
-    evidence = {r.kernel.split(":")[0]: r for r in result.replay}
+    evidence: dict[str, list] = {}
+    for r in result.replay:
+        evidence.setdefault(r.kernel.split(":")[0], []).append(r)
     t = Table(title=f"rounding sites: {result.model} ({result.architecture})", show_lines=False)
-    for col in ("region", "kind", "layers", "sites", "rounded on", "replay (predicted / naive)", "train source",
-                "engine source"):
+    for col in ("region", "kind", "layers", "sites", "rounded on", "replay (predicted / naive)", "shapes",
+                "train source", "engine source"):
         t.add_column(col, overflow="fold")
     sites = {s.id: s for s in result.sites}
+    every = [s.label for s in result.shapes]
     for r in result.regions:
-        reps = [evidence[k] for k in r.kernels if k in evidence]
+        reps = [x for k in r.kernels for x in evidence.get(k, []) if not x.error]
         rep = (f"{min(x.predicted_bitexact for x in reps):.2%} / {max(x.naive_bitexact for x in reps):.2%}"
                if reps else "-")
+        if not r.proven:
+            rep += " UNPROVEN"
         first = sites[r.sites[0]]
         src = first.train.source
         esrc = next((s.engine.source for s in (sites[i] for i in r.sites) if s.engine and s.engine.source), None)
         layers = ",".join("-" if x is None else str(x) for x in r.layers)
         if r.differing_layers:
             layers += f" (differs: {','.join(map(str, r.differing_layers))})"
-        t.add_row(r.name, r.kind, layers, str(len(r.sites)), "/".join(r.rounded_on), rep,
+        where = "all" if r.shapes == every and not r.shape_dependent else ("only " + ",".join(r.shapes))
+        t.add_row(r.name, r.kind, layers, str(len(r.sites)), "/".join(r.rounded_on), rep, where,
                   f"{Path(src.file).name}:{src.line} {src.code[:48]}" if src else "-",
                   f"{Path(esrc.file).name}:{esrc.line} {esrc.code[:48]}" if esrc else
                   first.engine.how if first.engine and r.kind == "attention" else "(inside the kernel)")
     out.print(t)
-    worst = min((r.predicted_bitexact for r in result.replay if not r.error), default=0.0)
-    naive = max((r.naive_bitexact for r in result.replay if not r.error), default=0.0)
-    out.print(f"{len(result.sites)} sites in {len(result.regions)} regions; {result.matched} values matched; "
-              f"kernel replay: predicted rounding model ≥ {worst:.2%} bit-identical on every kernel "
-              f"(naive round-after-every-op ≤ {naive:.2%})")
+    if result.shapes:
+        out.print("shapes: " + ", ".join(s.label for s in result.shapes) + " (the trainer ran the first)")
+    for i, line in enumerate(headline(result)):
+        out.print(line if i == 0 else f"[yellow]{line}[/]", highlight=False)
     for note in result.notes:
         out.print(f"[yellow]note:[/] {note}")
+    if result.sites:
+        out.print(f"explain a site: graphdiff explain {shlex.quote(result.sites[0].id)} {shlex.quote(str(scan_dir))}")
     out.print(f"reproduce: {result.reproduce}")
 
 
 def print_summary(cap, show_kernels: bool = True) -> None:  # noqa: ANN001 - Capture
-    from graphdiff.rounding import VIEW_OPS
+    from graphdiff.ops import ALLOCATIONS, VIEWS
 
     for g in cap.graphs:
         ops = Counter(n.target for n in g.nodes if n.op == "call_function")
@@ -282,7 +384,7 @@ def print_summary(cap, show_kernels: bool = True) -> None:  # noqa: ANN001 - Cap
             for k in g.kernels:
                 fused = [nodes[n].target.split(".")[1] if "." in nodes[n].target else nodes[n].target
                          for n in k.nodes if n in nodes]
-                compute = [f for f in dict.fromkeys(fused) if f not in VIEW_OPS and f not in ("empty", "full")]
+                compute = [f for f in dict.fromkeys(fused) if f not in VIEWS | ALLOCATIONS]
                 stores = ", ".join(f"{a.name}:{a.dtype}" for a in k.args if a.role in ("out", "inout") and a.dtype)
                 kt.add_row(k.id, k.kind, " ".join(compute), stores)
             out.print(kt)
@@ -332,8 +434,8 @@ def verify_patch(scan_dir: Path, out_dir: Path, device: str) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise GraphdiffError(f"--device {device}: no CUDA device is visible to torch {torch.__version__}")
         checks = verify(scan_dir, out_dir, device=device, triton=triton)
-    t = Table(title=f"verify on {device}: forward vs the plan replay (Triton vs PyTorch with exact reductions), "
-                    f"backward vs float64 (limit {GRAD_RTOL:.0e})")
+    t = Table(title=f"verify on {device}: forward vs the plan replay (Triton: with FP64 row reductions, as it "
+                    f"accumulates), backward vs float64 (limit {GRAD_RTOL:.0e})")
     for col in ("splice", "path", "aligned", "forward", "max ulp", "grad rel err", "ok"):
         t.add_column(col, justify="left" if col in ("splice", "path") else "right")
     for c in checks:

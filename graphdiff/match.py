@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from graphdiff.model import Graph, Node, layer_of, op_name
+from graphdiff.model import Graph, Node, layer_of
+from graphdiff.ops import CASTS, op_name
 from graphdiff.rounding import is_view
 
 TOLERANCE = 0.015  # relative L2 distance of sorted values accepted as "the same value"
-_CAST = {"_to_copy", "convert_element_type", "to", "type_as"}
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Match:
     distance: float  # relative L2 distance of the sorted values
     confidence: float  # 1 at distance 0, 0 at the tolerance; lowered when the runner-up is close
     evidence: str
+    runner_up: float = TOLERANCE  # distance of the next distinct candidate (the tolerance when there is none)
 
 
 def _compatible(a: str | None, b: str | None, same_layer: bool) -> bool:
@@ -48,7 +49,7 @@ def _compatible(a: str | None, b: str | None, same_layer: bool) -> bool:
 
 def _kind(node: Node) -> str:
     name = op_name(node.target)
-    return "cast" if name in _CAST else name
+    return "cast" if name in CASTS else name
 
 
 FINGERPRINT_POINTS = 4096
@@ -117,5 +118,5 @@ def match_values(train: Graph, train_values: dict[str, object], engine: Graph,
         confidence = max(0.0, 1.0 - best[0] / TOLERANCE) * min(1.0, margin / max(TOLERANCE / 5, 1e-9))
         evidence = (f"layer {layer_of(t.module)}, module {enodes[best[3]].module or '?'}, {v.numel()} values; "
                     f"sorted-value distance {best[0]:.2e} (runner-up {margin:.2e})")
-        matches.append(Match(t.name, best[3], best[0], round(confidence, 3), evidence))
+        matches.append(Match(t.name, best[3], best[0], round(confidence, 3), evidence, margin))
     return matches, unmatched

@@ -9,6 +9,7 @@ Inductor chose (which FX nodes each generated kernel fuses, what it loads and st
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -17,7 +18,7 @@ from pydantic import BaseModel, Field, PrivateAttr
 
 from graphdiff.errors import GraphdiffError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 M = TypeVar("M", bound=BaseModel)
 
 Side = Literal["train", "engine"]
@@ -82,15 +83,7 @@ class PackedParam(BaseModel):
     parts: list[tuple[str, int, int]]  # (hf name, start, stop) along `dim`
 
 
-# Matmul-like ops and attention: boundaries of elementwise regions (region kinds, fragments, pictures).
-HEAVY_OPS = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm", "embedding", "convolution", "onednn_mm"}
 _LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
-
-
-def op_name(target: str) -> str:
-    """"aten.mul.Tensor" -> "mul"; "getitem" -> "getitem"."""
-    parts = target.split(".")
-    return parts[1] if len(parts) >= 2 else parts[0]
 
 
 def layer_of(module: str | None) -> int | None:
@@ -99,9 +92,16 @@ def layer_of(module: str | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def is_heavy(n: Node) -> bool:
-    name = op_name(n.target)
-    return name in HEAVY_OPS or "attention" in name or "scaled_dot_product" in name
+class Shape(BaseModel):
+    """One forward the engine ran while it was captured: a prefill of a prompt, or a decode step of a batch."""
+
+    label: str  # "prefill-16", "decode-8x64"
+    phase: Literal["prefill", "decode"]
+    tokens: int  # tokens in the forward (prefill: the prompt; decode: one per sequence)
+    sequences: int = 1
+    context: int = 0  # decode: tokens each sequence already holds in the KV cache
+    prompts: list[list[int]] = Field(default_factory=list)  # the token ids that ran
+
 
 class Graph(BaseModel):
     """One captured graph (the engine may compile several, split at attention)."""
@@ -110,6 +110,7 @@ class Graph(BaseModel):
     nodes: list[Node]
     kernels: list[Kernel] = Field(default_factory=list)
     inputs: dict[str, str] = Field(default_factory=dict)  # placeholder -> model param/input name
+    shapes: list[str] = Field(default_factory=list)  # labels of the recorded forwards that ran this graph
 
     _by_name: dict[str, Node] | None = PrivateAttr(default=None)
     _users: dict[str, list[str]] | None = PrivateAttr(default=None)
@@ -125,8 +126,8 @@ class Graph(BaseModel):
         # The caches above are derived state: equality is about the graph itself.
         if not isinstance(other, Graph):
             return NotImplemented
-        return (self.name, self.nodes, self.kernels, self.inputs) == (other.name, other.nodes, other.kernels,
-                                                                      other.inputs)
+        return (self.name, self.nodes, self.kernels, self.inputs, self.shapes) == (
+            other.name, other.nodes, other.kernels, other.inputs, other.shapes)
 
     __hash__ = None  # mutable, like every pydantic model
 
@@ -160,9 +161,13 @@ class Capture(BaseModel):
     versions: dict[str, str] = Field(default_factory=dict)
     graphs: list[Graph]
     packed: list[PackedParam] = Field(default_factory=list)
-    buffers_file: str | None = None  # torch.save file with real kernel inputs/outputs
+    buffers_file: str | None = None  # torch.save file with real kernel inputs/outputs, per shape label
     config_sha256: str = ""  # of the model config the capture ran (scan --engine-dump checks it)
-    prompt_tokens: list[int] = Field(default_factory=list)
+    prompt_tokens: list[int] = Field(default_factory=list)  # the first shape's prompt (the trainer's)
+    shapes: list[Shape] = Field(default_factory=list)  # the recorded forwards, in order
+    # engine: its effective compilation config (mode, splitting ops, custom ops, passes, -O level, compile sizes)
+    engine_config: dict[str, object] = Field(default_factory=dict)
+    startup_s: float | None = None  # engine: how long its start-up (load + compile) took
     # engine: its attention kernel (opaque to the scan), e.g. {"backend": "CPU_ATTN", "isa": "vec", ...}
     attention: dict[str, str] = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
@@ -196,7 +201,7 @@ def load_capture(path: Path) -> Capture:
 
 # --- scan results --------------------------------------------------------------------------------
 
-REGION_KINDS = ("rope", "qk_norm", "gated_act", "residual_norm", "norm_weight", "other")
+REGION_KINDS = ("rope", "qk_norm", "attention", "gated_act", "residual_norm", "norm_weight", "other")
 
 
 class SideRef(BaseModel):
@@ -211,10 +216,56 @@ class SideRef(BaseModel):
     how: str = ""  # how this side treats the value ("rounded: stored by K as bfloat16", "FP32 in K")
 
 
+class SideState(BaseModel):
+    """How one side holds a value after the op that computes it."""
+
+    dtype: str | None = None  # the dtype the side materializes it in (the engine: FP32 inside a fused kernel)
+    rounds: bool = False  # this side's op rounds it to low precision here (eager: stores it in its dtype)
+    on_grid: bool = False  # it sits on the low-precision grid here (rounded here or upstream)
+    changed: float | None = None  # fraction of elements the rounding here changes (trainer: measured)
+    how: str = ""
+
+
+Rule = Literal["matched", "inside-kernel", "opaque-registry", "no-engine-value"]
+
+
+class Evidence(BaseModel):
+    """What a decision rests on, as fields (reports and `graphdiff explain` read these, never prose)."""
+
+    engine_node: str = ""  # the engine value matched to the trainer's
+    engine_graph: str = ""
+    kernel: str = ""  # id of the engine kernel computing it
+    replay_predicted: float | None = None  # that kernel's replay under the predicted model
+    replay_naive: float | None = None
+    stretch: list[str] = Field(default_factory=list)  # [above, below]: engine values bounding an in-kernel stretch
+    distance: float | None = None  # sorted-value distance of the match (relative L2)
+    runner_up: float | None = None  # the next distinct candidate's distance
+    confidence: float = 1.0
+    registry: str = ""  # the opaque-kernel registry entry's source (rule opaque-registry)
+
+
+class Decision(BaseModel):
+    """One trainer value the analysis decided on: how each side rounds it, by which rule, on what evidence."""
+
+    id: str  # stable: module/file:line/op.position (see sites.stable_ids)
+    node: str  # the trainer node (name in train.capture.json)
+    op: str
+    module: str | None = None
+    layer: int | None = None
+    train: SideState
+    engine: SideState | None = None  # None: no evidence for the engine side
+    rule: Rule
+    evidence: Evidence = Field(default_factory=Evidence)
+    site: bool = False  # rounded on exactly one side
+    shapes: list[str] = Field(default_factory=list)  # shape labels (ScanResult.shapes) this decision holds at
+    region: str = ""  # a site's region (the region's kind_reason says why it has its kind)
+    kind: str = ""
+
+
 class Site(BaseModel):
     """A value rounded to low precision on exactly one side."""
 
-    id: str
+    id: str  # the Decision's id
     region: str
     kind: str
     layer: int | None = None
@@ -224,29 +275,39 @@ class Site(BaseModel):
     matched: bool
     confidence: float
     changed_fraction: float  # fraction of elements the rounding changes on the rounding side
-    evidence: str
+    evidence: str  # one-line summary of the Decision's evidence
     nonuniformity: float | None = None  # rounding-position statistic of the values rounded here
+    shapes: list[str] = Field(default_factory=list)  # the recorded shapes where it is a site (Shape.label)
+    proven: bool = True  # False: its engine side rests on a kernel that does not replay, or an unknown extern
+    unproven: str = ""  # why not proven
 
 
 class Region(BaseModel):
-    name: str
+    name: str  # module pattern + "#" + kind
     kind: str
+    kind_reason: str = ""  # the dataflow fact that decided the kind
     module: str  # HF module path pattern, layers collapsed as `layers.*`
     layers: list[int | None]
     sites: list[str]
     rounded_on: list[Side]
     kernels: list[str] = Field(default_factory=list)  # engine kernels (names) these sites sit in
     differing_layers: list[int] = Field(default_factory=list)  # layers whose sites differ from the first
+    shapes: list[str] = Field(default_factory=list)  # shapes where it has sites (all recorded: shape-independent)
+    shape_dependent: bool = False  # its sites are not the same at every recorded shape
+    proven: bool = True  # every site proven
 
 
 class KernelEvidence(BaseModel):
     kernel: str
+    shape: str = ""  # the recorded forward it was replayed on (Shape.label)
     predicted_bitexact: float
     naive_bitexact: float
     elements: int
     fp32_max_rel_error: float = 0.0
     explicit_roundings: list[str] = Field(default_factory=list)
     error: str = ""
+    outputs: dict[str, str] = Field(default_factory=dict)  # stored buffer -> the FX node it holds (as replayed)
+    per_output: dict[str, tuple[float, float]] = Field(default_factory=dict)  # low-precision store -> (pred, naive)
 
 
 class ScanResult(BaseModel):
@@ -260,12 +321,18 @@ class ScanResult(BaseModel):
     layers_scanned: int
     layers_total: int
     prompt_tokens: list[int] = Field(default_factory=list)
+    shapes: list[Shape] = Field(default_factory=list)  # the engine forwards analysed; the first is the trainer's
+    engine_config: dict[str, object] = Field(default_factory=dict)  # the engine's effective compilation config
+    plan: list[Decision] = Field(default_factory=list)  # every trainer value decided on; codegen reads it
     sites: list[Site]
     regions: list[Region]
     replay: list[KernelEvidence]
     matched: int = 0
     unmatched_train: list[str] = Field(default_factory=list)
     unmatched_engine_kernels: list[str] = Field(default_factory=list)
+    not_replayed: list[str] = Field(default_factory=list)  # "kernel @ shape: why", every generated kernel not replayed
+    unexplained: list[str] = Field(default_factory=list)  # kernels replaying below 99.9% (their sites: unproven)
+    unregistered_externs: list[str] = Field(default_factory=list)  # opaque engine ops no registry entry describes
     timings: dict[str, float] = Field(default_factory=dict)
     reproduce: str = ""
     notes: list[str] = Field(default_factory=list)
@@ -300,12 +367,13 @@ class EngineSamples(BaseModel):
     temperature: float
     max_tokens: int
     versions: dict[str, str] = Field(default_factory=dict)
+    compilation_config: dict[str, object] = Field(default_factory=dict)  # as given (compiled mode)
     samples: list[EngineSample]
 
     def key(self) -> tuple:
         """What decides the samples, the engine's version aside (compared separately: it may be absent)."""
         return (self.engine, self.mode, self.model, self.weights, self.seed, self.temperature, self.max_tokens,
-                tuple(tuple(s.prompt) for s in self.samples))
+                json.dumps(self.compilation_config, sort_keys=True), tuple(tuple(s.prompt) for s in self.samples))
 
 
 class EngineSamplesFile(BaseModel):

@@ -5,7 +5,8 @@ FP32 inside comes from this registry, keyed by the backend the engine reports (`
 The trainer side is decided numerically, as for every other site: its attention node is re-run on
 FP32-upcast inputs and the result rounded once; where that differs from the trainer's stored output,
 the trainer rounds inside its attention (softmax probabilities stored as BF16 before P@V) and the
-engine, per the registry, does not. One site per layer, region kind `attention`.
+engine, per the registry, does not. One decision (a site) per layer, rule `opaque-registry`, region kind
+`attention`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from typing import Any
 
 import torch
 
-from graphdiff.model import Graph, SideRef, Site, layer_of
-
-ATTENTION_OPS = ("scaled_dot_product",)  # aten._scaled_dot_product_{flash_attention_for_cpu,flash,...}
+from graphdiff.model import Decision, Evidence, Graph, SideState, layer_of
+from graphdiff.ops import is_attention
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,33 @@ RULES = (
     AttentionRule("FLASHINFER", None, False, "FlashInfer casts P to BF16 for P@V, as torch's CUDA sdpa does"),
     AttentionRule("TRITON_ATTN", None, False, "vLLM's Triton attention casts P to the value dtype for P@V"),
 )
+
+
+@dataclass(frozen=True)
+class ExternRule:
+    """What an opaque engine op (an extern kernel call) rounds: by the name the capture gives the call."""
+
+    op: str  # a substring of the extern's name ("onednn_mm", "unified_attention")
+    kind: str  # matmul | attention | kv-cache | ...
+    rounds: str  # what it rounds, in one line
+    source: str  # where this is known from (a test against the real op, or the kernel's source)
+
+
+EXTERNS = (
+    ExternRule("onednn_mm", "matmul", "one GEMM accumulated in FP32, the result rounded once to the output dtype",
+               "equals F.linear on the same BF16 inputs bit for bit (tests/test_opaque_engine.py)"),
+    ExternRule("extern_kernels.mm", "matmul", "ATen GEMM, result rounded once", "Inductor's own extern: ATen's mm"),
+    ExternRule("extern_kernels.addmm", "matmul", "ATen GEMM + bias, result rounded once", "ATen's addmm"),
+    ExternRule("extern_kernels.bmm", "matmul", "ATen batched GEMM, result rounded once", "ATen's bmm"),
+    ExternRule("unified_attention", "attention", "see the attention backend rules (RULES)",
+               "per backend: RULES in graphdiff/opaque.py"),
+    ExternRule("unified_kv_cache_update", "kv-cache", "copies BF16 keys/values into the paged KV cache (exact)",
+               "a copy in the cache dtype: no arithmetic"),
+)
+
+
+def extern_rule(name: str) -> ExternRule | None:
+    return next((r for r in EXTERNS if r.op in name), None)
 
 
 def attention_rule(info: dict[str, str]) -> AttentionRule | None:
@@ -63,9 +90,11 @@ def _changed_fraction(n: torch.fx.Node, values: dict[str, Any]) -> tuple[float, 
     return float((exact.to(out.dtype) != out).float().mean()), str(out.dtype).removeprefix("torch.")
 
 
-def attention_sites(info: dict[str, str], graph: Graph, gm: torch.fx.GraphModule | None,
-                    values: dict[str, Any], engine_graphs: list[Graph]) -> tuple[list[Site], list[str]]:
-    """Sites where the trainer's attention rounds inside and the engine's (per the registry) does not."""
+def attention_decisions(info: dict[str, str], graph: Graph, gm: torch.fx.GraphModule | None,
+                        values: dict[str, Any], engine_graphs: list[Graph],
+                        ids: dict[str, str]) -> tuple[list[Decision], list[str]]:
+    """Decisions (sites) where the trainer's attention rounds inside and the engine's (per the registry) does
+    not, and notes on what could not be compared."""
     if not info:
         return [], ["the engine capture does not say which attention kernel ran: attention internals not compared"]
     rule = attention_rule(info)
@@ -77,25 +106,24 @@ def attention_sites(info: dict[str, str], graph: Graph, gm: torch.fx.GraphModule
         return [], []
     fx_nodes = {n.name: n for n in gm.graph.nodes}
     # the engine's attention calls, in layer order (one per layer, like the trainer's)
-    calls = [k.id for g in engine_graphs for k in g.kernels if k.kind == "extern" and "attention" in k.name]
+    calls = [(g.name, k.id) for g in engine_graphs for k in g.kernels if k.kind == "extern" and "attention" in k.name]
     attention = [n for n in graph.nodes
-                 if n.op == "call_function" and any(op in n.target for op in ATTENTION_OPS) and n.name in fx_nodes]
-    sites = []
+                 if n.op == "call_function" and is_attention(n.target) and n.name in fx_nodes]
+    out = []
     for i, n in enumerate(attention):
         found = _changed_fraction(fx_nodes[n.name], values)
         if found is None or not found[0]:
             continue
         changed, dtype = found
-        sites.append(Site(
-            id="", region="", kind="attention", layer=layer_of(n.module), rounded_on="train",
-            train=SideRef(node=n.name, op=n.target, dtype=dtype, module=n.module, source=n.source,
-                          how=f"rounds P to BF16 inside (changes {changed:.0%} of its output vs FP32 inputs)"),
-            engine=SideRef(node="", op=label, how=f"P kept FP32 inside {label} (registry)",
-                           kernel=calls[i] if len(calls) == len(attention) else None),
-            matched=False, confidence=1.0, changed_fraction=changed,
-            evidence=f"trainer: its attention on FP32-upcast inputs, rounded once, differs on {changed:.0%} of the "
-                     f"output; engine {label}: {rule.source}"))
-    return sites, []
+        graph_name, call = calls[i] if len(calls) == len(attention) else ("", "")
+        out.append(Decision(
+            id=ids[n.name], node=n.name, op=n.target, module=n.module, layer=layer_of(n.module),
+            train=SideState(dtype=dtype, rounds=True, on_grid=True, changed=changed,
+                            how=f"rounds P to BF16 inside (changes {changed:.0%} of its output vs FP32 inputs)"),
+            engine=SideState(dtype=dtype, how=f"P kept FP32 inside {label} (registry)"),
+            rule="opaque-registry", site=True,
+            evidence=Evidence(engine_graph=graph_name, kernel=call, registry=f"engine {label}: {rule.source}")))
+    return out, []
 
 
 # What `graphdiff patch` writes for an `attention` region (its subgraph is one opaque op: the generated code

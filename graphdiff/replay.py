@@ -13,22 +13,16 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 
-from graphdiff.model import Node, op_name
+from graphdiff.model import Node
+from graphdiff.ops import DATA_MOVEMENT, op_name
 
 LOW = (torch.bfloat16, torch.float16)
-# Ops that only move or select data: exact in any dtype, so they run in the input dtype and their
-# output is upcast (upcasting a whole embedding table to FP32 first would cost gigabytes).
-DATA_MOVEMENT = {
-    "embedding", "index", "index_select", "gather", "select", "slice", "split", "split_with_sizes", "getitem",
-    "view", "reshape", "_unsafe_view", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze", "cat",
-    "clone", "alias", "contiguous", "as_strided", "unbind", "chunk", "narrow",
-}
 
 
 def resolve_target(name: str) -> Any:
@@ -92,12 +86,14 @@ class RoundingInterpreter(torch.fx.Interpreter):
     """Runs a fragment under a rounding plan and keeps every node's value."""
 
     def __init__(self, gm: torch.fx.GraphModule, declared: dict[str, str | None], plan: str,
-                 rounded: set[str] | frozenset[str] = frozenset(), compute: torch.dtype = torch.float32) -> None:
+                 rounded: set[str] | frozenset[str] = frozenset(), compute: torch.dtype = torch.float32,
+                 reduce: torch.dtype | None = None) -> None:
         super().__init__(gm)
         self.declared = declared  # node -> its dtype in the captured graph
         self.plan = plan
         self.rounded = rounded
         self.compute = compute
+        self.reduce = reduce  # mean/sum accumulate in this dtype (FP64: order-independent), result in `compute`
         self.values: dict[str, Any] = {}
 
     def _up(self, x: Any) -> Any:
@@ -116,7 +112,11 @@ class RoundingInterpreter(torch.fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             args = torch.fx.node.map_aggregate(args, self._up)
             kwargs = torch.fx.node.map_aggregate(kwargs, self._up)
-            out = n.target(*args, **kwargs)
+            reduction = op_name(str(n.target)) in ("mean", "sum") and isinstance(args[0], torch.Tensor)
+            if self.reduce is not None and reduction:
+                out = n.target(args[0].to(self.reduce), *args[1:], **kwargs).to(self.compute)
+            else:
+                out = n.target(*args, **kwargs)
             low = to_dtype(self.declared.get(n.name))
             if n.name in self.rounded and isinstance(out, torch.Tensor) and low in LOW:
                 out = out.to(low).to(self.compute)
@@ -142,7 +142,6 @@ class FragmentRun:
     values: dict[str, Any]
     ok: bool = True
     error: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def run_fragment(nodes: list[Node], inputs: dict[str, Any], declared: dict[str, str | None], plan: str,

@@ -19,7 +19,8 @@ from markupsafe import Markup
 
 from graphdiff import report_graphs as rg
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import Capture, Graph, Region, ScanResult, Site, load_capture, load_versioned
+from graphdiff.model import Capture, Graph, Region, ScanResult, Site
+from graphdiff.scandir import ScanDir
 
 TEMPLATES = Path(__file__).parent / "report_templates"
 FORMATS = ("html", "dot", "svg", "model-explorer")
@@ -37,13 +38,14 @@ ME_VALUES = {"train": 1, "engine": 2}  # Model Explorer node value: which side r
 
 def load_scan(scan_dir: Path) -> tuple[ScanResult, Capture | None, Capture | None]:
     """The scan result and, when present beside it, the train and engine captures."""
-    path = scan_dir / "scan.json" if scan_dir.is_dir() else scan_dir
-    if not path.exists():
-        raise GraphdiffError(f"no scan.json in {scan_dir}; run `graphdiff scan MODEL --out {scan_dir}` first")
-    scan = load_versioned(ScanResult, path, "scan")
-    caps = [load_capture(path.parent / f) if (path.parent / f).exists() else None
-            for f in ("train.capture.json", "engine.capture.json")]
-    return scan, caps[0], caps[1]
+    d = ScanDir(scan_dir if scan_dir.is_dir() or not scan_dir.name.endswith(".json") else scan_dir.parent)
+    scan = d.load_scan()
+    return scan, d.load_train() if d.train_capture.is_file() else None, d.load_engine_graphs()
+
+
+def stretches(scan: ScanResult) -> dict[str, list[str]]:
+    """Site id -> the engine values bounding the in-kernel stretch that computes it (from the plan)."""
+    return {d.id: d.evidence.stretch for d in scan.plan if d.site and d.evidence.stretch}
 
 
 def find_region(scan: ScanResult, name: str) -> Region:
@@ -84,7 +86,7 @@ def region_dot(scan: ScanResult, train: Capture | None, engine: Capture | None, 
     sites = layer_sites(scan, region, layer)
     tg, eg = _pick_graphs(train, engine, sites)
     title = f"{region.name} (layer {layer})" if layer is not None else region.name
-    return rg.region_dot(tg, eg, sites, title, prefix)
+    return rg.region_dot(tg, eg, sites, title, prefix, stretches=stretches(scan))
 
 
 def layer_dot(scan: ScanResult, train: Capture | None, engine: Capture | None, layer: int) -> str:
@@ -95,7 +97,8 @@ def layer_dot(scan: ScanResult, train: Capture | None, engine: Capture | None, l
     if not extra_t and not extra_e:
         raise GraphdiffError(f"no nodes of layer {layer} in the captured graphs (scanned layers: "
                              f"{sorted({s.layer for s in scan.sites if s.layer is not None})})")
-    return rg.region_dot(tg, eg, sites, f"layer {layer}", f"layer{layer}_", extra_t, extra_e, limit=100_000)
+    return rg.region_dot(tg, eg, sites, f"layer {layer}", f"layer{layer}_", extra_t, extra_e, limit=100_000,
+                         stretches=stretches(scan))
 
 
 def model_explorer(scan: ScanResult, train: Capture | None, engine: Capture | None) -> dict[str, dict]:
@@ -119,7 +122,7 @@ def model_explorer(scan: ScanResult, train: Capture | None, engine: Capture | No
         elif graphs:
             files[fname] = graphs
     if not files:
-        raise GraphdiffError("the scan directory has no captures (train.capture.json / engine.capture.json)")
+        raise GraphdiffError("the scan directory has no captures (train.capture.json / engine/capture.json)")
     return files
 
 
@@ -277,8 +280,10 @@ def html_context(scan: ScanResult, train: Capture | None, engine: Capture | None
 
 
 def _kernels(engine: Capture | None, scan: ScanResult, region_slugs: dict[str, str]) -> list[dict]:
-    """Each distinct generated kernel once: its calls, replay evidence, fused ops, code, regions."""
-    replay = {r.kernel: r for r in scan.replay}
+    """Each distinct generated kernel once: its calls, replay evidence (the worst shape), fused ops, code, regions."""
+    replay: dict[str, object] = {}
+    for r in sorted(scan.replay, key=lambda r: (r.error == "", r.predicted_bitexact), reverse=True):
+        replay[r.kernel] = r  # the worst last, so it stays
     by_name: dict[str, dict] = {}
     for g in _graphs(engine):
         nodes = g.node_map()
@@ -319,7 +324,7 @@ def write_report(scan_dir: Path, fmt: str = "html", *, region: str | None = None
         paths = {"node_data.json": first, "node_data.engine.json": first.with_name(first.stem + ".engine.json")}
         return [_write(paths[name], json.dumps(data, indent=1)) for name, data in files.items()]
     if not (train or engine):
-        raise GraphdiffError(f"{base} has no captures to draw (train.capture.json / engine.capture.json)")
+        raise GraphdiffError(f"{base} has no captures to draw (train.capture.json / engine/capture.json)")
     if (reg is None) == (layer is None):
         names = ", ".join(r.name for r in scan.regions)
         raise GraphdiffError(f"--format {fmt} draws one picture: give --region NAME or --layer N (regions: {names})")

@@ -19,17 +19,15 @@ from collections.abc import Sequence
 import graphviz
 from markupsafe import Markup
 
-from graphdiff.model import Graph, Node, Site, is_heavy, layer_of, op_name
+from graphdiff.model import Graph, Node, Site, layer_of
+from graphdiff.ops import ALLOCATIONS, VIEWS, is_heavy, op_name
 
 TRAIN_COLOR, TRAIN_FILL = "#e8710a", "#fde3cc"  # train = orange
 ENGINE_COLOR, ENGINE_FILL = "#1a73e8", "#d2e3fc"  # engine = blue
 SIDE_COLORS = {"train": (TRAIN_COLOR, TRAIN_FILL), "engine": (ENGINE_COLOR, ENGINE_FILL)}
 FONT = "Helvetica,Arial,sans-serif"
 
-GLUE = {"getitem", "view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "split", "split_with_sizes", "slice",
-        "permute", "expand", "alias", "t", "transpose", "select", "clone", "contiguous", "detach", "as_strided",
-        "_reshape_alias", "unbind", "chunk", "lift_fresh_copy", "sym_size", "output"}
-ALLOC = {"empty", "empty_like", "empty_strided", "zeros", "full", "new_empty"}
+GLUE = VIEWS | {"sym_size", "output"}  # hidden in pictures (views, symbolic sizes)
 HOPS = 2
 MAX_NODES = 28  # per side, for region pictures
 MAX_SEEDS = 8  # engine nodes standing in for a site no engine node computes
@@ -43,7 +41,7 @@ def dot_binary() -> str | None:
 def hidden(n: Node) -> bool:
     if n.op == "placeholder":  # symbols and integer handles say nothing about rounding
         return n.dtype is None or not ("float" in n.dtype or n.dtype.startswith("bfloat"))
-    return n.op == "output" or op_name(n.target) in GLUE | ALLOC
+    return n.op == "output" or op_name(n.target) in GLUE | ALLOCATIONS
 
 
 def contracted(graph: Graph, keep: set[str] = frozenset()) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
@@ -54,7 +52,7 @@ def contracted(graph: Graph, keep: set[str] = frozenset()) -> tuple[dict[str, li
     writers: dict[str, list[str]] = defaultdict(list)
     for n in graph.nodes:
         for i in n.inputs:
-            if i in nodes and op_name(nodes[i].target) in ALLOC and not hidden(n):
+            if i in nodes and op_name(nodes[i].target) in ALLOCATIONS and not hidden(n):
                 writers[i].append(n.name)
 
     def resolve(name: str, reader: int, seen: set[str]) -> list[str]:
@@ -64,7 +62,7 @@ def contracted(graph: Graph, keep: set[str] = frozenset()) -> tuple[dict[str, li
         seen.add(name)
         if name in keep or not hidden(n):
             return [name]
-        if op_name(n.target) in ALLOC:
+        if op_name(n.target) in ALLOCATIONS:
             return [w for w in writers[name] if index[w] < reader]
         return [v for i in n.inputs for v in resolve(i, reader, seen)]
 
@@ -90,7 +88,7 @@ def neighbourhood(graph: Graph, seeds: list[str], hops: int = HOPS, limit: int =
     for _ in range(hops):
         nxt = []
         for name in frontier:
-            if is_heavy(nodes[name]) and name not in seeds:
+            if is_heavy(nodes[name].target) and name not in seeds:
                 continue  # a matmul/attention is the boundary of the picture
             for other in inputs.get(name, []) + users.get(name, []):
                 if layer_of(nodes[other].module) not in layers:
@@ -110,9 +108,6 @@ def graph_of(graphs: list[Graph], node: str = "", kernel: str | None = None) -> 
     return None
 
 
-_STRETCH = re.compile(r"computes (\S+) -> (\S+) inside")  # the evidence sites.py writes for unmatched sites
-
-
 def _between(graph: Graph, above: str, below: str) -> list[str]:
     """Visible nodes on a path from `above` to `below` (exclusive)."""
     nodes = graph.node_map()
@@ -129,8 +124,8 @@ def _between(graph: Graph, above: str, below: str) -> list[str]:
     return [n.name for n in graph.nodes if n.name in down & up and not hidden(n)]
 
 
-def stand_ins(engine: Graph, site: Site, taken: set[str]) -> list[str]:
-    """Engine nodes to draw for a site no engine node computes: the stretch its evidence names
+def stand_ins(engine: Graph, site: Site, taken: set[str], stretch: Sequence[str] = ()) -> list[str]:
+    """Engine nodes to draw for a site no engine node computes: the stretch its decision names
     (between the engine values matched above and below it), else same-op nodes of its kernel in
     the site's module subtree, else the kernel's nodes."""
     if site.engine is None or not site.engine.kernel:
@@ -139,11 +134,10 @@ def stand_ins(engine: Graph, site: Site, taken: set[str]) -> list[str]:
     if kernel is None:
         return []
     nodes = engine.node_map()
-    m = _STRETCH.search(site.evidence)
-    if m and m.group(1) in nodes and m.group(2) in nodes:
-        stretch = [n for n in _between(engine, m.group(1), m.group(2)) if n not in taken]
-        if stretch:
-            return stretch[:MAX_SEEDS]
+    if len(stretch) == 2 and all(n in nodes for n in stretch):
+        between = [n for n in _between(engine, stretch[0], stretch[1]) if n not in taken]
+        if between:
+            return between[:MAX_SEEDS]
     mod = site.train.module or ""
     inside = [nodes[n] for n in kernel.nodes if n in nodes and not hidden(nodes[n])]
     subtree = [n for n in inside if (n.module or "").startswith(mod) and n.name not in taken]
@@ -204,24 +198,27 @@ def _add_nodes(g: graphviz.Digraph, graph: Graph, names: list[str], side: str, p
                       "style": "rounded,filled" if here else "rounded,filled,dashed"}
         elif n.op == "placeholder":
             attrs |= {"shape": "note", "style": "filled", "fillcolor": "#f1f3f4"}
-        elif is_heavy(n):
+        elif is_heavy(n.target):
             attrs |= {"fillcolor": "#e8eaed"}
         g.node(_id(side, name), _label(n, graph.inputs, badge, note), **attrs)
 
 
-def _engine_side(engine: Graph, sites: list[Site]) -> tuple[dict[str, list[str]], list[str]]:
+def _engine_side(engine: Graph, sites: list[Site],
+                 stretches: dict[str, list[str]]) -> tuple[dict[str, list[str]], list[str]]:
     """Stand-in engine nodes per unmatched site id, and the engine nodes of matched sites."""
     enodes = engine.node_map()
     taken = {s.engine.node for s in sites if s.engine and s.engine.node}
-    stand = {s.id: stand_ins(engine, s, taken) for s in sites
+    stand = {s.id: stand_ins(engine, s, taken, stretches.get(s.id, ())) for s in sites
              if s.engine and s.engine.node not in enodes and s.engine.kernel}
     return stand, [s.engine.node for s in sites if s.engine and s.engine.node in enodes]
 
 
 def region_dot(train: Graph | None, engine: Graph | None, sites: list[Site], title: str, prefix: str = "",
-               extra_train: Sequence[str] = (), extra_engine: Sequence[str] = (), limit: int = MAX_NODES) -> str:
+               extra_train: Sequence[str] = (), extra_engine: Sequence[str] = (), limit: int = MAX_NODES,
+               stretches: dict[str, list[str]] | None = None) -> str:
     """DOT source of both graphs around `sites` (plus extra seed nodes, e.g. a whole layer).
-    Sites are badged S1, S2, ... in the order given."""
+    Sites are badged S1, S2, ... in the order given; `stretches`: site id -> the engine values bounding the
+    in-kernel stretch that computes it (the plan's evidence)."""
     badges = {s.id: f"S{i + 1}" for i, s in enumerate(sites)}
     tmarks = {s.train.node: (badges[s.id], s.rounded_on, s.rounded_on == "train") for s in sites}
     enodes = engine.node_map() if engine else {}
@@ -232,7 +229,7 @@ def region_dot(train: Graph | None, engine: Graph | None, sites: list[Site], tit
     stand: dict[str, list[str]] = {}
     enames: list[str] = []
     if engine:  # a stand-in stretch gets one hop only: the site has no engine node of its own
-        stand, matched = _engine_side(engine, sites)
+        stand, matched = _engine_side(engine, sites, stretches or {})
         near = neighbourhood(engine, [*matched, *extra_engine], hops, limit)
         stretch = neighbourhood(engine, [n for ns in stand.values() for n in ns], min(hops, 1), limit)
         order = {n.name: i for i, n in enumerate(engine.nodes)}

@@ -16,51 +16,26 @@ recorded outputs.
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from graphdiff.model import Graph, Kernel, Node, op_name
-from graphdiff.replay import DATA_MOVEMENT, LOW, bits_equal_fraction, run_fragment, to_dtype
+from graphdiff.kernel_replay import Declared, KernelReplay, Record, is_view, replay_kernel
+from graphdiff.model import Graph, Kernel
+from graphdiff.ops import EXACT, is_low, op_name
+from graphdiff.replay import LOW, run_fragment
 
-# Ops that move or reinterpret data without computing (no rounding can happen in them).
-VIEW_OPS = {
-    "getitem", "view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "split", "split_with_sizes", "slice",
-    "permute", "expand", "alias", "t", "transpose", "select", "clone", "contiguous", "detach", "as_strided",
-    "_reshape_alias", "unbind", "chunk", "lift_fresh_copy",
-}
-MAX_PERMUTATIONS = 120
-
-
-
-def is_view(node: Node) -> bool:
-    return node.op == "call_function" and op_name(node.target) in VIEW_OPS
-
-
-def is_low(dtype: str | None) -> bool:
-    return to_dtype(dtype) in LOW
+__all__ = ["EngineRounding", "KernelReplay", "buffer_nodes", "engine_rounding", "eager_values", "is_view",
+           "rerun_fp32", "train_rounding"]
 
 
 # --- engine side ---------------------------------------------------------------------------
 
-@dataclass
-class KernelReplay:
-    kernel: str
-    predicted_bitexact: float
-    naive_bitexact: float
-    elements: int  # low-precision elements compared
-    fp32_max_rel_error: float = 0.0  # FP32 stores: accumulation-order differences only
-    outputs: dict[str, str] = field(default_factory=dict)  # stored buffer -> FX node
-    explicit: list[str] = field(default_factory=list)  # in-register roundings the code really does
-    error: str = ""
-
 
 @dataclass
 class EngineRounding:
-    rounded: dict[str, str]  # node -> how it is rounded ("store bufN (bfloat16)", "extern output", ...)
-    fp32: set[str]  # nodes computed in FP32 inside a kernel and never rounded
+    rounded: dict[str, str]  # node -> how it is rounded ("stored by K as bfloat16", "output of extern E", ...)
     replays: list[KernelReplay]
     values: dict[str, torch.Tensor]  # node -> value the engine computes (FP32 where it keeps FP32)
 
@@ -85,207 +60,61 @@ def buffer_nodes(graph: Graph) -> dict[str, str]:
     return out
 
 
-def _fragment(graph: Graph, k: Kernel, owned: set[str]) -> tuple[list[Node], list[str]]:
-    """Kernel nodes in graph order, pulled back through views no kernel computes, and their inputs."""
+def extern_roundings(graph: Graph, k: Kernel) -> dict[str, str]:
+    """What an opaque extern rounds: its low-precision results, and the low-precision buffers it writes."""
     nodes = graph.node_map()
-    members = {n for n in k.nodes if nodes[n].op == "call_function"}
-    while True:
-        ext = {i for m in members for i in nodes[m].inputs if i not in members}
-        pull = {e for e in ext if is_view(nodes[e]) and e not in owned}
-        if not pull:
-            break
-        members |= pull
-    frag = [nodes[m] for m in sorted(members, key=graph.position)]
-    external = list(dict.fromkeys(i for n in frag for i in n.inputs if i not in members))
-    return frag, external
+    rounded = {n: f"output of extern {k.name}" for n in k.nodes if is_low(nodes[n].dtype)}
+    # a mutating extern (out= buffer) rounds what it writes
+    for a, fa in zip(k.args, nodes[k.nodes[0]].call[0] if k.nodes else []):
+        if isinstance(fa, dict) and "node" in fa and a.name and is_low(nodes[fa["node"]].dtype) \
+                and nodes[fa["node"]].op == "call_function" and op_name(nodes[fa["node"]].target) == "empty":
+            rounded[fa["node"]] = f"written by extern {k.name}"
+    return rounded
 
 
-def _numel(shape: list[int | str] | None, syms: dict[str, int]) -> int | None:
-    if shape is None:
-        return None
-    total = 1
-    for d in shape:
-        if isinstance(d, str):
-            if d not in syms:
-                return None
-            d = syms[d]
-        total *= int(d)
-    return total
+def store_roundings(k: Kernel, rep: KernelReplay) -> dict[str, str]:
+    """What a replayed generated kernel rounds: its low-precision stores and its in-register conversions."""
+    name = k.id.split(":")[0]
+    dtypes = {a.name: a.dtype for a in k.args}
+    rounded = {node: f"stored by {name} as {dtypes.get(buf)}" for buf, node in rep.outputs.items()
+               if is_low(dtypes.get(buf))}
+    rounded.update({node: f"converted in registers by {name}" for node in rep.explicit})
+    return rounded
 
 
-class _Declared:
-    """Node dtypes by name, read through the graph's index (no per-kernel copy)."""
-
-    def __init__(self, graph: Graph) -> None:
-        self.nodes = graph.node_map()
-
-    def get(self, name: str, default: str | None = None) -> str | None:
-        node = self.nodes.get(name)
-        return node.dtype if node is not None else default
-
-
-def _declared(graph: Graph) -> _Declared:
-    return _Declared(graph)
-
-
-def _bind_syms(graph: Graph, record: dict[str, Any]) -> dict[str, int]:
-    syms = {name: int(v) for name, v in record.get("scalars", {}).items() if isinstance(v, int)}
-    # Symbols also appear in shapes of inputs that were recorded by name (graph inputs).
+def values_seen_outside(graph: Graph, buffers: dict[str, Record], known: dict[str, str],
+                        replays: dict[str, KernelReplay]) -> dict[str, torch.Tensor]:
+    """Values as stored (rounded), as other kernels see them: every recorded load and replayed store."""
     nodes = graph.node_map()
-    for n in (nodes[b] for b in record["in"] if b in nodes):
-        t = record["in"].get(n.name)
-        if n.shape and isinstance(t, torch.Tensor) and len(n.shape) == t.dim():
-            for d, real in zip(n.shape, t.shape):
-                if isinstance(d, str):
-                    syms.setdefault(d, int(real))
-    return syms
-
-
-def _score(run_vals: dict[str, Any], outputs: dict[str, str], record: dict[str, Any]) -> tuple[float, int]:
-    """Bit-identical fraction over the kernel's low-precision stores (the rounding claim).
-
-    FP32 stores (e.g. a reduction's partial result) are compared by `_fp32_error` instead:
-    their last bits depend on accumulation order, which is not what this model predicts."""
-    total, good = 0, 0.0
-    for buf, node in outputs.items():
-        real = record["out"].get(buf)
-        pred = run_vals.get(node)
-        if not isinstance(real, torch.Tensor) or not isinstance(pred, torch.Tensor) or real.dtype not in LOW:
+    seen: dict[str, torch.Tensor] = {}
+    for k in graph.kernels:
+        rec = buffers.get(k.id)
+        if not rec:
             continue
-        good += bits_equal_fraction(pred, real) * real.numel()
-        total += real.numel()
-    return (good / total if total else 0.0), total
+        for buf, t in rec["in"].items():
+            node = known.get(buf)
+            # Graph inputs (weights) are not computed values; upcasting an embedding table is gigabytes.
+            if node and node not in seen and nodes[node].op != "placeholder" and isinstance(t, torch.Tensor) \
+                    and t.is_floating_point():
+                seen[node] = t.float()
+        if k.id in replays:
+            for buf, node in replays[k.id].outputs.items():
+                t = rec["out"].get(buf)
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    seen[node] = t.float()
+    return seen
 
 
-def _closeness(pred: torch.Tensor, real: torch.Tensor) -> float:
-    """Higher is closer: bit agreement for low-precision stores, -relative error for FP32 ones."""
-    if pred.numel() != real.numel():
-        return float("-inf")
-    if real.dtype in LOW:
-        return bits_equal_fraction(pred, real)
-    diff = (pred.double().reshape(-1) - real.double().reshape(-1)).norm()
-    return -float(diff / real.double().norm().clamp_min(1e-30))
-
-
-def _fp32_error(run_vals: dict[str, Any], outputs: dict[str, str], record: dict[str, Any]) -> float:
-    worst = 0.0
-    for buf, node in outputs.items():
-        real, pred = record["out"].get(buf), run_vals.get(node)
-        if isinstance(real, torch.Tensor) and isinstance(pred, torch.Tensor) and real.dtype == torch.float32 \
-                and pred.numel() == real.numel():
-            diff = (pred.double().reshape(-1) - real.double().reshape(-1)).abs()
-            worst = max(worst, float((diff / real.double().reshape(-1).abs().clamp_min(1e-30)).max()))
-    return worst
-
-
-def replay_kernel(graph: Graph, k: Kernel, record: dict[str, Any], known: dict[str, str], owned: set[str],
-                  compute: torch.dtype = torch.float32) -> tuple[KernelReplay, dict[str, Any]]:
-    nodes = graph.node_map()
-    frag, external = _fragment(graph, k, owned)
-    frag_names = {n.name for n in frag}
-    declared = _declared(graph)
-    syms = _bind_syms(graph, record)
-    node_buf = {v: b for b, v in known.items()}
-    inputs: dict[str, Any] = {}
-    loose: list[str] = []
-    for e in external:
-        n = nodes[e]
-        if n.sym is not None:
-            if n.sym in syms:
-                inputs[e] = syms[n.sym]
-                continue
-        buf = node_buf.get(e)
-        if buf is not None and buf in record["in"]:
-            inputs[e] = record["in"][buf]
-        else:
-            loose.append(e)
-    free = [b for b in record["in"] if b not in {node_buf.get(e) for e in inputs}]
-    # Outputs: stored buffers and the fragment values they hold.
-    users = graph.users()
-    sinks = [n.name for n in frag if not is_view(n) and any(u not in frag_names for u in users.get(n.name, []))]
-    # Stores the capture names a node for (buffers whose size disagrees hold a part of it, e.g. one
-    # input of a concatenation written in place; those are placed by value below, or left out).
-    outputs = {a.name: a.node for a in k.args if a.role in ("out", "inout") and a.node in frag_names
-               and isinstance(record["out"].get(a.name), torch.Tensor)
-               and _numel(nodes[a.node].shape, syms) == record["out"][a.name].numel()}
-    open_bufs = [a.name for a in k.args if a.role in ("out", "inout") and a.name not in outputs
-                 and a.name in record["out"]]
-
-    def candidates_in(e: str) -> list[str]:
-        want = _numel(nodes[e].shape, syms)
-        return [b for b in free if isinstance(record["in"][b], torch.Tensor) and record["in"][b].numel() == want]
-
-    def candidates_out(b: str) -> list[str | None]:
-        real = record["out"][b]
-        found = [n.name for n in frag if not is_view(n) and n.name not in outputs.values()
-                 and _numel(n.shape, syms) == real.numel() and to_dtype(n.dtype) is not None
-                 and (to_dtype(n.dtype) == real.dtype or n.name in sinks)]
-        return found or [None]  # a buffer we cannot place is left out of the comparison
-
-    in_options = [candidates_in(e) for e in loose]
-    best: tuple[float, dict, dict, dict] | None = None
-    error = "inputs could not be resolved"
-    # Only the input assignment changes the computation; outputs are placed after each run.
-    for ins in itertools.islice(itertools.product(*in_options), MAX_PERMUTATIONS):
-        if len(set(ins)) != len(ins):
-            continue
-        trial_inputs = {**inputs, **{e: record["in"][b] for e, b in zip(loose, ins)}}
-        run = run_fragment(frag, {e: trial_inputs[e] for e in external if e in trial_inputs}, declared, "fp32",
-                           syms, compute=compute)
-        if not run.ok:
-            error = run.error
-            continue
-        trial_outputs = dict(outputs)
-        for b in open_bufs:
-            options = [c for c in candidates_out(b) if c is not None and c not in trial_outputs.values()
-                       and isinstance(run.values.get(c), torch.Tensor)]
-            if options:
-                trial_outputs[b] = max(options, key=lambda c: _closeness(run.values[c], record["out"][b]))
-        score, _ = _score(run.values, trial_outputs, record)
-        if best is None or score > best[0]:
-            best = (score, trial_inputs, trial_outputs, run.values)
-    if best is None:
-        return KernelReplay(k.id, 0.0, 0.0, 0, error=error), {}
-    _, inputs, outputs, values = best
-    ext_inputs = {e: inputs[e] for e in external if e in inputs}
-    explicit: list[str] = []
-    predicted, elements = _score(values, outputs, record)
-    # Conversions the kernel really performs in registers: add one at a time while replay improves.
-    convert_candidates = [n.name for n in frag if is_low(n.dtype) and "convert_element_type" in n.target]
-    while predicted < 1.0 and convert_candidates:
-        trials = []
-        for c in convert_candidates:
-            run = run_fragment(frag, ext_inputs, declared, "fp32", syms, rounded={*explicit, c}, compute=compute)
-            if run.ok:
-                trials.append((_score(run.values, outputs, record)[0], c, run.values))
-        if not trials or max(trials)[0] <= predicted:
-            break
-        predicted, c, values = max(trials, key=lambda t: t[0])
-        explicit.append(c)
-        convert_candidates.remove(c)
-    naive_run = run_fragment(frag, ext_inputs, declared, "eager", syms)
-    naive = _score(naive_run.values, outputs, record)[0] if naive_run.ok else 0.0
-    fp32 = _fp32_error(values, outputs, record)
-    return KernelReplay(k.id, predicted, naive, elements, fp32, outputs, explicit), values
-
-
-def engine_rounding(graph: Graph, buffers: dict[str, dict[str, Any]]) -> EngineRounding:
+def engine_rounding(graph: Graph, buffers: dict[str, Record]) -> EngineRounding:
+    """Where the engine rounds in one compiled graph, every generated kernel replayed on its real buffers."""
     known = buffer_nodes(graph)
     owned = {n for k in graph.kernels if k.kind == "generated" for n in k.nodes}
-    nodes = graph.node_map()
     replays: list[KernelReplay] = []
     values: dict[str, torch.Tensor] = {}
     rounded: dict[str, str] = {}
     for k in graph.kernels:
         if k.kind == "extern":
-            for n in k.nodes:
-                if is_low(nodes[n].dtype):
-                    rounded[n] = f"output of extern {k.name}"
-            # a mutating extern (out= buffer) rounds what it writes
-            for a, fa in zip(k.args, nodes[k.nodes[0]].call[0] if k.nodes else []):
-                if isinstance(fa, dict) and "node" in fa and a.name and is_low(nodes[fa["node"]].dtype) \
-                        and nodes[fa["node"]].op == "call_function" and op_name(nodes[fa["node"]].target) == "empty":
-                    rounded[fa["node"]] = f"written by extern {k.name}"
+            rounded.update(extern_roundings(graph, k))
             continue
         record = buffers.get(k.id)
         if record is None:
@@ -295,34 +124,14 @@ def engine_rounding(graph: Graph, buffers: dict[str, dict[str, Any]]) -> EngineR
         replays.append(rep)
         values.update({n: v for n, v in vals.items() if isinstance(v, torch.Tensor)})
         for buf, node in rep.outputs.items():
-            known.setdefault(buf, node)
-            dt = next((a.dtype for a in k.args if a.name == buf), None)
-            if is_low(dt):
-                rounded[node] = f"stored by {k.id.split(':')[0]} as {dt}"
-        for node in rep.explicit:
-            rounded[node] = f"converted in registers by {k.id.split(':')[0]}"
+            known.setdefault(buf, node)  # later kernels load what this one stored
+        rounded.update(store_roundings(k, rep))
     # Values the engine reads from opaque kernels: whatever downstream kernels loaded.
-    seen_outside: dict[str, torch.Tensor] = {}  # values as stored (rounded), as other kernels see them
-    replayed = {r.kernel: r for r in replays}
-    for k in graph.kernels:
-        rec = buffers.get(k.id)
-        if rec:
-            for buf, t in rec["in"].items():
-                node = known.get(buf)
-                # Graph inputs (weights) are not computed values; upcasting an embedding table is gigabytes.
-                if not node or node in seen_outside or nodes[node].op == "placeholder":
-                    continue
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    seen_outside[node] = t.float()
-                    values.setdefault(node, seen_outside[node])
-            if k.id in replayed:
-                for buf, node in replayed[k.id].outputs.items():
-                    t = rec["out"].get(buf)
-                    if isinstance(t, torch.Tensor) and t.is_floating_point():
-                        seen_outside[node] = t.float()
-    _evaluate_glue(graph, owned, values, seen_outside, buffers)
-    fp32 = {n for n in owned if n not in rounded and not is_view(nodes[n]) and nodes[n].dtype is not None}
-    return EngineRounding(rounded=rounded, fp32=fp32, replays=replays, values=values)
+    seen = values_seen_outside(graph, buffers, known, {r.kernel: r for r in replays})
+    for node, t in seen.items():
+        values.setdefault(node, t)
+    _evaluate_glue(graph, owned, values, seen, buffers)
+    return EngineRounding(rounded=rounded, replays=replays, values=values)
 
 
 def _evaluate_glue(graph: Graph, owned: set[str], values: dict[str, torch.Tensor],
@@ -333,7 +142,7 @@ def _evaluate_glue(graph: Graph, owned: set[str], values: dict[str, torch.Tensor
     syms: dict[str, int] = {}
     for rec in buffers.values():
         syms.update({k: v for k, v in rec.get("scalars", {}).items() if isinstance(v, int)})
-    declared = _declared(graph)
+    declared = Declared(graph)
     for n in graph.nodes:
         if n.op != "call_function" or n.name in values or n.name in owned or n.name in extern_nodes:
             continue
@@ -389,27 +198,26 @@ def rerun_fp32(n: torch.fx.Node, values: dict[str, Any]) -> Any:
 
 def train_rounding(gm: torch.fx.GraphModule, values: dict[str, Any],
                    fp32: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
-    """Low-precision nodes of an eager graph whose op really rounds, with the fraction of elements
-    it changes (the op re-run in FP32 on the same inputs differs from its stored result).
-    `fp32`, when given, collects those FP32 results (the values each rounding acts on)."""
-    rounded: dict[str, float] = {}
+    """For each computing low-precision node of an eager graph, the fraction of its elements that eager's
+    store changes (its op re-run in FP32 on the same inputs, compared with the stored result); 1.0 where the
+    op cannot be re-run in FP32 (treated as one atomic rounding). `fp32`, when given, collects those FP32
+    results (the values each rounding acts on)."""
+    changed: dict[str, float] = {}
     for n in gm.graph.nodes:
         out = values.get(n.name)
         if n.op != "call_function" or not isinstance(out, torch.Tensor) or out.dtype not in LOW:
             continue
-        if op_name(str(n.target)) in VIEW_OPS | DATA_MOVEMENT:
+        if op_name(str(n.target)) in EXACT:
             continue  # moves data, cannot round (and re-running a gather in FP32 upcasts a whole table)
         try:
             exact = rerun_fp32(n, values)
         except Exception:
-            rounded[n.name] = 1.0  # cannot re-run it in FP32: treat as rounding (atomic op)
+            changed[n.name] = 1.0  # cannot re-run it in FP32: treat as rounding (atomic op)
             continue
         if not isinstance(exact, torch.Tensor) or exact.shape != out.shape:
-            rounded[n.name] = 1.0
+            changed[n.name] = 1.0
             continue
-        changed = float((exact.to(out.dtype).float() != exact).float().mean())
-        if changed > 0:
-            rounded[n.name] = changed
+        changed[n.name] = float((exact.to(out.dtype).float() != exact).float().mean())
         if fp32 is not None:
             fp32[n.name] = exact
-    return rounded
+    return changed

@@ -1,7 +1,14 @@
-"""The scan pipeline: resolve -> capture both sides -> rounding (replay-verified) -> match -> sites.
+"""The scan pipeline: resolve -> capture both sides -> rounding (replay-verified) -> match -> plan -> sites.
 
-Plain functions over the data model. `analyze` is the part after the engine has run (what
-the analysis-time benchmark measures); `scan` adds resolving the model and running both sides.
+Plain functions over the data model. `analyze` is the part after both sides have run (what the
+analysis-time benchmark measures); `scan` adds resolving the model and running both sides, the engine
+in a child process (graphdiff.capture.engine_process) so that neither side changes the other's process.
+
+Shapes: the trainer is traced on the first recorded shape's prompt, where values are matched across the
+two graphs. The engine's graph is one program for every shape (a dynamic token count), so those matches
+hold at every shape; at each further shape every kernel is replayed on that shape's real buffers and
+every decision re-made from the engine's rounding there. A decision that differs at some shape is kept
+per shape (`Decision.shapes`), and a site says at which shapes it exists.
 """
 
 from __future__ import annotations
@@ -18,15 +25,19 @@ from typing import Any
 import torch
 
 from graphdiff.errors import GraphdiffError
-from graphdiff.match import match_values
+from graphdiff.match import Match, match_values
 from graphdiff.measure.site_uniformity import site_nonuniformity
-from graphdiff.model import Capture, KernelEvidence, ScanResult
-from graphdiff.opaque import attention_sites
-from graphdiff.rounding import eager_values, engine_rounding, train_rounding
-from graphdiff.sites import find_sites, group_regions
+from graphdiff.model import Capture, Decision, Graph, KernelEvidence, ScanResult, Shape, Site
+from graphdiff.opaque import attention_decisions, extern_rule
+from graphdiff.rounding import EngineRounding, eager_values, engine_rounding, train_rounding
+from graphdiff.scandir import ScanDir
+from graphdiff.shapes import check_shapes, default_shapes, with_prompts
+from graphdiff.sites import classify, decide, group_regions, merge_decisions, sites_of, stable_ids
 
 Progress = Callable[[str], None]
+Buffers = dict[str, dict[str, dict[str, Any]]]  # shape label -> kernel id -> record
 DEFAULT_LAYERS = 2  # decoder layers are identical: two show everything, including layer-to-layer flow
+PROVEN = 0.999  # a kernel whose predicted replay is below this is unexplained: its sites are unproven
 
 
 def prompt_tokens(config: dict, n: int, seed: int = 0) -> list[int]:
@@ -45,7 +56,7 @@ def config_sha256(config: dict) -> str:
 class TrainSide:
     capture: Capture
     values: dict[str, Any]
-    rounded: dict[str, float]
+    changed: dict[str, float]  # computing low-precision node -> fraction of elements eager's store changes
     gm: Any = None  # the executable eager graph (re-runs ops in FP32 for the statistics)
     fp32: dict[str, Any] | None = None  # each rounding node's FP32 result before it was rounded
 
@@ -56,8 +67,8 @@ def run_train_side(model_dir: Path, prompt: list[int], manifest: Path | None = N
     cap, live = capture_hf(model_dir, input_ids=prompt, manifest=manifest)
     values = eager_values(live["graph_module"], live["inputs"])
     fp32: dict[str, Any] = {}
-    rounded = train_rounding(live["graph_module"], values, fp32)
-    return TrainSide(cap, values, rounded, live["graph_module"], fp32)
+    changed = train_rounding(live["graph_module"], values, fp32)
+    return TrainSide(cap, values, changed, live["graph_module"], fp32)
 
 
 def _scanned_config(config: dict) -> dict:
@@ -70,64 +81,193 @@ def _scanned_config(config: dict) -> dict:
     return scanned_config(AutoConfig.for_model(rest.pop("model_type"), **rest))
 
 
-def analyze(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide, *, model: str, layers_total: int,
-            config: dict, reproduce: str = "", notes: list[str] | None = None) -> ScanResult:
-    """Everything after both sides have run: rounding, replay evidence, matching, sites, regions."""
-    t0 = time.perf_counter()
-    if len(engine_cap.graphs) != 1:
-        notes = [*(notes or []), f"engine compiled {len(engine_cap.graphs)} graphs; sites are searched in each"]
+# --- analysis ------------------------------------------------------------------------------------------------
+
+def _evidence(er: EngineRounding, shape: str) -> list[KernelEvidence]:
+    return [KernelEvidence(kernel=r.kernel, shape=shape, predicted_bitexact=round(r.predicted_bitexact, 6),
+                           naive_bitexact=round(r.naive_bitexact, 6), elements=r.elements,
+                           fp32_max_rel_error=r.fp32_max_rel_error, explicit_roundings=r.explicit, error=r.error,
+                           outputs=r.outputs, per_output={b: (round(p, 6), round(n, 6))
+                                                          for b, (p, n) in r.per_output.items()})
+            for r in er.replays]
+
+
+def _signature(d: Decision) -> tuple:
+    e = d.engine
+    return d.rule, d.site, d.train.rounds, d.train.on_grid, e.rounds if e else None, e.on_grid if e else None
+
+
+def _merge_shapes(reference: list[Decision], others: dict[str, list[Decision]], ref_label: str) -> list[Decision]:
+    """One entry per trainer value with the shapes it holds at; a value decided otherwise at some shape gets
+    an entry of its own for those shapes (its site flag, states and evidence there)."""
+    out: list[Decision] = []
+    by_node = {label: {d.node: d for d in ds} for label, ds in others.items()}
+    for d in reference:
+        variants: list[tuple[Decision, list[str]]] = [(d, [ref_label])]
+        for label, decided in by_node.items():
+            other = decided.get(d.node)
+            if other is None:
+                continue
+            same = next((v for v in variants if _signature(v[0]) == _signature(other)), None)
+            if same is not None:
+                same[1].append(label)
+            else:
+                variants.append((other, [label]))
+        for v, labels in variants:
+            v.shapes = labels
+            out.append(v)
+    return out
+
+
+def _site_shapes(plan: list[Decision]) -> dict[str, list[str]]:
+    shapes: dict[str, list[str]] = {}
+    for d in plan:
+        if d.site:
+            shapes.setdefault(d.id, []).extend(d.shapes)
+    return shapes
+
+
+def _site_plan(plan: list[Decision]) -> list[Decision]:
+    """One decision per site id (the first where it is a site), for the site list."""
+    seen: set[str] = set()
+    out = []
+    for d in plan:
+        if d.site and d.id not in seen:
+            seen.add(d.id)
+            out.append(d)
+    return out
+
+
+def _proof(sites: list[Site], plan: list[Decision], replay: list[KernelEvidence],
+           graphs: list[Graph]) -> tuple[list[str], list[str], list[str]]:
+    """Mark unproven sites; returns (kernels not replayed, kernels replaying below PROVEN, unregistered externs)."""
+    not_replayed = [f"{r.kernel} @ {r.shape}: {r.error}" for r in replay if r.error]
+    bad = {r.kernel for r in replay if r.error or r.predicted_bitexact < PROVEN}
+    unexplained = sorted({f"{r.kernel} ({min(x.predicted_bitexact for x in replay if x.kernel == r.kernel):.2%})"
+                          for r in replay if not r.error and r.predicted_bitexact < PROVEN})
+    externs = {k.id: k for g in graphs for k in g.kernels if k.kind == "extern"}
+    unregistered = sorted({k.name for k in externs.values() if extern_rule(k.name) is None})
+    kernel_of = {d.id: d.evidence.kernel for d in plan if d.site}
+    for s in sites:
+        k = kernel_of.get(s.id, "")
+        if k in bad:
+            s.proven, s.unproven = False, f"its engine side is computed in {k.split(':')[0]}, which does not replay " \
+                                          "bit-exactly under the rounding model"
+        elif k in externs and extern_rule(externs[k].name) is None:
+            s.proven, s.unproven = False, f"its engine side comes from {externs[k].name}, an opaque op no registry " \
+                                          "entry describes"
+    return not_replayed, unexplained, unregistered
+
+
+def _reference_decisions(engine_cap: Capture, buffers: Buffers, train: TrainSide, ref: str,
+                         timings: dict[str, float]) -> tuple[list[list[Decision]], dict[str, tuple], list, dict]:
+    """Full analysis at the reference shape: replay, match, decide, per engine graph."""
     tgraph = train.capture.graphs[0]
-    sites, replay, unmatched_k = [], [], []
-    matched, unmatched_all = 0, set(n.name for n in tgraph.nodes)
-    timings: dict[str, float] = {}
-    engine_values: dict[str, Any] = {}
-
-    def lap(name: str, since: float) -> float:
-        now = time.perf_counter()
-        timings[name] = round(timings.get(name, 0.0) + now - since, 3)
-        return now
-
-    for egraph in engine_cap.graphs:
+    per_graph, matched, replay, engine_values = [], {}, [], {}
+    for egraph in (g for g in engine_cap.graphs if ref in g.shapes or not g.shapes):
         t = time.perf_counter()
-        er = engine_rounding(egraph, buffers)
-        t = lap("replay_s", t)
-        replay += [KernelEvidence(kernel=r.kernel, predicted_bitexact=round(r.predicted_bitexact, 6),
-                                  naive_bitexact=round(r.naive_bitexact, 6), elements=r.elements,
-                                  fp32_max_rel_error=r.fp32_max_rel_error, explicit_roundings=r.explicit,
-                                  error=r.error) for r in er.replays]
+        er = engine_rounding(egraph, buffers.get(ref, {}))
+        timings["replay_s"] = timings.get("replay_s", 0.0) + time.perf_counter() - t
+        replay += _evidence(er, ref)
+        t = time.perf_counter()
         matches, unmatched = match_values(tgraph, train.values, egraph, er.values)
-        t = lap("match_s", t)
-        matched += len(matches)
-        unmatched_all &= set(unmatched)
-        sites += find_sites(tgraph, train.values, train.rounded, egraph, er, matches, unmatched)
+        timings["match_s"] = timings.get("match_s", 0.0) + time.perf_counter() - t
+        matched[egraph.name] = (matches, unmatched)
+        per_graph.append(decide(tgraph, train.values, train.changed, egraph, er, matches, unmatched))
         engine_values.update(er.values)
-        lap("sites_s", t)
-        used = {m.engine for m in matches}
-        unmatched_k += [k.id for k in egraph.kernels if k.kind == "generated" and not (set(k.nodes) & used)]
+    return per_graph, matched, replay, engine_values
+
+
+def _shape_decisions(engine_cap: Capture, buffers: Buffers, train: TrainSide, label: str,
+                     matched: dict[str, tuple[list[Match], list[str]]]) -> tuple[list[list[Decision]], list]:
+    """At a further shape: every kernel replayed on that shape's buffers, decisions re-made with the reference
+    matches (same graph, same nodes)."""
+    tgraph = train.capture.graphs[0]
+    per_graph, replay = [], []
+    for egraph in (g for g in engine_cap.graphs if label in g.shapes):
+        er = engine_rounding(egraph, buffers.get(label, {}))
+        replay += _evidence(er, label)
+        matches, unmatched = matched.get(egraph.name, ([], []))
+        per_graph.append(decide(tgraph, train.values, train.changed, egraph, er, matches, unmatched))
+    return per_graph, replay
+
+
+def _sites_and_regions(plan: list[Decision], tgraph: Graph, engine_cap: Capture,
+                       labels: list[str]) -> tuple[list[Site], list]:
+    """The plan's sites (with the shapes they exist at) grouped into regions; each site decision gets its region."""
+    site_decisions = _site_plan(plan)
+    sites = sites_of(site_decisions, tgraph, engine_cap.graphs)
+    where = _site_shapes(plan)
+    for s in sites:
+        s.shapes = [label for label in labels if label in where.get(s.id, [])]
+    kinds = {d.id: ("attention", "inside the engine's opaque attention op (registry)") if d.rule == "opaque-registry"
+             else classify(tgraph, d.node) for d in site_decisions}
+    regions = group_regions(sites, kinds)
+    by_id = {s.id: s for s in sites}
+    for d in plan:  # codegen reads a site's region from the plan
+        if d.site and d.id in by_id:
+            d.region, d.kind = by_id[d.id].region, by_id[d.id].kind
+    return sites, regions
+
+
+def _mark_regions(regions: list, sites: list[Site], labels: list[str]) -> None:
+    by_id = {s.id: s for s in sites}
+    for r in regions:
+        members = [by_id[i] for i in r.sites]
+        r.shapes = [label for label in labels if any(label in s.shapes for s in members)]
+        r.shape_dependent = any(s.shapes != labels for s in members)
+        r.proven = all(s.proven for s in members)
+
+
+def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: str, layers_total: int,
+            config: dict, reproduce: str = "", notes: list[str] | None = None) -> ScanResult:
+    """Everything after both sides have run: rounding, replay evidence, matching, the plan, sites, regions."""
+    t0 = time.perf_counter()
+    notes = list(notes or [])
+    if len(engine_cap.graphs) != 1:
+        notes.append(f"engine compiled {len(engine_cap.graphs)} graphs; sites are searched in each")
+    tgraph = train.capture.graphs[0]
+    labels = [s.label for s in engine_cap.shapes] or list(buffers)
+    timings: dict[str, float] = {}
+    per_graph, matched, replay, engine_values = _reference_decisions(engine_cap, buffers, train, labels[0], timings)
     t = time.perf_counter()
-    attn_sites, attn_notes = attention_sites(engine_cap.attention, tgraph, train.gm, train.values,
-                                             engine_cap.graphs)
-    sites += attn_sites
-    notes = [*(notes or []), *attn_notes]
-    lap("attention_s", t)
-    regions = group_regions(sites)
+    attn, attn_notes = attention_decisions(engine_cap.attention, tgraph, train.gm, train.values, engine_cap.graphs,
+                                           stable_ids(tgraph))
+    notes += attn_notes
+    others: dict[str, list[Decision]] = {}
+    for label in labels[1:]:
+        graphs_here, more = _shape_decisions(engine_cap, buffers, train, label, matched)
+        replay += more
+        others[label] = merge_decisions(tgraph, [*graphs_here, [a.model_copy(deep=True) for a in attn]])
+    plan = _merge_shapes(merge_decisions(tgraph, [*per_graph, attn]), others, labels[0])
+    timings["shapes_s"] = time.perf_counter() - t
+    sites, regions = _sites_and_regions(plan, tgraph, engine_cap, labels)
+    not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs)
+    _mark_regions(regions, sites, labels)
     t = time.perf_counter()
     uniformity = (site_nonuniformity(tgraph, train.gm, train.values, sites, engine_values, train.fp32)
                   if train.gm else {})
-    lap("nonuniformity_s", t)
-    layers_scanned = len({s.layer for s in sites if s.layer is not None}) or layers_total
+    timings["nonuniformity_s"] = time.perf_counter() - t
+    used = {m.engine for ms, _ in matched.values() for m in ms}
+    unmatched_all = set.intersection(*(set(u) for _, u in matched.values())) if matched else set()
     return ScanResult(
         model=model, architecture=engine_cap.architecture, config_sha256=config_sha256(config),
-        config=_scanned_config(config),
-        versions={**train.capture.versions, **engine_cap.versions},
-        layers_scanned=int(config.get("num_hidden_layers", layers_scanned)), layers_total=layers_total,
-        prompt_tokens=engine_cap.prompt_tokens, sites=sites, regions=regions, replay=replay, matched=matched,
-        unmatched_train=[n for n in (x.name for x in tgraph.nodes) if n in unmatched_all
-                         and tgraph.node_map()[n].op == "call_function"][:500],
-        unmatched_engine_kernels=unmatched_k, timings={"analysis_s": round(time.perf_counter() - t0, 3), **timings},
-        reproduce=reproduce, notes=notes or [], nonuniformity=uniformity,
+        config=_scanned_config(config), versions={**train.capture.versions, **engine_cap.versions},
+        layers_scanned=int(config.get("num_hidden_layers",
+                                      len({s.layer for s in sites if s.layer is not None}) or layers_total)),
+        layers_total=layers_total, prompt_tokens=engine_cap.prompt_tokens, shapes=engine_cap.shapes,
+        engine_config=engine_cap.engine_config, plan=plan, sites=sites, regions=regions, replay=replay,
+        matched=sum(len(ms) for ms, _ in matched.values()),
+        unmatched_train=[n.name for n in tgraph.nodes if n.name in unmatched_all and n.op == "call_function"][:500],
+        unmatched_engine_kernels=[k.id for g in engine_cap.graphs for k in g.kernels
+                                  if k.kind == "generated" and not (set(k.nodes) & used)],
+        not_replayed=not_replayed, unexplained=unexplained, unregistered_externs=unregistered,
+        timings={"analysis_s": round(time.perf_counter() - t0, 3), **{k: round(v, 3) for k, v in timings.items()}},
+        reproduce=reproduce, notes=notes, nonuniformity=uniformity,
     )
 
+
+# --- the whole scan ------------------------------------------------------------------------------------------
 
 def prepare_model(spec: str, layers: int | None, work_dir: Path | None, progress: Progress) -> tuple[Any, list[str]]:
     """Resolve a model spec to a checkpoint dir both sides can load (seeded weights if it has none)."""
@@ -147,84 +287,82 @@ def prepare_model(spec: str, layers: int | None, work_dir: Path | None, progress
     return resolved, notes
 
 
-def load_engine_capture(directory: Path) -> tuple[Capture, dict[str, Any]]:
-    """An engine capture with real kernel buffers, made elsewhere by `graphdiff capture --engine vllm`."""
-    from graphdiff.model import load_capture
-
-    if not (directory / "capture.json").exists():
-        if directory.exists() and any(directory.rglob("output_code.py")):
-            raise GraphdiffError(
-                f"{directory} is a TORCH_COMPILE_DEBUG dump without recorded kernel buffers, which the scan "
-                "replays; on the engine machine run `graphdiff capture MODEL --engine vllm --out DIR` and pass DIR")
-        raise GraphdiffError(f"{directory} holds no engine capture (capture.json from `graphdiff capture`)")
-    cap = load_capture(directory / "capture.json")
-    if cap.side != "engine" or not cap.buffers_file or not (directory / cap.buffers_file).exists():
-        raise GraphdiffError(f"{directory / 'capture.json'} is not an engine capture with recorded buffers")
-    try:
-        buffers = torch.load(directory / cap.buffers_file, weights_only=False)
-    except Exception as e:
-        raise GraphdiffError(f"cannot read {directory / cap.buffers_file}: {type(e).__name__}") from None
-    return cap, buffers
-
-
-def check_same_weights(engine_cap: Capture, buffers: dict[str, Any], train: TrainSide) -> None:
+def check_same_weights(engine_cap: Capture, buffers: Buffers, train: TrainSide) -> None:
     """Both sides must have run the same weights: compare every weight a kernel recorded."""
     train_inputs = train.capture.graphs[0].inputs
     by_name = {name: train.values.get(node) for node, name in train_inputs.items()}
     for g in engine_cap.graphs:
-        for rec in (buffers.get(k.id) for k in g.kernels):
-            for buf, t in (rec or {}).get("in", {}).items():
-                name = g.inputs.get(buf, "")
-                ref = by_name.get(name) if "." in name else None  # weights only, not the token ids
-                if isinstance(ref, torch.Tensor) and isinstance(t, torch.Tensor) and not torch.equal(ref, t):
-                    raise GraphdiffError(f"the engine capture ran other weights than {train.capture.model} "
-                                         f"({name} differs); scan the checkpoint the engine ran")
+        for records in buffers.values():
+            for rec in (records.get(k.id) for k in g.kernels):
+                for buf, t in (rec or {}).get("in", {}).items():
+                    name = g.inputs.get(buf, "")
+                    ref = by_name.get(name) if "." in name else None  # weights only, not the token ids
+                    if isinstance(ref, torch.Tensor) and isinstance(t, torch.Tensor) and not torch.equal(ref, t):
+                        raise GraphdiffError(f"the engine capture ran other weights than {train.capture.model} "
+                                             f"({name} differs); scan the checkpoint the engine ran")
 
 
-def scan(spec: str, *, layers: int | None = None, tokens: int = 16, work_dir: Path | None = None,
-         progress: Progress = lambda m: None, argv: list[str] | None = None,
-         engine_dump: Path | None = None, manifest: Path | None = None) -> tuple[ScanResult, Any]:
-    """Resolve `spec`, run the real engine (or take its capture from `engine_dump`) and the HF trainer
-    on the same weights and tokens, analyze."""
-    from graphdiff.capture.vllm import EngineRun, capture_vllm
+@dataclass
+class ScanOutcome:
+    """A scan's result with what it ran on: both captures, the engine's buffers, the checkpoint."""
+
+    result: ScanResult
+    engine: Capture
+    buffers: Buffers
+    train: TrainSide
+    model_dir: Path
+    config: dict  # the checkpoint's config.json
+    engine_started: bool
+
+
+def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list[Shape] | None = None,
+         out: ScanDir | None = None, work_dir: Path | None = None, progress: Progress = lambda m: None,
+         argv: list[str] | None = None, engine_dump: Path | None = None, manifest: Path | None = None,
+         compilation_config: dict | None = None) -> ScanOutcome:
+    """Resolve `spec`, run the real engine (in a child process; or take its capture from `engine_dump`) and the
+    HF trainer on the same weights and tokens, analyze. The engine capture is written to `out`'s engine dir."""
+    import tempfile
+
+    from graphdiff.capture.engine_process import capture_isolated, load_engine_capture
 
     t_start = time.perf_counter()
     resolved, notes = prepare_model(spec, layers, work_dir, progress)
     config = resolved.config
     total = int(config.get("num_hidden_layers", 0))
     if engine_dump is not None:
-        cap, buffers = load_engine_capture(engine_dump)
+        cap, buffers = load_engine_capture(engine_dump, resolved.path)
         if cap.config_sha256 and cap.config_sha256 != config_sha256(config):
             raise GraphdiffError(f"{engine_dump} was captured from another model config than {spec} "
                                  f"(layers, sizes or architecture differ)")
-        run = EngineRun(llm=None, capture=cap, buffers=buffers, startup_s=0.0)
-        prompt = cap.prompt_tokens
+        startup = 0.0
         notes.append(f"engine side from {engine_dump} (captured with {cap.versions.get('vllm', '?')}); "
                      "the engine was not started")
     else:
-        prompt = prompt_tokens(config, tokens)
-        progress("starting the engine (compile)")
-        run = capture_vllm(resolved.path, prompt, progress=progress)
-        run.capture.config_sha256 = config_sha256(config)
+        shapes = shapes or default_shapes(tokens, config)
+        check_shapes(shapes, config)
+        shapes = with_prompts(shapes, config)
+        directory = out.engine_dir if out is not None else Path(tempfile.mkdtemp(prefix="graphdiff-engine-"))
+        progress("starting the engine in its own process (compile)")
+        cap, buffers, startup = capture_isolated(resolved.path, shapes, directory, progress=progress,
+                                                 compilation_config=compilation_config,
+                                                 config_sha256=config_sha256(config))
     t_engine = time.perf_counter()
     progress("tracing the trainer's eager forward")
-    train = run_train_side(resolved.path, prompt, manifest)
+    train = run_train_side(resolved.path, cap.prompt_tokens, manifest)
     if manifest is not None:
         notes.append(f"trainer side patched with {manifest}: the sites are what the patch leaves")
     if engine_dump is not None:
-        check_same_weights(run.capture, run.buffers, train)
+        check_same_weights(cap, buffers, train)
     t_train = time.perf_counter()
-    progress("replaying kernels, matching values, finding sites")
+    progress(f"replaying kernels at {len(cap.shapes) or 1} shape(s), matching values, deciding the plan")
     reproduce = "graphdiff " + shlex.join(argv) if argv else f"graphdiff scan {shlex.quote(spec)} --engine vllm"
-    result = analyze(run.capture, run.buffers, train, model=spec, layers_total=_published_layers(spec, total),
+    result = analyze(cap, buffers, train, model=spec, layers_total=_published_layers(spec, total),
                      config=config, reproduce=reproduce, notes=notes)
-    result.timings.update(engine_startup_s=round(run.startup_s, 3), wall_s=round(time.perf_counter() - t_start, 3),
+    result.timings.update(engine_startup_s=round(startup, 3), wall_s=round(time.perf_counter() - t_start, 3),
                           engine_total_s=round(t_engine - t_start, 3), train_s=round(t_train - t_engine, 3))
-    run.train = train  # the caller may persist both captures beside the result
-    run.model_dir = resolved.path
     if not result.sites and not result.replay:
         raise GraphdiffError("the engine graph had no generated kernels to compare (is compile disabled?)")
-    return result, run
+    return ScanOutcome(result, cap, buffers, train, resolved.path, config, engine_dump is None)
 
 
 def _published_layers(spec: str, scanned: int) -> int:

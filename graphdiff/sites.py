@@ -1,51 +1,69 @@
-"""Rounding sites (values rounded on one side only) and the regions they form.
+"""The rounding plan (one decision per trainer value), the sites in it, and the regions they form.
 
-A site is a training-graph value that one side rounds to low precision and the other does
-not. Matched values compare the two sides' rounding directly. A training value with no engine
+A site is a training-graph value that one side rounds to low precision and the other does not.
+Matched values compare the two sides' rounding directly. A training value with no engine
 counterpart (the engine decomposes that computation differently) is a site when the trainer
 rounds it and the engine computes the whole stretch around it inside one fused kernel —
 in FP32 registers — which the replay of that kernel has verified.
 
-Sites are grouped by the HF module that computes them and a kind from REGION_KINDS, decided
-from the dataflow around the site (no model names):
-  rope           depends elementwise on a cos/sin table (rotary embedding)
-  qk_norm        inside a normalization (rsqrt) whose output flows into attention
-  gated_act      an activation (silu, gelu, ...) or elementwise on its output before a matmul
-  residual_norm  an add (the residual stream) that flows into a normalization
-  norm_weight    inside a normalization, e.g. the cast before the weight multiply
-  other          anything else
-Regions identical across layers are collapsed (module path `layers.*`, with the layer list).
+Each decision carries a stable id (module path, source line, the op's position on that line), the
+rule that made it and its evidence as fields. Sites are grouped by the HF module that computes them
+and a kind decided from the dataflow around the site (no model names, see `classify`); regions
+identical across layers are collapsed (module path `layers.*`, with the layer list).
 """
 
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
+from pathlib import Path
 
 import torch
 
+from graphdiff.kernel_replay import KernelReplay
 from graphdiff.match import Match
-from graphdiff.model import Graph, Node, Region, Side, SideRef, Site, is_heavy, layer_of, op_name
+from graphdiff.model import Decision, Evidence, Graph, Node, Region, SideRef, SideState, Site, layer_of
+from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, is_attention, is_heavy, is_low, op_name
 from graphdiff.replay import LOW
 from graphdiff.rounding import EngineRounding, is_view
 
-ACTIVATIONS = {"silu", "gelu", "sigmoid", "tanh", "relu", "softplus", "mish", "elu", "leaky_relu", "hardswish",
-               "gelu_tanh"}
 MAX_HOPS = 12
+KIND_ORDER = ("rope", "qk_norm", "attention", "gated_act", "residual_norm", "norm_weight", "other")
 
 
-def _closure(graph: Graph, start: str, users: dict[str, list[str]], down: bool) -> tuple[set[str], bool]:
+# --- stable ids ------------------------------------------------------------------------------------
+
+def stable_ids(graph: Graph) -> dict[str, str]:
+    """`module/file:line/op.k` for every computing node: the k-th `op` that source line issues in that module.
+
+    Built only from what the model code says (module path, source line, op), so an id survives other token
+    counts, other kinds found in the same module, and re-traces that number nodes differently."""
+    seen: Counter[tuple] = Counter()
+    ids = {}
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        where = f"{Path(n.source.file).name}:{n.source.line}" if n.source else "-"
+        key = (n.module, where, op_name(n.target))
+        ids[n.name] = f"{n.module or '<root>'}/{where}/{key[2]}.{seen[key]}"
+        seen[key] += 1
+    return ids
+
+
+# --- dataflow around a value ----------------------------------------------------------------------
+
+def _closure(graph: Graph, start: str, down: bool) -> tuple[set[str], bool]:
     """Nodes reachable elementwise from `start` (not crossing matmul/attention/embedding), and
     whether an attention op is reached at the boundary (downwards only)."""
-    nodes = graph.node_map()
+    nodes, users = graph.node_map(), graph.users()
     seen, frontier, attention = {start}, [start], False
     for _ in range(MAX_HOPS):
         nxt = []
         for name in frontier:
             for other in (users.get(name, []) if down else nodes[name].inputs):
                 n = nodes[other]
-                if is_heavy(n):
-                    attention |= down and ("attention" in n.target or "scaled_dot_product" in n.target)
+                if is_heavy(n.target):
+                    attention |= down and is_attention(n.target)
                     continue
                 if other not in seen and n.op == "call_function":
                     seen.add(other)
@@ -54,31 +72,24 @@ def _closure(graph: Graph, start: str, users: dict[str, list[str]], down: bool) 
     return seen, attention
 
 
-def classify(graph: Graph, name: str, users: dict[str, list[str]]) -> str:
+def classify(graph: Graph, name: str) -> tuple[str, str]:
+    """(kind, the dataflow fact that decided it), first rule that holds."""
     nodes = graph.node_map()
-    up, _ = _closure(graph, name, users, down=False)
-    down, to_attention = _closure(graph, name, users, down=True)
+    up, _ = _closure(graph, name, down=False)
+    down, to_attention = _closure(graph, name, down=True)
     up_ops = {op_name(nodes[n].target) for n in up}
     down_ops = {op_name(nodes[n].target) for n in down}
     if up_ops & {"cos", "sin"}:
-        return "rope"
+        return "rope", "depends elementwise on a cos/sin table"
     if "rsqrt" in up_ops and to_attention:
-        return "qk_norm"
-    if up_ops & ACTIVATIONS:
-        return "gated_act"
+        return "qk_norm", "inside a normalization (rsqrt) whose output flows into attention"
+    if acts := up_ops & ACTIVATIONS:
+        return "gated_act", f"elementwise on the output of {', '.join(sorted(acts))}"
     if op_name(nodes[name].target) == "add" and "rsqrt" in down_ops and "rsqrt" not in up_ops:
-        return "residual_norm"
+        return "residual_norm", "an add whose result flows into a normalization (rsqrt)"
     if "rsqrt" in up_ops:
-        return "norm_weight"
-    return "other"
-
-
-def users_of(graph: Graph) -> dict[str, list[str]]:
-    return graph.users()
-
-
-def _low(dtype: str | None) -> bool:
-    return dtype in ("bfloat16", "float16")
+        return "norm_weight", "inside a normalization, after its rsqrt"
+    return "other", "no known pattern in its elementwise neighbourhood"
 
 
 def _representable(v: object) -> bool:
@@ -89,42 +100,51 @@ def _representable(v: object) -> bool:
 
 
 def _same_value_chain(graph: Graph, start: str) -> list[str]:
-    users = users_of(graph)
-    nodes = graph.node_map()
+    users, nodes = graph.users(), graph.node_map()
     chain, frontier = [start], [start]
     while frontier:
         nxt = [u for n in frontier for u in users.get(n, [])
-               if is_view(nodes[u]) or op_name(nodes[u].target) in ("convert_element_type", "_to_copy")]
+               if is_view(nodes[u]) or op_name(nodes[u].target) in CASTS]
         nxt = [u for u in nxt if u not in chain]
         chain += nxt
         frontier = nxt
     return chain
 
 
-def _engine_state(e: str, engine: Graph, er: EngineRounding) -> tuple[bool, bool, str]:
-    """(holds a BF16-grid value, rounds it at this node, how) for an engine node."""
+def _base(engine: Graph, e: str) -> str:
     nodes = engine.node_map()
-    base = e
-    while is_view(nodes[base]) and nodes[base].inputs:
-        base = nodes[base].inputs[0]
+    while is_view(nodes[e]) and nodes[e].inputs:
+        e = nodes[e].inputs[0]
+    return e
+
+
+def engine_state(e: str, engine: Graph, er: EngineRounding) -> SideState:
+    """How the engine holds the value of node `e`: rounded here, on the grid from upstream, or FP32."""
+    nodes = engine.node_map()
+    base = _base(engine, e)
     kernel = nodes[base].kernel
     # The value is rounded right after it is computed if it, or a cast/view of it that carries the
     # same value, is what a kernel stores in low precision.
     for same in _same_value_chain(engine, base):
         if same in er.rounded:
-            return True, True, f"rounded: {er.rounded[same]}"
+            return SideState(dtype=nodes[same].dtype, rounds=True, on_grid=True, how=f"rounded: {er.rounded[same]}")
     if _representable(er.values.get(e)):
-        return True, False, "already on the BF16 grid here (loaded or rounded upstream)"
-    return False, False, f"FP32 in {kernel.split(':')[0]}" if kernel else "not rounded"
+        return SideState(dtype=nodes[e].dtype, on_grid=True, how="already on the BF16 grid here (loaded or "
+                                                                  "rounded upstream)")
+    return SideState(dtype="float32", how=f"FP32 in {kernel.split(':')[0]}" if kernel else "not rounded")
 
 
-def _ref(n: Node, how: str) -> SideRef:
-    return SideRef(node=n.name, op=n.target, dtype=n.dtype, module=n.module, source=n.source, kernel=n.kernel, how=how)
+def train_state(t: Node, value: object, changed: dict[str, float]) -> SideState:
+    """Eager stores every op's result in its dtype: a computing op with a low-precision result rounds there."""
+    rounds = is_low(t.dtype) and op_name(t.target) not in EXACT
+    frac = changed.get(t.name)
+    how = (f"rounded to {t.dtype} (changes {frac:.0%} of elements)" if rounds and frac else
+           f"stored in {t.dtype}" + (" (exact here)" if rounds else ""))
+    return SideState(dtype=t.dtype, rounds=rounds, on_grid=_representable(value), changed=frac, how=how)
 
 
-def _nearest_matched(graph: Graph, start: str, users: dict[str, list[str]], matched: dict[str, Match],
-                     down: bool) -> str | None:
-    nodes = graph.node_map()
+def _nearest_matched(graph: Graph, start: str, matched: dict[str, Match], down: bool) -> str | None:
+    nodes, users = graph.node_map(), graph.users()
     frontier, seen = [start], {start}
     for _ in range(MAX_HOPS):
         nxt = []
@@ -132,7 +152,7 @@ def _nearest_matched(graph: Graph, start: str, users: dict[str, list[str]], matc
             for other in (users.get(name, []) if down else nodes[name].inputs):
                 if other in matched:
                     return other
-                if other not in seen and nodes[other].op == "call_function" and not is_heavy(nodes[other]):
+                if other not in seen and nodes[other].op == "call_function" and not is_heavy(nodes[other].target):
                     seen.add(other)
                     nxt.append(other)
         frontier = nxt
@@ -154,57 +174,131 @@ def _producing_kernel(engine: Graph, name: str) -> str | None:
     return None
 
 
-def find_sites(train: Graph, train_values: dict[str, object], train_rounded: dict[str, float], engine: Graph,
-               er: EngineRounding, matches: list[Match], unmatched: list[str]) -> list[Site]:
-    enodes, tnodes = engine.node_map(), train.node_map()
-    by_train = {m.train: m for m in matches}
-    users = users_of(train)
-    kernel_inputs = {k.id: {i for n in k.nodes for i in enodes[n].inputs} for k in engine.kernels}
-    # Graph inputs (weights, activations) anchor in-kernel sites from above like matched values do.
+def _anchors(train: Graph, engine: Graph, by_train: dict[str, Match]) -> dict[str, Match]:
+    """Matched values plus shared graph inputs (weights, activations): what anchors an in-kernel stretch."""
     by_param = {name: node for node, name in engine.inputs.items()}
-    anchors: dict[str, Match] = dict(by_train)
+    anchors = dict(by_train)
     for node, name in train.inputs.items():
         if name in by_param:
             anchors[node] = Match(node, by_param[name], 0.0, 1.0, "same graph input")
-    sites: list[Site] = []
+    return anchors
+
+
+def _replay_fields(kernel: str | None, replays: dict[str, KernelReplay]) -> dict:
+    rep = replays.get(kernel or "")
+    return dict(replay_predicted=round(rep.predicted_bitexact, 6), replay_naive=round(rep.naive_bitexact, 6)) \
+        if rep else {}
+
+
+def decide(train: Graph, train_values: dict[str, object], changed: dict[str, float], engine: Graph,
+           er: EngineRounding, matches: list[Match], unmatched: list[str]) -> list[Decision]:
+    """One decision per floating trainer value this engine graph says something about (and, with no engine
+    evidence, the trainer side alone)."""
+    enodes, tnodes = engine.node_map(), train.node_map()
+    by_train = {m.train: m for m in matches}
+    anchors = _anchors(train, engine, by_train)
+    kernel_inputs = {k.id: {i for n in k.nodes for i in enodes[n].inputs} for k in engine.kernels}
+    replays = {r.kernel: r for r in er.replays}
+    ids = stable_ids(train)
+    rounded = {n for n, f in changed.items() if f > 0}
+    out: list[Decision] = []
     for t in train.nodes:
+        v = train_values.get(t.name)
+        if t.op != "call_function" or is_view(t) or not isinstance(v, torch.Tensor) or not v.is_floating_point():
+            continue
+        ts = train_state(t, v, changed)
+        base = dict(id=ids[t.name], node=t.name, op=t.target, module=t.module, layer=layer_of(t.module), train=ts)
         m = by_train.get(t.name)
-        t_rounds = t.name in train_rounded
-        if m is not None and not _low(t.dtype) and any(_low(tnodes[c].dtype) and not is_view(tnodes[c])
-                                                        for c in _same_value_chain(train, t.name)[1:]):
-            continue  # a downcast of this value follows: compare the two sides there, after it
+        if m is not None and not is_low(t.dtype) and any(is_low(tnodes[c].dtype) and not is_view(tnodes[c])
+                                                          for c in _same_value_chain(train, t.name)[1:]):
+            continue  # a downcast of this value follows: the two sides are compared there, after it
         if m is not None:
-            # A site is where exactly one side's value is on the BF16 grid, and that side's op at
-            # this node is what put it there (otherwise the site is upstream).
-            t_low = _representable(train_values.get(t.name))
-            e_low, e_rounds, how = _engine_state(m.engine, engine, er)
-            if t_low == e_low or (t_low and not t_rounds) or (e_low and not e_rounds):
+            es = engine_state(m.engine, engine, er)
+            kernel = enodes[_base(engine, m.engine)].kernel
+            # A site is where exactly one side's value is on the BF16 grid, and that side's op at this node
+            # is what put it there (otherwise the site is upstream).
+            site = ts.on_grid != es.on_grid and not (ts.on_grid and t.name not in rounded) \
+                and not (es.on_grid and not es.rounds)
+            out.append(Decision(**base, engine=es, rule="matched", site=site, evidence=Evidence(
+                engine_node=m.engine, engine_graph=engine.name, kernel=kernel or "", distance=m.distance,
+                runner_up=m.runner_up, confidence=m.confidence, **_replay_fields(kernel, replays))))
+            continue
+        if t.name in unmatched and t.name in rounded:
+            below = _nearest_matched(train, t.name, by_train, down=True)
+            above = _nearest_matched(train, t.name, anchors, down=False)
+            kb = _producing_kernel(engine, by_train[below].engine) if below and above else None
+            ea = anchors[above].engine if above else ""
+            if kb is not None and (enodes[ea].kernel == kb or ea in kernel_inputs.get(kb, ())):
+                out.append(Decision(**base, engine=SideState(dtype="float32", how=f"FP32 inside {kb.split(':')[0]}"),
+                                    rule="inside-kernel", site=True, evidence=Evidence(
+                                        engine_graph=engine.name, kernel=kb, stretch=[ea, by_train[below].engine],
+                                        confidence=min(by_train[below].confidence, anchors[above].confidence),
+                                        **_replay_fields(kb, replays))))
                 continue
-            side: Side = "train" if t_low else "engine"
-            t_how = f"rounded to {t.dtype} (changes {train_rounded.get(t.name, 0):.0%} of elements)" if t_rounds \
-                else f"kept in {t.dtype}"
-            sites.append(Site(id="", region="", kind="", layer=layer_of(t.module), rounded_on=side,
-                              train=_ref(t, t_how), engine=_ref(enodes[m.engine], how), matched=True,
-                              confidence=m.confidence, changed_fraction=train_rounded.get(t.name, 1.0),
-                              evidence=m.evidence))
-        elif t.name in unmatched and t_rounds:
-            below = _nearest_matched(train, t.name, users, by_train, down=True)
-            above = _nearest_matched(train, t.name, users, anchors, down=False)
-            if below is None or above is None:
-                continue
-            kb = _producing_kernel(engine, by_train[below].engine)
-            ea = anchors[above].engine
-            if kb is None or not (enodes[ea].kernel == kb or ea in kernel_inputs.get(kb, ())):
-                continue
-            evidence = (f"no engine node computes this value (other decomposition); the engine computes "
-                        f"{ea} -> {by_train[below].engine} inside {kb.split(':')[0]} in FP32 (replay-verified)")
-            sites.append(Site(id="", region="", kind="", layer=layer_of(t.module), rounded_on="train",
-                              train=_ref(t, f"rounded to {t.dtype} (changes {train_rounded[t.name]:.0%})"),
-                              engine=SideRef(node="", op="", kernel=kb, how=f"FP32 inside {kb.split(':')[0]}"),
-                              matched=False, confidence=min(by_train[below].confidence, anchors[above].confidence),
-                              changed_fraction=train_rounded[t.name], evidence=evidence))
+        out.append(Decision(**base, rule="no-engine-value"))
+    return out
+
+
+def merge_decisions(train: Graph, per_graph: list[list[Decision]]) -> list[Decision]:
+    """One decision per trainer value over all engine graphs, in trainer graph order: evidence beats no evidence,
+    a match beats an in-kernel stretch (piecewise engines compile several graphs; each value is computed in one)."""
+    rank = {"matched": 0, "opaque-registry": 1, "inside-kernel": 2, "no-engine-value": 3}
+    best: dict[str, Decision] = {}
+    for decisions in per_graph:
+        for d in decisions:
+            if d.node not in best or rank[d.rule] < rank[best[d.node].rule]:
+                best[d.node] = d
+    return sorted(best.values(), key=lambda d: train.position(d.node))
+
+
+def find_sites(train: Graph, train_values: dict[str, object], changed: dict[str, float], engine: Graph,
+               er: EngineRounding, matches: list[Match], unmatched: list[str]) -> list[Site]:
+    """The sites of one engine graph (the decisions' one-sided part), kinds set: for single-graph callers."""
+    sites = sites_of(decide(train, train_values, changed, engine, er, matches, unmatched), train, [engine])
     for s in sites:
-        s.kind = classify(train, s.train.node, users)
+        s.kind = classify(train, s.train.node)[0]
+    return sites
+
+
+# --- sites and regions ----------------------------------------------------------------------------
+
+def _ref(n: Node, how: str, kernel: str | None = None) -> SideRef:
+    return SideRef(node=n.name, op=n.target, dtype=n.dtype, module=n.module, source=n.source,
+                   kernel=kernel if kernel is not None else n.kernel, how=how)
+
+
+def summary(d: Decision) -> str:
+    """The decision's evidence in one line (for terminals; everything in it is a field of the plan)."""
+    e = d.evidence
+    if d.rule == "matched":
+        return (f"matched {e.engine_node} ({d.module or '?'}); sorted-value distance {e.distance:.2e} "
+                f"(runner-up {e.runner_up:.2e})")
+    if d.rule == "inside-kernel":
+        return (f"no engine node computes this value (other decomposition); the engine computes {e.stretch[0]} -> "
+                f"{e.stretch[1]} inside {e.kernel.split(':')[0]} in FP32 (replay-verified)")
+    if d.rule == "opaque-registry":
+        return (f"trainer: its attention on FP32-upcast inputs, rounded once, differs on {d.train.changed:.0%} of "
+                f"the output; {e.registry}")
+    return "no engine value matched"
+
+
+def sites_of(plan: list[Decision], train: Graph, engine_graphs: list[Graph]) -> list[Site]:
+    """The one-sided decisions as sites (region and kind are set by group_regions)."""
+    tnodes = train.node_map()
+    enodes = {n.name: n for g in engine_graphs for n in g.nodes}
+    sites = []
+    for d in (d for d in plan if d.site):
+        t = tnodes[d.node]
+        side = "train" if d.train.on_grid else "engine"
+        e = d.evidence
+        if d.rule == "matched":
+            engine = _ref(enodes[e.engine_node], d.engine.how, kernel=e.kernel or None)
+        else:
+            engine = SideRef(node="", op=e.engine_node, kernel=e.kernel or None, how=d.engine.how if d.engine else "")
+        changed = d.train.changed if side == "train" and d.train.changed is not None else 1.0
+        sites.append(Site(id=d.id, region="", kind="", layer=d.layer, rounded_on=side, train=_ref(t, d.train.how),
+                          engine=engine, matched=d.rule == "matched", confidence=e.confidence,
+                          changed_fraction=changed, evidence=summary(d)))
     return sites
 
 
@@ -212,19 +306,19 @@ def module_pattern(module: str | None) -> str:
     return re.sub(r"\.(layers|h|blocks|layer)\.\d+(?=\.|$)", r".\1.*", module or "<root>")
 
 
-def group_regions(sites: list[Site]) -> list[Region]:
+def group_regions(sites: list[Site], kinds: dict[str, tuple[str, str]]) -> list[Region]:
+    """Sites grouped by (module pattern, kind): region `pattern#kind`; `kinds` maps site id -> (kind, reason)."""
     groups: dict[tuple[str, str], list[Site]] = defaultdict(list)
     for s in sites:
+        s.kind = kinds[s.id][0]
         groups[(module_pattern(s.train.module), s.kind)].append(s)
-    patterns = defaultdict(int)
-    for pattern, kind in groups:
-        patterns[pattern] += kind != "attention"  # an attention region never renames the module's other region
     regions = []
     for (pattern, kind), members in groups.items():
-        name = pattern if patterns[pattern] == 1 and kind != "attention" else f"{pattern}#{kind}"
+        name = f"{pattern}#{kind}"
         by_layer: dict[int | None, list[Site]] = defaultdict(list)
         for s in members:
             by_layer[s.layer].append(s)
+            s.region = name
         layers = sorted(by_layer, key=lambda x: -1 if x is None else x)
 
         def signature(ss: list[Site]) -> list[tuple]:
@@ -234,13 +328,10 @@ def group_regions(sites: list[Site]) -> list[Region]:
         differing = [ly for ly in layers[1:] if ly is not None and signature(by_layer[ly]) != first]
         kernels = sorted({(s.engine.kernel if s.engine and s.engine.kernel else "").split(":")[0]
                           for s in members} - {""})
-        for s in members:
-            s.region = name
-            s.id = f"{name}/L{s.layer}/{s.train.node}" if s.layer is not None else f"{name}/{s.train.node}"
-        regions.append(Region(name=name, kind=kind, module=pattern, layers=layers, sites=[s.id for s in members],
+        regions.append(Region(name=name, kind=kind, kind_reason=kinds[members[0].id][1], module=pattern,
+                              layers=layers, sites=[s.id for s in members],
                               rounded_on=sorted({s.rounded_on for s in members}), kernels=kernels,
                               differing_layers=differing))
-    order = {k: i for i, k in enumerate(("rope", "qk_norm", "attention", "gated_act", "residual_norm", "norm_weight",
-                                         "other"))}
-    regions.sort(key=lambda r: (order.get(r.kind, 9), r.name))
+    order = {k: i for i, k in enumerate(KIND_ORDER)}
+    regions.sort(key=lambda r: (order.get(r.kind, len(order)), r.name))
     return regions

@@ -22,7 +22,7 @@ TINY_SHAPE = dict(
     num_key_value_heads=2,
     head_dim=64,
     vocab_size=2048,
-    max_position_embeddings=2048,
+    max_position_embeddings=4096,  # room for the scan's long-prefill shapes (2048 tokens and more)
     rms_norm_eps=1e-6,
     initializer_range=0.08,
     tie_word_embeddings=False,
@@ -111,12 +111,15 @@ def _generate_weights(model_dir: Path, seed: int) -> None:
 
 def tiny_path(arch: str, layers: int = 2, seed: int = 0) -> Path:
     """The bundled default model `tiny:ARCH`: generated once (seeded) into the user cache."""
+    import hashlib
+    import json
     import os
     import shutil
     import tempfile
 
     root = Path(os.environ.get("GRAPHDIFF_CACHE", Path.home() / ".cache" / "graphdiff")) / "tiny"
-    path = root / f"{arch}-L{layers}-s{seed}"
+    recipe = json.dumps([TINY_SHAPE, ARCHS.get(arch)], sort_keys=True, default=str)
+    path = root / f"{arch}-L{layers}-s{seed}-{hashlib.sha256(recipe.encode()).hexdigest()[:8]}"
     if not (path / "config.json").exists():
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=root))

@@ -18,16 +18,31 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {arch: make_tiny(arch, root / arch, layers=2) for arch in ("qwen3", "qwen2", "llama")}
 
 
+def engine_shapes(model_dir: Path) -> list:
+    """The session engine's recorded forwards: PROMPT (the trainer's), a 64-token prefill, a batched decode step."""
+    from graphdiff.resolve import read_config
+    from graphdiff.shapes import decode, prefill, with_prompts
+
+    return with_prompts([prefill(len(PROMPT)), prefill(64), decode(4, 24)], read_config(model_dir), first=PROMPT)
+
+
 @pytest.fixture(scope="session")
 def engine_run(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    """The real engine on tiny Qwen3, compiled fresh, with a TORCH_COMPILE_DEBUG dump beside it."""
+    """The real engine on tiny Qwen3, compiled fresh, with a TORCH_COMPILE_DEBUG dump beside it; it records
+    three shapes in its one start (engine_shapes)."""
     pytest.importorskip("vllm")
-    from graphdiff.capture.vllm import capture_vllm
+    from graphdiff.capture.vllm import EngineOptions, capture_vllm
 
     debug = tmp_path_factory.mktemp("inductor-debug")
-    run = capture_vllm(tiny_models["qwen3"], PROMPT, debug_dir=debug)
+    run = capture_vllm(tiny_models["qwen3"], engine_shapes(tiny_models["qwen3"]),
+                       options=EngineOptions(debug_dir=debug))
     run.debug_dir = debug
     return run
+
+
+def reference_buffers(run) -> dict:  # noqa: ANN001 - EngineRun
+    """The kernel records of the first recorded shape (the trainer's prompt)."""
+    return run.buffers[run.capture.shapes[0].label]
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import torch
 
 from graphdiff.capture.dump import import_dump
 from graphdiff.model import Graph, Kernel
+from tests.conftest import reference_buffers
 
 pytestmark = pytest.mark.engine
 
@@ -65,9 +66,9 @@ def test_a_kernel_fuses_qk_norm_with_the_rotary_products(engine_run):
 def test_every_generated_kernel_call_has_its_real_buffers(engine_run):
     g = _graph(engine_run)
     generated = [k for k in g.kernels if k.kind == "generated"]
-    assert set(engine_run.buffers) == {k.id for k in generated}
+    assert set(reference_buffers(engine_run)) == {k.id for k in generated}
     for k in generated:
-        rec = engine_run.buffers[k.id]
+        rec = reference_buffers(engine_run)[k.id]
         for a in k.args:
             if a.role == "scalar":
                 assert rec["scalars"][a.name] == len(engine_run.capture.prompt_tokens)
@@ -83,7 +84,7 @@ def test_recorded_buffers_come_from_one_real_forward(engine_run):
     ids: the records are one consistent real run, not per-kernel re-executions."""
     g = _graph(engine_run)
     ids = next(name for name, p in g.inputs.items() if p == "input_ids")
-    first = engine_run.buffers[g.kernels[0].id]
+    first = reference_buffers(engine_run)[g.kernels[0].id]
     assert first["in"][ids].tolist() == engine_run.capture.prompt_tokens
     seen: dict[str, torch.Tensor] = {}
     checked = 0
@@ -92,7 +93,7 @@ def test_recorded_buffers_come_from_one_real_forward(engine_run):
             for a in k.args:
                 seen.pop(a.name, None)
             continue
-        rec = engine_run.buffers[k.id]
+        rec = reference_buffers(engine_run)[k.id]
         for name, t in rec["in"].items():
             if name in seen:
                 assert torch.equal(seen[name], t), f"{k.id} read {name} differently than it was last seen"
@@ -146,5 +147,24 @@ def test_recorded_buffers_survive_later_engine_steps(engine_run):
     g = _graph(engine_run)
     ids = next(name for name, p in g.inputs.items() if p == "input_ids")
     engine_run.llm.generate([TokensPrompt(prompt_token_ids=[5] * 40)], SamplingParams(max_tokens=2), use_tqdm=False)
-    first = engine_run.buffers[g.kernels[0].id]
+    first = reference_buffers(engine_run)[g.kernels[0].id]
     assert first["in"][ids].tolist() == engine_run.capture.prompt_tokens
+
+
+def test_one_engine_start_records_every_shape(engine_run):
+    """Prefills of two lengths and a batched decode step with the KV cache, each a real forward of the one
+    compiled graph: every generated kernel has its buffers at every shape, at that shape's token count."""
+    g = _graph(engine_run)
+    shapes = engine_run.capture.shapes
+    assert [s.label for s in shapes] == ["prefill-13", "prefill-64", "decode-4x24"]
+    assert g.shapes == [s.label for s in shapes]
+    ids = next(name for name, p in g.inputs.items() if p == "input_ids")
+    generated = [k for k in g.kernels if k.kind == "generated"]
+    for s in shapes:
+        records = engine_run.buffers[s.label]
+        assert set(records) == {k.id for k in generated}, s.label
+        first = records[g.kernels[0].id]["in"][ids]
+        assert first.numel() == s.tokens, s.label  # a decode step runs one token per sequence
+        if s.phase == "prefill":
+            assert first.tolist() == s.prompts[0]
+    assert len(shapes[2].prompts) == 4 and all(len(p) == 24 for p in shapes[2].prompts)

@@ -12,7 +12,7 @@ def test_configs_lists_the_bundled_ids():
 def test_help_names_every_command():
     proc = run_cli("--help")
     assert proc.returncode == 0
-    for cmd in ("scan", "capture", "report", "patch", "kl", "make-tiny", "configs"):
+    for cmd in ("scan", "capture", "report", "patch", "kl", "make-tiny", "configs", "explain", "replay"):
         assert cmd in proc.stdout
 
 

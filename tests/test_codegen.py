@@ -95,6 +95,25 @@ def test_verify_catches_a_rounding_point_moved(qwen3_patch, tmp_path: Path) -> N
     assert all("act_fn" in k for k in failed)
 
 
+def test_codegen_rounds_where_the_plan_says_not_where_an_op_list_would(tmp_path: Path) -> None:
+    """The trainer's rounding points come from scan.json's plan: a decision that HF does not round SiLU's result
+    (edited here) removes that rounding from the generated code; nothing in codegen re-derives it."""
+    edited = tmp_path / "scan"
+    shutil.copytree(QWEN3, edited)
+    data = json.loads((edited / "scan.json").read_text())
+    silu = [d for d in data["plan"] if d["op"] == "aten.silu.default"]
+    assert silu and all(d["train"]["rounds"] for d in silu)
+    generate(edited, tmp_path / "before")
+    for d in silu:
+        d["train"]["rounds"] = False
+    (edited / "scan.json").write_text(json.dumps(data))
+    generate(edited, tmp_path / "after")
+    before, after = ((tmp_path / x / "graphdiff_patch.py").read_text() for x in ("before", "after"))
+    node = silu[0]["node"]
+    assert f"v_{node} = _round(v_{node}" in before and f"v_{node} = _round(v_{node}" not in after
+    assert f"v_{node} = _rne(v_{node})" in before and f"v_{node} = _rne(v_{node})" not in after  # Triton too
+
+
 def triton_in_interpreter(scan_dir: Path, out: Path) -> list[dict]:
     """verify() of both paths in a fresh interpreter with TRITON_INTERPRET=1 set before triton is imported
     (the flag is read once; other tests in this process may have imported triton already)."""

@@ -12,14 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-import graphdiff
 from graphdiff.capture.hf import load_hf_model
 from graphdiff.errors import GraphdiffError
 from graphdiff.measure import engine as eng
 from graphdiff.measure import kl
 from graphdiff.measure.engine import random_prompts, read_prompts
 from graphdiff.measure.kl import (
-    apply_manifest,
     engine_logprobs,
     gap_metrics,
     manifest_regions,
@@ -119,27 +117,20 @@ def test_read_prompts(tmp_path, tiny_qwen3):
         read_prompts(f, tiny_qwen3, 2048)
 
 
-def test_manifest_without_the_runtime_is_a_user_error(monkeypatch):
-    monkeypatch.delattr(graphdiff, "runtime", raising=False)
-    monkeypatch.setitem(sys.modules, "graphdiff.runtime", None)
-    with pytest.raises(GraphdiffError, match="--manifest needs graphdiff.runtime"):
-        apply_manifest(torch.nn.Linear(2, 2), Path("m.json"))
-
-
-def test_manifest_region_names(tmp_path):
+def test_manifest_region_names_are_the_generated_regions(tmp_path):
+    codegen = pytest.importorskip("graphdiff.codegen")
+    scan_dir = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3"
+    manifest = codegen.generate(scan_dir, tmp_path / "patch")
+    assert manifest_regions(tmp_path / "patch" / "manifest.json") == [r.name for r in manifest.regions if r.generated]
     f = tmp_path / "m.json"
-    for regions, names in [(["rope", "swiglu"], ["rope", "swiglu"]), ([{"name": "rope"}, {"name": "rope"}], ["rope"]),
-                           ({"a": {}, "b": {}}, ["a", "b"])]:
-        f.write_text(json.dumps({"regions": regions}))
-        assert manifest_regions(f) == names
     f.write_text("{}")
-    with pytest.raises(GraphdiffError, match="--regions"):
+    with pytest.raises(GraphdiffError, match="not a graphdiff manifest"):
         manifest_regions(f)
 
 
 def _fake_runtime(monkeypatch) -> list[list[str]]:
     """A stand-in training runtime: region r scales the LM head by a region-specific factor; `remove` is
-    recorded as an empty entry (the real runtime patches functions process-wide: it must come off)."""
+    recorded as an empty entry (every patched copy must come off before the next runs)."""
     applied: list[list[str]] = []
     scale = {"rope": 1.01, "swiglu": 0.995, "residual": 1.002}
 
@@ -151,11 +142,15 @@ def _fake_runtime(monkeypatch) -> list[list[str]]:
                 model.lm_head.weight.mul_(scale[r])
         return model
 
+    def load_manifest(path):
+        regions = json.loads(Path(path).read_text())["regions"]
+        return types.SimpleNamespace(regions=[types.SimpleNamespace(name=r, generated=True) for r in regions])
+
     module = types.ModuleType("graphdiff.runtime")
     module.apply = apply
     module.remove = lambda model: applied.append(["<removed>"])
-    monkeypatch.setitem(sys.modules, "graphdiff.runtime", module)
-    monkeypatch.setattr(graphdiff, "runtime", module, raising=False)
+    module.load_manifest = load_manifest
+    monkeypatch.setattr(kl, "runtime", module)
     return applied
 
 
@@ -263,16 +258,19 @@ def test_gap_between_the_real_engine_and_the_trainer(engine_run):
 
 
 def test_the_engine_child_process_protocol(monkeypatch, tmp_path, capsys):
+    from graphdiff import child
+
     request, result = tmp_path / "request.json", tmp_path / "samples.json"
     request.write_text(json.dumps(dict(model_dir="m", prompts=[[1, 2]], modes=["eager"], max_tokens=1, seed=0,
-                                       temperature=1.0)))
+                                       temperature=1.0, result=str(result), compilation_config={})))
+    monkeypatch.setattr(sys, "argv", ["graphdiff.measure.engine", str(request)])
 
-    def fake(model_dir, prompts, modes, *, max_tokens, seed, temperature, progress):
+    def fake(model_dir, prompts, modes, *, max_tokens, seed, temperature, progress, compilation_config):
         progress("sampling\nnow")
         return {"eager": [EngineSample(prompt=[1, 2], tokens=[3], logprobs=[-0.5])]}
 
     monkeypatch.setattr(eng, "_sample_here", fake)
-    assert eng._child(request, result) == 0
+    assert child.serve(eng._child) == 0
     assert capsys.readouterr().out == "@progress sampling now\n"  # one line per message: the parent reads lines
     assert json.loads(result.read_text()) == {"eager": [{"prompt": [1, 2], "tokens": [3], "logprobs": [-0.5]}]}
 
@@ -280,8 +278,16 @@ def test_the_engine_child_process_protocol(monkeypatch, tmp_path, capsys):
         raise GraphdiffError("vLLM could not start on m: boom")
 
     monkeypatch.setattr(eng, "_sample_here", failing)
-    assert eng._child(request, result) == 2
+    assert child.serve(eng._child) == 2
     assert capsys.readouterr().out == "@error vLLM could not start on m: boom\n"
+
+
+def test_a_failing_child_is_one_error_in_the_parent(tmp_path):
+    """The engine capture's child process, given a model that does not exist: the parent gets its one line."""
+    from graphdiff.capture.engine_process import capture_isolated
+
+    with pytest.raises(GraphdiffError, match="does not exist"):
+        capture_isolated(tmp_path / "nope", [], tmp_path / "engine")
 
 
 def test_cli_kl_user_errors_exit_2_before_any_engine_runs(monkeypatch, tmp_path, tiny_qwen3):
@@ -293,14 +299,12 @@ def test_cli_kl_user_errors_exit_2_before_any_engine_runs(monkeypatch, tmp_path,
 
     monkeypatch.setattr(eng, "_sample_here", no_engine)
     monkeypatch.setattr(eng, "_sample_subprocess", no_engine)
-    monkeypatch.delattr(graphdiff, "runtime", raising=False)
-    monkeypatch.setitem(sys.modules, "graphdiff.runtime", None)
     runner = CliRunner()
     cases = [
         (["--engine", "sglang"], "unknown engine"),
         (["--random", "2", "--prompts", str(tmp_path / "p.txt")], "not both"),
         (["--attribute"], "--attribute needs --manifest"),
-        (["--manifest", str(tmp_path / "m.json")], "--manifest needs graphdiff.runtime"),
+        (["--manifest", str(tmp_path / "m.json")], "cannot read the manifest"),
         (["--max-tokens", "0"], "--max-tokens"),
         (["--prompts", str(tmp_path / "missing.txt")], "no prompts file"),
     ]
@@ -319,13 +323,13 @@ def test_real_runtime_patches_come_off_after_every_subset(tmp_path):
     scan_dir = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3"
     manifest = codegen.generate(scan_dir, tmp_path / "patch")
     model_dir = make_tiny("qwen3", tmp_path / "qwen3", layers=2)  # the scanned tiny:qwen3 (seed 0)
-    regions = ["model.layers.*.self_attn", "model.layers.*.mlp.act_fn", "model.layers.*"]
+    regions = ["model.layers.*.self_attn#rope", "model.layers.*.mlp.act_fn#gated_act", "model.layers.*#residual_norm"]
     assert set(regions) <= {r.name for r in manifest.regions if r.generated}
     samples = _self_samples(model_dir, random_prompts({"vocab_size": 2048}, 2, 6), 6)
     base = load_hf_model(model_dir)
     before = train_logprobs(base, samples)
     gaps = kl.subset_gaps(base, tmp_path / "patch" / "manifest.json", regions, samples, metric="k3")
     result = attribute(gaps, [len(s.tokens) for s in samples], regions, bootstrap=20)
-    assert result.baseline == 0.0 and result.subsets["model.layers.*"] > 0  # a patch moves the trainer off HF
+    assert result.baseline == 0.0 and result.subsets["model.layers.*#residual_norm"] > 0  # moves the trainer off HF
     assert runtime.active_regions(base) is None
     assert all(torch.equal(a, b) for a, b in zip(before, train_logprobs(base, samples)))

@@ -7,7 +7,7 @@ import types
 import torch
 
 from graphdiff.capture.inductor_code import KernelCall, KernelDef
-from graphdiff.capture.vllm import BufferRecorder
+from graphdiff.capture.inductor_hooks import BufferRecorder
 
 
 class FakeTritonLauncher:

@@ -113,7 +113,7 @@ def test_region_dot_contains_both_sides_of_every_site(scan: ScanResult) -> None:
 
 def test_region_dot_draws_unmatched_sites_inside_their_kernel(scan: ScanResult) -> None:
     _, train, engine = load_scan(SCAN)
-    region = find_region(scan, "model.layers.*.self_attn")  # rope: the engine has no node for these values
+    region = find_region(scan, "model.layers.*.self_attn#rope")  # the engine has no node for these values
     dot = region_dot(scan, train, engine, region)
     for s in scan.sites:
         if s.region == region.name and s.layer == 0:
@@ -123,7 +123,7 @@ def test_region_dot_draws_unmatched_sites_inside_their_kernel(scan: ScanResult) 
 
 def test_dot_and_svg_export_of_a_region_and_a_layer(scan_dir: Path) -> None:
     (dot,) = write_report(scan_dir, "dot", region="q_norm")
-    assert dot.name == "region-model.layers.self_attn.q_norm.dot" and "_to_copy_6" in dot.read_text()
+    assert dot.name == "region-model.layers.self_attn.q_norm-qk_norm.dot" and "_to_copy_6" in dot.read_text()
     (layer,) = write_report(scan_dir, "dot", layer=1, out=scan_dir / "l1.dot")
     text = layer.read_text()
     assert all(_node(text, "t", s.train.node) for s in load_scan(scan_dir)[0].sites if s.layer == 1)
@@ -183,7 +183,7 @@ def test_measured_kl_is_shown_with_shapley_and_nonuniformity_charts(scan_dir: Pa
     text = write_report(scan_dir)[0].read_text()
     assert "kl before" in text and "0.0031" in text
     assert text.count('<svg class="chart"') == 2
-    assert '<a href="#model.layers.self_attn.q_norm"><text' in text  # shapley bars link to their region
+    assert '<a href="#model.layers.self_attn.q_norm-qk_norm"><text' in text  # shapley bars link to their region
     assert "per_prompt" in text  # anything else is shown as JSON
 
 

@@ -71,7 +71,7 @@ def test_patched_models_in_one_process_do_not_affect_each_other(tiny_models: dic
     base = logits(c)
     runtime.apply(a, patch_dir)
     aligned = logits(a)
-    rope = ["model.layers.*.self_attn"]
+    rope = ["model.layers.*.self_attn#rope"]
     runtime.apply(b, patch_dir, regions=rope)
     rope_only = logits(b)
     assert not torch.equal(rope_only, base) and not torch.equal(rope_only, aligned)

@@ -56,7 +56,7 @@ def test_attention_that_rounds_inside_is_a_site_per_layer(qwen3_scan, engine_run
     assert all(0.05 < s.changed_fraction < 1 and "registry" in s.engine.how for s in sites)
     assert {s.engine.kernel.split(":")[0] for s in sites} == {"torch.ops.vllm.unified_attention_with_output.default"}
     assert len({s.engine.kernel for s in sites}) == 2  # each layer its own call
-    assert any(r.kind == "rope" and r.name == "model.layers.*.self_attn" for r in qwen3_scan.regions)
+    assert any(r.kind == "rope" and r.name == "model.layers.*.self_attn#rope" for r in qwen3_scan.regions)
 
 
 def test_every_kernel_replays_bit_exactly_under_the_predicted_model(qwen3_scan):
@@ -81,6 +81,53 @@ def test_sites_carry_evidence_and_sources_on_both_sides(qwen3_scan):
             assert s.engine.node and s.engine.source is not None
     unmatched_rope = [s for s in qwen3_scan.sites if s.kind == "rope" and not s.matched]
     assert unmatched_rope, "HF's q*cos / rotate_half(q)*sin have no engine node: found as in-kernel sites"
+
+
+def test_every_kernel_is_replayed_at_every_recorded_shape(qwen3_scan, engine_run):
+    """One engine start, three shapes (a 13- and a 64-token prefill, a decode step of 4 sequences with their KV
+    caches): every generated kernel replays bit-exactly at each, and on this one compiled graph the sites are
+    the same at every shape."""
+    labels = [s.label for s in engine_run.capture.shapes]
+    generated = {k.id for g in engine_run.capture.graphs for k in g.kernels if k.kind == "generated"}
+    for label in labels:
+        here = [r for r in qwen3_scan.replay if r.shape == label]
+        assert {r.kernel for r in here} == generated, label
+        assert all(not r.error and r.predicted_bitexact >= 0.999 for r in here), label
+    assert qwen3_scan.sites and all(s.shapes == labels for s in qwen3_scan.sites)
+    assert not any(r.shape_dependent for r in qwen3_scan.regions)
+    assert [s.label for s in qwen3_scan.shapes] == labels
+
+
+def test_site_ids_do_not_depend_on_the_token_count(qwen3_scan, engine_run):
+    """The same analysis with the 64-token prefill as the trainer's prompt gives the same site ids (module, source
+    line, the op's position on it) although make_fx numbers the trainer's nodes afresh."""
+    cap = engine_run.capture.model_copy(deep=True)
+    cap.shapes = [cap.shapes[1], cap.shapes[0], cap.shapes[2]]
+    cap.prompt_tokens = cap.shapes[0].prompts[0]
+    model_dir = Path(cap.model)
+    train = run_train_side(model_dir, cap.prompt_tokens)
+    config = json.loads((model_dir / "config.json").read_text())
+    longer = analyze(cap, engine_run.buffers, train, model=str(model_dir), layers_total=2, config=config)
+    assert len(cap.prompt_tokens) == 64
+    assert sorted(s.id for s in longer.sites) == sorted(s.id for s in qwen3_scan.sites)
+    assert {r.name for r in longer.regions} == {r.name for r in qwen3_scan.regions}
+
+
+def test_the_plan_decides_every_floating_trainer_value_once(qwen3_scan):
+    """One decision per trainer value (shape variants aside), with the rule and its evidence as fields; the sites are
+    exactly the one-sided decisions."""
+    ref = qwen3_scan.shapes[0].label
+    at_ref = [d for d in qwen3_scan.plan if ref in d.shapes]
+    assert len({d.node for d in at_ref}) == len(at_ref)
+    assert {d.id for d in qwen3_scan.plan if d.site} == {s.id for s in qwen3_scan.sites}
+    for d in qwen3_scan.plan:
+        if d.rule == "matched":
+            assert d.evidence.engine_node and d.evidence.distance is not None and d.engine is not None
+        if d.rule == "inside-kernel":
+            assert len(d.evidence.stretch) == 2 and d.evidence.kernel and d.evidence.replay_predicted == 1.0
+        if d.site:
+            assert d.region and d.kind and d.engine is not None and d.train.on_grid != d.engine.on_grid
+    assert {d.rule for d in qwen3_scan.plan} >= {"matched", "inside-kernel", "opaque-registry"}
 
 
 def test_scan_result_round_trips_as_json(qwen3_scan):
@@ -115,15 +162,10 @@ def test_scan_of_a_bundled_hf_id_runs_offline(tmp_path):
 @pytest.fixture(scope="module")
 def engine_capture_dir(engine_run, tmp_path_factory) -> Path:
     """The session engine's capture as `graphdiff capture --engine vllm --out DIR` writes it."""
-    import torch
-
-    from graphdiff.model import save_json
+    from graphdiff.capture.engine_process import save_engine_capture
 
     dump = tmp_path_factory.mktemp("engine-capture")
-    cap = engine_run.capture.model_copy()
-    cap.buffers_file = "buffers.pt"
-    save_json(cap, dump / "capture.json")
-    torch.save(engine_run.buffers, dump / "buffers.pt")
+    save_engine_capture(engine_run.capture.model_copy(deep=True), engine_run.buffers, dump)
     return dump
 
 
@@ -133,8 +175,9 @@ def test_scan_from_an_engine_capture_made_elsewhere(engine_capture_dir, tiny_mod
     from graphdiff.scan import scan
     from graphdiff.tiny import make_tiny
 
-    result, run = scan(str(tiny_models["qwen3"]), engine_dump=engine_capture_dir)
-    assert run.llm is None  # no engine was started
+    outcome = scan(str(tiny_models["qwen3"]), engine_dump=engine_capture_dir)
+    result = outcome.result
+    assert not outcome.engine_started
     assert {"rope", "qk_norm", "gated_act", "residual_norm"} <= {r.kind for r in result.regions}
     assert all(r.predicted_bitexact >= 0.999 for r in result.replay)
     other = make_tiny("qwen3", tmp_path / "other-weights", layers=2, seed=7)
@@ -160,8 +203,8 @@ def test_scan_of_the_patched_trainer_finds_no_site_left(engine_capture_dir, tiny
 
     manifest = generate(FIXTURES / "scans" / "tiny-qwen3", tmp_path / "patch")
     assert all(r.generated for r in manifest.regions)
-    plain, _ = scan(str(tiny_models["qwen3"]), engine_dump=engine_capture_dir)
-    patched, _ = scan(str(tiny_models["qwen3"]), engine_dump=engine_capture_dir,
-                      manifest=tmp_path / "patch" / "manifest.json")
+    plain = scan(str(tiny_models["qwen3"]), engine_dump=engine_capture_dir).result
+    patched = scan(str(tiny_models["qwen3"]), engine_dump=engine_capture_dir,
+                   manifest=tmp_path / "patch" / "manifest.json").result
     assert len(plain.sites) >= 20
     assert patched.sites == [], [s.id for s in patched.sites]

@@ -15,7 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from graphdiff.capture.vllm import assemble_graph
+from graphdiff.capture.assemble import assemble_graph
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import Capture, Node, Source
 

@@ -15,9 +15,11 @@ import torch
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from graphdiff.capture.assemble import build_graph
 from graphdiff.capture.fx import graph_from_fx
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
-from graphdiff.capture.vllm import BufferRecorder, build_graph, inductor_hooks, input_names, weight_inputs
+from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, weight_inputs
+from graphdiff.capture.vllm import input_names
 from graphdiff.model import Graph
 
 

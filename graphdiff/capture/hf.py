@@ -32,7 +32,9 @@ def load_hf_model(
 ) -> PreTrainedModel:
     """Load a local HF causal LM checkpoint in eval mode on CPU; never touches the hub."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # our own progress lines say what happens
     path = Path(path)
     if not path.is_dir():
         raise GraphdiffError(f"no model directory at {path}")

@@ -7,8 +7,9 @@ of model templates. Casts are identities (the value is FP32 throughout); the pla
 
 from __future__ import annotations
 
-from graphdiff.codegen.fragment import EXACT, Fragment, low, rounds
-from graphdiff.model import Node, op_name
+from graphdiff.codegen.fragment import Fragment, rounding
+from graphdiff.model import Node
+from graphdiff.ops import is_low, op_name
 
 BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 UNARY = {"rsqrt": "torch.rsqrt", "sqrt": "torch.sqrt", "exp": "torch.exp", "sigmoid": "torch.sigmoid",
@@ -58,7 +59,7 @@ def expression(n: Node) -> str:
         return f"torch.pow({literal(args[0])}, {literal(args[1])})"
     if name in ("mean", "sum") and n.target.endswith(("dim", "dim_IntList")):
         keep = args[2] if len(args) > 2 else False
-        return f"_{name}({literal(args[0])}, {literal(args[1])}, {keep!r})"
+        return f"torch.{name}({literal(args[0])}, {literal(args[1])}, keepdim={keep!r})"
     if name == "gelu":
         return f"F.gelu({literal(args[0])})"
     ns, op, overload = n.target.split(".")
@@ -82,15 +83,20 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node]) 
     for n in frag.nodes:
         code = (n.source.code if n.source else "")[:70]
         lines.append(f"    {var(n.name)} = {expression(n)}  # {n.target}: {code}")
-        if rounds(n) and n.name in frag.sites:
-            lines.append(f"    if not {flag(index, frag.sites[n.name])}:  # HF rounds here, the engine does not")
-            lines.append(f"        {var(n.name)} = _round({var(n.name)}, {DTYPES[n.dtype]})")
-        elif rounds(n):
-            lines.append(f"    {var(n.name)} = _round({var(n.name)}, {DTYPES[n.dtype]})  # both sides store it")
+        when = rounding(frag, n.name)
+        dtype = DTYPES.get(n.dtype or "", "torch.bfloat16")  # an engine-only rounding of an FP32 trainer value
+        if when is not None and when[0] == "unless-aligned":
+            lines.append(f"    if not {flag(index, when[1])}:  # HF rounds here, the engine does not")
+            lines.append(f"        {var(n.name)} = _round({var(n.name)}, {dtype})")
+        elif when is not None and when[0] == "if-aligned":
+            lines.append(f"    if {flag(index, when[1])}:  # the engine rounds here, HF does not")
+            lines.append(f"        {var(n.name)} = _round({var(n.name)}, {dtype})")
+        elif when is not None:
+            lines.append(f"    {var(n.name)} = _round({var(n.name)}, {dtype})  # both sides store it")
     outs = []
     for o in frag.outputs:
         n = nodes_by_name[o]
-        if not low(n.dtype):
+        if not is_low(n.dtype):
             outs.append(var(o))
         elif o in frag.sites and frag.keep_fp32.get(o, False):
             outs.append(f"{var(o)} if {flag(index, frag.sites[o])} else {var(o)}.to({DTYPES[n.dtype]})")
@@ -98,10 +104,6 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node]) 
             outs.append(f"{var(o)}.to({DTYPES[n.dtype]})")  # exact: already rounded, or rounded at the boundary
     lines.append(f"    return ({', '.join(outs)},)")
     return lines
-
-
-def exact_ops_only(nodes: list[Node]) -> bool:
-    return all(op_name(n.target) in EXACT for n in nodes)
 
 
 PRELUDE = '''
@@ -112,16 +114,4 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Store in `dtype` (round to nearest even) and go on computing in FP32."""
     return x.to(dtype).float()
-
-
-def _mean(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
-    if EXACT_REDUCTIONS:  # order-independent (what the Triton kernels accumulate)
-        return x.double().mean(dims, keepdim=keepdim).float()
-    return x.mean(dims, keepdim=keepdim)
-
-
-def _sum(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
-    if EXACT_REDUCTIONS:
-        return x.double().sum(dims, keepdim=keepdim).float()
-    return x.sum(dims, keepdim=keepdim)
 '''

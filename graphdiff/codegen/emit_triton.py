@@ -5,7 +5,7 @@ neg; unsqueezes), run by PyTorch under autograd, and a *core* of elementwise ops
 one kernel per output. Inside a kernel every value is FP32 in registers; `_rne` rounds to BF16 (nearest
 even, on the FP32 bits: the interpreter's BF16 store truncates) exactly where the plan rounds, and the
 store is exact because the value is already on the grid. Row reductions accumulate in FP64 so the result
-does not depend on the reduction order (the PyTorch reference with EXACT_REDUCTIONS does the same).
+does not depend on the reduction order (verify compares them with the plan replay reducing in FP64).
 The backward kernel recomputes the forward from the saved inputs (no activations kept) and runs the
 reverse pass in FP32, treating roundings as identities (straight-through, like autograd through `.to`).
 """
@@ -13,10 +13,10 @@ reverse pass in FP32, treating roundings as identities (straight-through, like a
 from __future__ import annotations
 
 from graphdiff.codegen.emit_torch import Unsupported, expression
-from graphdiff.codegen.fragment import EXACT, Fragment, low, rounds
-from graphdiff.model import Node, op_name
+from graphdiff.codegen.fragment import Fragment, rounding
+from graphdiff.model import Node
+from graphdiff.ops import EXACT, IDENTITY, is_low, op_name
 
-IDENTITY = {"_to_copy", "convert_element_type", "alias", "clone", "contiguous"}
 CORE = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "sigmoid", "silu", "reciprocal", "mean",
         "sum"} | IDENTITY
 
@@ -166,7 +166,7 @@ def _emit(frag: Fragment, slug: str, nodes: dict[str, Node]) -> list[str]:
         scalar |= {n.name for n in comp if (n.shape or [1])[-1] == 1 and shape[-1] != 1}
         kname = f"_k_{slug}_{j}"
         lines += _kernel(kname, comp, ins, o, scalar, flags, frag, index, len(shape) - 1)
-        out_low = low(nodes[o].dtype)
+        out_low = is_low(nodes[o].dtype)
         site = frag.sites.get(o)
         if not out_low:
             bf16 = "False"
@@ -194,10 +194,13 @@ def _component(core: list[Node], output: str) -> list[Node]:
 
 
 def _round_lines(n: Node, frag: Fragment, index: dict[str, int], pad: str) -> list[str]:
-    if not rounds(n):
+    when = rounding(frag, n.name)
+    if when is None:
         return []
-    if n.name in frag.sites:
-        return [f"{pad}if not A{index[frag.sites[n.name]]}:", f"{pad}    {v(n.name)} = _rne({v(n.name)})"]
+    if when[0] == "unless-aligned":
+        return [f"{pad}if not A{index[when[1]]}:", f"{pad}    {v(n.name)} = _rne({v(n.name)})"]
+    if when[0] == "if-aligned":
+        return [f"{pad}if A{index[when[1]]}:", f"{pad}    {v(n.name)} = _rne({v(n.name)})"]
     return [f"{pad}{v(n.name)} = _rne({v(n.name)})"]
 
 

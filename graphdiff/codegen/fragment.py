@@ -7,9 +7,11 @@ whose own nodes only join the outputs of its child modules (a decoder layer's re
 re-emitted without re-emitting the children; there the patch *carries* FP32 instead: its incoming
 activation is upcast, so eager type promotion keeps the sum in FP32 ("carry").
 
-Rounding plan, per node of the fragment: a node is rounded to its declared low-precision dtype when it
-computes (data movement is exact) and is not a site of an aligned region. So with no region aligned the
-fragment is HF eager, and each region toggles only its own sites (what ablations need).
+Rounding plan, per node of the fragment, read from the scan's plan (`ScanResult.plan`, decided once in the
+analysis): a node is rounded to its low-precision dtype where HF eager rounds it (`Decision.train.rounds`),
+except at a trainer-rounded site of an aligned region; at an engine-rounded site of an aligned region it is
+rounded where the engine rounds. So with no region aligned the fragment is HF eager, and each region toggles
+only its own sites (what ablations need).
 """
 
 from __future__ import annotations
@@ -19,32 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from graphdiff.model import Graph, Node, Region, ScanResult, op_name
-from graphdiff.model import is_heavy as model_is_heavy
-
-# Ops that move or select data: exact in any dtype, never a rounding point.
-EXACT = {"view", "reshape", "_unsafe_view", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze",
-         "slice", "cat", "select", "clone", "alias", "contiguous", "neg"}
+from graphdiff.model import Graph, Node, Region, ScanResult
+from graphdiff.ops import MATMULS, is_heavy, op_name
 
 Target = Literal["module", "function", "carry"]
+Rounding = tuple[Literal["always", "unless-aligned", "if-aligned"], str]  # (when, region)
 
 
-def is_heavy(n: Node) -> bool:
+def is_boundary(n: Node) -> bool:
     """A fragment boundary: matmul-like, attention, or a getitem of a multi-output op."""
-    return model_is_heavy(n) or n.target == "getitem"
-
-
-def low(dtype: str | None) -> bool:
-    return dtype in ("bfloat16", "float16")
-
-
-def is_upcast(n: Node) -> bool:
-    return op_name(n.target) in ("_to_copy", "convert_element_type") and not low(n.dtype)
-
-
-def rounds(n: Node) -> bool:
-    """Does HF eager round at this node (a computing op whose result is stored in low precision)?"""
-    return low(n.dtype) and op_name(n.target) not in EXACT and not is_upcast(n)
+    return is_heavy(n.target) or n.target == "getitem"
 
 
 @dataclass
@@ -60,20 +46,14 @@ class Fragment:
     inputs: list[str] = field(default_factory=list)  # boundary inputs, first-use order
     params: dict[str, str] = field(default_factory=dict)  # input placeholder -> module attribute
     outputs: list[str] = field(default_factory=list)
-    sites: dict[str, str] = field(default_factory=dict)  # site node (representative layer) -> region name
+    sites: dict[str, str] = field(default_factory=dict)  # trainer-rounded site node (representative layer) -> region
+    engine_sites: dict[str, str] = field(default_factory=dict)  # engine-rounded site node -> region
+    rounds: set[str] = field(default_factory=set)  # nodes HF eager rounds (from the scan's plan)
     keep_fp32: dict[str, bool] = field(default_factory=dict)  # output -> may leave the fragment in FP32
     regions: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     compiled: object = None  # the emitted PyTorch function, once emitted (codegen uses it to verify bindings)
-
-
-def _users(graph: Graph) -> dict[str, list[str]]:
-    users: dict[str, list[str]] = {}
-    for n in graph.nodes:
-        for i in n.inputs:
-            users.setdefault(i, []).append(n.name)
-    return users
 
 
 def dotted_module(file: str) -> str | None:
@@ -89,8 +69,10 @@ def _layer_nodes(graph: Graph, module: str) -> list[Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.module == module]
 
 
-def _representative_sites(scan: ScanResult, graph: Graph, region: Region) -> tuple[list[str], list[str], list[str]]:
-    """The region's site nodes in its first layer, problems (why they cannot stand for every layer), notes.
+def _representative_sites(scan: ScanResult, graph: Graph,
+                          region: Region) -> tuple[dict[str, str], list[str], list[str]]:
+    """The region's site nodes in its first layer (node -> the side that rounds it), problems (why they cannot
+    stand for every layer), notes.
 
     Layers whose sites differ from the first: when the engine runs one kernel code for the region in every
     layer (and HF runs one module code), the rounding plan is the same in every layer, and a site seen in
@@ -100,12 +82,12 @@ def _representative_sites(scan: ScanResult, graph: Graph, region: Region) -> tup
     members = [sites[i] for i in region.sites if i in sites]
     layer = region.layers[0] if region.layers else None
     first = [s for s in members if s.layer == layer]
-    names = [s.train.node for s in first]
+    names = {s.train.node: s.rounded_on for s in first}
     if not region.differing_layers:
         return names, [], []
     if len(region.kernels) != 1 or not first:
         return names, [f"layers {region.differing_layers} differ from layer {layer} and run other engine "
-                              "kernels: one code for all layers would be wrong"]
+                       "kernels: one code for all layers would be wrong"], []
     base = _layer_nodes(graph, first[0].train.module or "")
     added: list[str] = []
     for s in members:
@@ -117,7 +99,7 @@ def _representative_sites(scan: ScanResult, graph: Graph, region: Region) -> tup
                                                         for a, b in zip(here, base)):
             return names, [f"layer {s.layer}'s module {s.train.module} is not laid out like layer {layer}'s"], []
         if base[pos].name not in names:
-            names.append(base[pos].name)
+            names[base[pos].name] = s.rounded_on
             added.append(f"{base[pos].name} (seen at layer {s.layer} as {s.train.node})")
     extra = f": added {', '.join(added)}" if added else f" (layer {layer} holds them all)"
     return names, [], [f"{region.name}: the sites of layers {region.differing_layers} differ from layer {layer}'s; "
@@ -126,14 +108,14 @@ def _representative_sites(scan: ScanResult, graph: Graph, region: Region) -> tup
 
 
 def _grow(graph: Graph, seeds: list[str], keep) -> list[str]:  # noqa: ANN001 - predicate over Node
-    nodes, users = graph.node_map(), _users(graph)
+    nodes, users = graph.node_map(), graph.users()
     seen, frontier = set(seeds), list(seeds)
     while frontier:
         nxt = []
         for name in frontier:
             for other in [*nodes[name].inputs, *users.get(name, [])]:
                 n = nodes[other]
-                if other not in seen and n.op == "call_function" and not is_heavy(n) and keep(n):
+                if other not in seen and n.op == "call_function" and not is_boundary(n) and keep(n):
                     seen.add(other)
                     nxt.append(other)
         frontier = nxt
@@ -141,7 +123,7 @@ def _grow(graph: Graph, seeds: list[str], keep) -> list[str]:  # noqa: ANN001 - 
 
 
 def _boundary(graph: Graph, names: list[str]) -> tuple[list[str], list[str]]:
-    nodes, users, inside = graph.node_map(), _users(graph), set(names)
+    nodes, users, inside = graph.node_map(), graph.users(), set(names)
     inputs: list[str] = []
     for name in names:
         for i in nodes[name].inputs:
@@ -154,8 +136,8 @@ def _boundary(graph: Graph, names: list[str]) -> tuple[list[str], list[str]]:
 def fragment_for(scan: ScanResult, graph: Graph, region: Region) -> Fragment:
     """Cut the region's splice point out of the HF graph (representative layer: the region's first)."""
     nodes = graph.node_map()
-    site_nodes, problems, notes = _representative_sites(scan, graph, region)
-    site_nodes = [n for n in site_nodes if n in nodes]
+    sides, problems, notes = _representative_sites(scan, graph, region)
+    site_nodes = [n for n in sides if n in nodes]
     if not site_nodes:
         return Fragment(key=region.name, target="module", module=region.module, module_class="",
                         problems=["no site of the region is in the training graph"])
@@ -182,7 +164,10 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region) -> Fragment:
                                      "its forward cannot be re-emitted")
     names = [n.name for n in frag.nodes]
     frag.inputs, frag.outputs = _boundary(graph, names)
-    frag.sites = {s: region.name for s in site_nodes}
+    frag.sites = {s: region.name for s in site_nodes if sides[s] == "train"}
+    frag.engine_sites = {s: region.name for s in site_nodes if sides[s] == "engine"}
+    trainer_rounds = {d.node for d in scan.plan if d.train.rounds}
+    frag.rounds = {n.name for n in frag.nodes if n.name in trainer_rounds}
     frag.regions = [region.name]
     if frag.target == "module":
         for i in frag.inputs:
@@ -208,10 +193,40 @@ def merge(frags: list[Fragment]) -> list[Fragment]:
         if f.key in by_key and not f.problems:
             g = by_key[f.key]
             g.sites.update(f.sites)
+            g.engine_sites.update(f.engine_sites)
             g.regions += f.regions
         else:
             by_key.setdefault(f.key, f)
     return list(by_key.values())
+
+
+def cut_fragments(scan: ScanResult, graph: Graph, regions: list[str] | None = None) -> list[Fragment]:
+    """The splice points of `regions` (default all; attention regions are one opaque op, no fragment): cut,
+    merged per splice, boundary outputs decided. Generation and verification both cut them here."""
+    wanted = [r for r in scan.regions if (regions is None or r.name in regions) and r.kind != "attention"]
+    frags = merge([fragment_for(scan, graph, r) for r in wanted])
+    decide_outputs(graph, frags)
+    return frags
+
+
+def rounding(frag: Fragment, node: str) -> Rounding | None:
+    """Where the generated code rounds `node`: always (HF and the engine both store it), unless its region is
+    aligned (HF rounds, the engine keeps FP32), only if its region is aligned (the engine rounds, HF not)."""
+    if node in frag.rounds:
+        return ("unless-aligned", frag.sites[node]) if node in frag.sites else ("always", "")
+    if node in frag.engine_sites:
+        return "if-aligned", frag.engine_sites[node]
+    return None
+
+
+def rounding_points(frag: Fragment, align: frozenset[str]) -> set[str]:
+    """The nodes the generated code rounds when the regions in `align` are aligned."""
+    out = set()
+    for n in frag.nodes:
+        r = rounding(frag, n.name)
+        if r is not None and (r[0] == "always" or (r[0] == "unless-aligned") != (r[1] in align)):
+            out.add(n.name)
+    return out
 
 
 def decide_outputs(graph: Graph, frags: list[Fragment]) -> None:
@@ -223,7 +238,7 @@ def decide_outputs(graph: Graph, frags: list[Fragment]) -> None:
     `act(gate) * up` stays FP32 by type promotion, as it does in the engine's fused kernel).
     Otherwise (attention, unpatched code) the value is rounded at the boundary.
     """
-    nodes, users = graph.node_map(), _users(graph)
+    nodes, users = graph.node_map(), graph.users()
     patched = {n.name for f in frags if not f.problems and f.target != "carry" for n in f.nodes}
 
     def through_views(name: str) -> list[str]:
@@ -237,7 +252,7 @@ def decide_outputs(graph: Graph, frags: list[Fragment]) -> None:
         return out
 
     def matmul(u: str) -> bool:
-        return op_name(nodes[u].target) in ("mm", "addmm", "bmm", "matmul", "linear")
+        return op_name(nodes[u].target) in MATMULS
 
     for f in frags:
         for o in f.outputs:
@@ -245,7 +260,7 @@ def decide_outputs(graph: Graph, frags: list[Fragment]) -> None:
             for u in through_views(o):
                 if u in patched or matmul(u):
                     continue
-                if not is_heavy(nodes[u]) and nodes[u].op == "call_function" and all(matmul(w)
+                if not is_boundary(nodes[u]) and nodes[u].op == "call_function" and all(matmul(w)
                                                                                    for w in through_views(u)):
                     continue
                 ok = False

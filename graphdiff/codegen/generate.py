@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from graphdiff.codegen import emit_torch, emit_triton
-from graphdiff.codegen.fragment import Fragment, decide_outputs, fragment_for, merge, region_slug
+from graphdiff.codegen.fragment import Fragment, cut_fragments, region_slug
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import (
     MANIFEST_VERSION,
@@ -26,25 +26,25 @@ from graphdiff.model import (
     ManifestRegion,
     ManifestSplice,
     Node,
+    Region,
     ScanResult,
-    load_versioned,
     save_json,
 )
 from graphdiff.opaque import ATTENTION_FN, ATTENTION_SOURCE
+from graphdiff.scandir import ScanDir
 
 MODULE_FILE = "graphdiff_patch.py"
+SDPA_FUNCTION = "transformers.integrations.sdpa_attention.sdpa_attention_forward"
 
 
 def load_scan_dir(scan_dir: Path) -> tuple[ScanResult, Capture]:
-    scan_path, train_path = scan_dir / "scan.json", scan_dir / "train.capture.json"
-    for p in (scan_path, train_path):
-        if not p.is_file():
-            raise GraphdiffError(f"{p} is missing: `graphdiff scan MODEL --out {scan_dir}` writes it")
-    scan = load_versioned(ScanResult, scan_path, "scan")
+    """The scan and the trainer graph it was made on, or one error saying how to make them."""
+    d = ScanDir(scan_dir)
+    scan = d.load_scan()
     if not scan.config:
-        raise GraphdiffError(f"{scan_path} records no model config (written by an older graphdiff): rescan with "
+        raise GraphdiffError(f"{d.scan_json} records no model config (written by an older graphdiff): rescan with "
                              f"`{scan.reproduce or 'graphdiff scan MODEL --out ' + str(scan_dir)}`")
-    return scan, load_versioned(Capture, train_path, "capture")
+    return scan, d.load_train()
 
 
 def _probe(node: Node, gen: torch.Generator) -> torch.Tensor:
@@ -90,68 +90,83 @@ def _compile(source: str, name: str) -> object:
     return scope[name]
 
 
+def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, str]) -> tuple[ManifestSplice, list]:
+    """An attention region is one opaque op: the trainer's own sdpa, called the way the engine computes it."""
+    owner = next((nodes[site_node[i]].module_type for i in r.sites if site_node.get(i) in nodes), "") or ""
+    splice = ManifestSplice(key="attention", target="attention", module=r.module, module_class=owner,
+                            regions=[r.name], function=SDPA_FUNCTION, torch_fn=ATTENTION_FN,
+                            triton_problem="calls torch's sdpa on FP32 inputs")
+    return splice, ["", "", f"# attention: region {r.name}", *ATTENTION_SOURCE.strip("\n").splitlines()]
+
+
+def _bind(frag: Fragment, splice: ManifestSplice, nodes: dict[str, Node]) -> None:
+    """Which forward or function argument feeds each input, which returned value each output is."""
+    splice.inputs = [f"param:{frag.params[i]}" if i in frag.params else "arg:0" for i in frag.inputs]
+    splice.outputs = [0]
+    if frag.target == "function":
+        owner, name = frag.function.rsplit(".", 1)
+        bound = bind_function(frag, getattr(importlib.import_module(owner), name), nodes)
+        if isinstance(bound, str):
+            frag.problems.append(bound)
+        else:
+            splice.inputs, splice.outputs = [f"arg:{p}" for p in bound[0]], bound[1]
+
+
+def _emit_splice(frag: Fragment, nodes: dict[str, Node]) -> tuple[ManifestSplice, list[str]]:
+    """One splice point: its PyTorch function (bound against HF's own code) and, where possible, its Triton kernels."""
+    slug = region_slug(frag.key.rsplit(".", 1)[-1] if frag.target == "function" else frag.key)
+    splice = ManifestSplice(key=frag.key, target=frag.target, module=frag.module, module_class=frag.module_class,
+                            function=frag.function, regions=frag.regions)
+    body: list[str] = []
+    if frag.target == "carry" and not frag.problems:
+        splice.torch_fn = "carry_fp32"
+    elif not frag.problems:
+        try:
+            lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes)
+        except emit_torch.Unsupported as e:
+            frag.problems.append(f"PyTorch emitter: {e}")
+        else:
+            frag.compiled = _compile("import torch\nimport torch.nn.functional as F\n" + emit_torch.PRELUDE + "\n"
+                                     + "\n".join(lines), f"torch_{slug}")
+            splice.torch_fn = f"torch_{slug}"
+            _bind(frag, splice, nodes)
+            if not frag.problems:
+                body += ["", "", f"# {frag.target} {frag.key}: regions {', '.join(frag.regions)}", *lines]
+                kernel = emit_triton.emit(frag, slug, nodes)
+                if isinstance(kernel, str):
+                    splice.triton_problem = kernel
+                else:
+                    body += ["", "", "if triton is not None:", "", *kernel]
+                    splice.triton_fn = f"triton_{slug}"
+    splice.problems = list(frag.problems)
+    return splice, body
+
+
 def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) -> Manifest:
     scan, train = load_scan_dir(scan_dir)
     graph = train.graphs[0]
     nodes = graph.node_map()
-    wanted = [r for r in scan.regions if regions is None or r.name in regions]
     if regions is not None:
         unknown = sorted(set(regions) - {r.name for r in scan.regions})
         if unknown:
             known = ", ".join(r.name for r in scan.regions)
             raise GraphdiffError(f"no region {', '.join(unknown)} in the scan; regions: {known}")
-    frags = merge([fragment_for(scan, graph, r) for r in wanted if r.kind != "attention"])
-    decide_outputs(graph, frags)
+    wanted = [r for r in scan.regions if regions is None or r.name in regions]
     body: list[str] = []
     splices: list[ManifestSplice] = []
-    status: dict[str, str] = {}
     site_node = {s.id: s.train.node for s in scan.sites}
-    for r in (r for r in wanted if r.kind == "attention"):  # one opaque op: no fragment to emit
-        owner = next((nodes[site_node[i]].module_type for i in r.sites if site_node.get(i) in nodes), "") or ""
-        body += ["", "", f"# attention: region {r.name}", *ATTENTION_SOURCE.strip("\n").splitlines()]
-        splices.append(ManifestSplice(key="attention", target="attention", module=r.module, module_class=owner,
-                                      regions=[r.name],
-                                      function="transformers.integrations.sdpa_attention.sdpa_attention_forward",
-                                      torch_fn=ATTENTION_FN, triton_problem="calls torch's sdpa on FP32 inputs"))
+    for r in (r for r in wanted if r.kind == "attention"):
+        splice, lines = _attention_splice(r, nodes, site_node)
+        splices.append(splice)
+        body += lines
+    frags = cut_fragments(scan, graph, [r.name for r in wanted])
+    status: dict[str, str] = {}
     for frag in frags:
-        slug = region_slug(frag.key.rsplit(".", 1)[-1] if frag.target == "function" else frag.key)
-        splice = ManifestSplice(key=frag.key, target=frag.target, module=frag.module, module_class=frag.module_class,
-                                function=frag.function, regions=frag.regions)
-        if frag.target == "carry" and not frag.problems:
-            splice.torch_fn = "carry_fp32"
-        elif not frag.problems:
-            try:
-                lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes)
-            except emit_torch.Unsupported as e:
-                frag.problems.append(f"PyTorch emitter: {e}")
-            else:
-                source = "\n".join(lines)
-                frag.compiled = _compile("import torch\nimport torch.nn.functional as F\nEXACT_REDUCTIONS = False\n"
-                                         + emit_torch.PRELUDE + "\n" + source, f"torch_{slug}")
-                splice.torch_fn = f"torch_{slug}"
-                splice.inputs = [f"param:{frag.params[i]}" if i in frag.params else "arg:0" for i in frag.inputs]
-                splice.outputs = [0]
-                if frag.target == "function":
-                    fn = getattr(importlib.import_module(frag.function.rsplit(".", 1)[0]),
-                                 frag.function.rsplit(".", 1)[1])
-                    bound = bind_function(frag, fn, nodes)
-                    if isinstance(bound, str):
-                        frag.problems.append(bound)
-                    else:
-                        splice.inputs = [f"arg:{p}" for p in bound[0]]
-                        splice.outputs = bound[1]
-                if not frag.problems:
-                    body += ["", "", f"# {frag.target} {frag.key}: regions {', '.join(frag.regions)}", *lines]
-                    kernel = emit_triton.emit(frag, slug, nodes)
-                    if isinstance(kernel, str):
-                        splice.triton_problem = kernel
-                    else:
-                        body += ["", "", "if triton is not None:", "", *kernel]
-                        splice.triton_fn = f"triton_{slug}"
-        splice.problems = list(frag.problems)
+        splice, lines = _emit_splice(frag, nodes)
+        splices.append(splice)
+        body += lines
         for r in frag.regions:
             status[r] = "; ".join(frag.problems)
-        splices.append(splice)
     source = render_module(scan, body, any(s.triton_fn for s in splices))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MODULE_FILE).write_text(source)
@@ -185,8 +200,6 @@ def render_module(scan: ScanResult, body: list[str], triton: bool) -> str:
         "",
         "import torch",
         "import torch.nn.functional as F",
-        "",
-        "EXACT_REDUCTIONS = False  # True: row reductions accumulate in FP64 (order-independent, as the kernels do)",
         "",
         emit_torch.PRELUDE.strip("\n"),
         "",

@@ -5,7 +5,7 @@ fragment from train.capture.json, rounding at exactly the plan's nodes (FP32 els
 without any rounding is the reference for gradients. Per splice and per `align` (no region aligned, its own
 regions aligned):
 - PyTorch path: bit-identical to the plan replay on the same device;
-- Triton path: bit-identical to the PyTorch path with FP64-accumulated row reductions (what the kernels
+- Triton path: bit-identical to the plan replay with FP64-accumulated row reductions (what the kernels
   accumulate), except FP32 outputs of transcendental ops (exp in SiLU; on CUDA also rsqrt), in ulp;
 - both paths: gradients within a relative error of the float64 replay's.
 
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from graphdiff.codegen.fragment import Fragment, decide_outputs, fragment_for, merge, rounds
+from graphdiff.codegen.fragment import Fragment, cut_fragments, rounding_points
 from graphdiff.codegen.generate import load_scan_dir
-from graphdiff.model import Node
+from graphdiff.model import Manifest, Node
 from graphdiff.replay import RoundingInterpreter, fragment_graph
 from graphdiff.runtime import load_generated, load_manifest
 
@@ -52,11 +52,11 @@ class Check:
         return asdict(self)
 
 
-def fragments(scan_dir: Path) -> tuple[dict[str, Fragment], dict[str, Node]]:
+def fragments(scan_dir: Path, manifest: Manifest) -> tuple[dict[str, Fragment], dict[str, Node]]:
+    """The splice points exactly as `generate` cut them for this manifest (same regions, same boundaries)."""
     scan, train = load_scan_dir(scan_dir)
     graph = train.graphs[0]
-    frags = merge([fragment_for(scan, graph, r) for r in scan.regions])
-    decide_outputs(graph, frags)
+    frags = cut_fragments(scan, graph, [r.name for r in manifest.regions])
     return {f.key: f for f in frags}, graph.node_map()
 
 
@@ -68,14 +68,17 @@ def probes(frag: Fragment, nodes: dict[str, Node], seed: int = 0, device: str = 
 
 
 def replay(frag: Fragment, nodes: dict[str, Node], xs: list[torch.Tensor], align: frozenset[str],
-           compute: torch.dtype = torch.float32, plan: bool = True) -> list[torch.Tensor]:
-    """The fragment's outputs under the plan: rounded at computing low-precision nodes that are not sites of
-    an aligned region (what the generated code must do), FP32 (or `compute`) everywhere else."""
-    rounded = {n.name for n in frag.nodes if rounds(n) and frag.sites.get(n.name) not in align} if plan else set()
+           compute: torch.dtype = torch.float32, plan: bool = True,
+           reduce: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The fragment's outputs under the plan (fragment.rounding_points: what the generated code must do), FP32
+    (or `compute`) everywhere else; `reduce`: row reductions accumulate in that dtype."""
+    rounded = rounding_points(frag, align) if plan else set()
     # kwargs travel as {"dict": ...} so that a `dtype=` keyword is not read as a dtype literal
     wrapped = [n.model_copy(update={"call": [n.call[0], {"dict": n.call[1]}]}) for n in frag.nodes]
     gm = fragment_graph(wrapped, frag.inputs, {})
-    interp = RoundingInterpreter(gm, {n.name: n.dtype for n in frag.nodes}, "fp32", rounded, compute)
+    # an engine-only rounding of an FP32 trainer value rounds to BF16 (the engine's store)
+    declared = {n.name: n.dtype if n.name not in frag.engine_sites else "bfloat16" for n in frag.nodes}
+    interp = RoundingInterpreter(gm, declared, "fp32", rounded, compute, reduce)
     interp.run(*xs)
     return [interp.values[o] for o in frag.outputs]
 
@@ -98,7 +101,7 @@ def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool =
     """Every generated splice of the patch in `out_dir` (made from `scan_dir`) against the references."""
     manifest = load_manifest(out_dir)
     gen = load_generated(manifest, out_dir / "manifest.json")  # the module the runtime loads, sha256-checked
-    frags, nodes = fragments(scan_dir)
+    frags, nodes = fragments(scan_dir, manifest)
     checks: list[Check] = []
     for splice in manifest.splices:
         if splice.target in ("carry", "attention") or splice.problems:
@@ -124,12 +127,10 @@ def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool =
                                 max(_ulp(o, r) for o, r in zip(ours, ref)), err, same and err < GRAD_RTOL))
             if not (triton and splice.triton_fn):
                 continue
-            gen.EXACT_REDUCTIONS = True  # the module is the runtime's own (shared): always switched back
-            try:
-                ref = getattr(gen, splice.torch_fn)(*xs, align=align)
-                tri = getattr(gen, splice.triton_fn)(*xs, align=align)
-            finally:
-                gen.EXACT_REDUCTIONS = False
+            with torch.no_grad():  # the kernels reduce rows in FP64: order-independent; outputs as the PyTorch path's
+                ref = [r.to(o.dtype) for r, o in zip(replay(frag, nodes, [x.detach() for x in xs], align,
+                                                            reduce=torch.float64), ours)]
+            tri = getattr(gen, splice.triton_fn)(*xs, align=align)
             same = all(r.dtype == t.dtype and r.shape == t.shape and torch.equal(r, t) for r, t in zip(ref, tri))
             ulp = max(_ulp(r, t) for r, t in zip(ref, tri))
             # a transcendental's FP32 output may differ by a few ulp; a BF16 store of it must still match

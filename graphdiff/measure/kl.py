@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from graphdiff import runtime
 from graphdiff.errors import GraphdiffError
 from graphdiff.measure.engine import SAMPLES_FILE, random_prompts, read_prompts, sample_engine
 from graphdiff.model import EngineMode, EngineSample, KLMeasurement, KLResult, PositionBin, TrainerMode
@@ -34,6 +34,7 @@ __all__ = ["SAMPLES_FILE", "random_prompts", "read_prompts", "sample_engine", "m
 
 Progress = Callable[[str], None]
 POSITION_BINS = 8
+DEFAULT_MAX_TOKENS = 64
 
 METHOD = (
     "engine: vLLM samples (temperature {temperature}, seed {seed}+i per prompt, EOS ignored) and returns each sampled "
@@ -52,26 +53,9 @@ class Scored(Protocol):
 
 # --- trainer side --------------------------------------------------------------------------------------------
 
-def _runtime() -> Any:
-    try:
-        from graphdiff import runtime
-    except ModuleNotFoundError as e:
-        if e.name in ("graphdiff.runtime", "graphdiff"):
-            raise GraphdiffError("--manifest needs graphdiff.runtime") from None
-        raise
-    return runtime
-
-
 def apply_manifest(model: torch.nn.Module, manifest: Path, regions: Sequence[str] | None = None) -> torch.nn.Module:
     """The model with the manifest's patches (all, or `regions`) applied by the training runtime, in place."""
-    patched = _runtime().apply(model, manifest, regions=list(regions) if regions is not None else None)
-    return patched if isinstance(patched, torch.nn.Module) else model
-
-
-def remove_manifest(model: torch.nn.Module) -> None:
-    remove = getattr(_runtime(), "remove", None)
-    if remove is not None:
-        remove(model)
+    return runtime.apply(model, manifest, regions=list(regions) if regions is not None else None)
 
 
 @contextlib.contextmanager
@@ -79,16 +63,15 @@ def trainer(base: torch.nn.Module, mode: TrainerMode = "eager", manifest: Path |
             regions: Sequence[str] | None = None) -> Iterator[Callable[..., Any]]:
     """The HF model as the trainer runs it: BF16, eager or torch.compile'd, optionally patched.
 
-    Patches go on a copy of `base`, before compile (the compiled graph must contain them, as in training),
-    and come off on exit: the runtime replaces some module-level functions (RoPE) for the whole process,
-    so no other model may run while a patched one exists.
+    Patches go on a copy of `base`, before compile (the compiled graph must contain them, as in training), and
+    come off on exit; the runtime dispatches per model, so `base` itself stays unpatched meanwhile.
     """
     model = apply_manifest(copy.deepcopy(base), manifest, regions) if manifest is not None else base
     try:
         yield torch.compile(model, backend="inductor") if mode == "compiled" else model
     finally:
         if manifest is not None:
-            remove_manifest(model)
+            runtime.remove(model)
 
 
 @torch.no_grad()
@@ -193,19 +176,8 @@ def subset_gaps(base: torch.nn.Module, manifest: Path, regions: Sequence[str], s
 
 
 def manifest_regions(manifest: Path) -> list[str]:
-    """Region names a manifest patches (its `regions`: names, objects with a `name`, or a mapping)."""
-    try:
-        data = json.loads(manifest.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise GraphdiffError(f"cannot read the manifest {manifest}: {e}") from None
-    regions = data.get("regions") if isinstance(data, dict) else None
-    if isinstance(regions, dict):
-        return list(regions)
-    if isinstance(regions, list):
-        names = [r if isinstance(r, str) else r.get("name") if isinstance(r, dict) else None for r in regions]
-        if names and all(isinstance(n, str) for n in names):
-            return list(dict.fromkeys(names))
-    raise GraphdiffError(f"{manifest} lists no region names; pass --regions a,b,c")
+    """The regions a manifest patches (those it generated)."""
+    return [r.name for r in runtime.load_manifest(manifest).regions if r.generated]
 
 
 # --- the whole measurement ---------------------------------------------------------------------------------
@@ -214,7 +186,7 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int, s
             temperature: float = 1.0, modes: bool = False, manifest: Path | None = None,
             regions: Sequence[str] | None = None, attribute: bool = False, metric: str = "k3", bootstrap: int = 1000,
             out_dir: Path | None = None, isolate: bool = True, progress: Progress = lambda m: None,
-            reproduce: str = "") -> KLResult:
+            reproduce: str = "", compilation_config: dict | None = None) -> KLResult:
     """Engine samples (compiled; with `modes` also eager) x trainer (eager; with `modes` also compiled),
     each trainer also patched by `manifest` when given; with `attribute`, Shapley over the regions.
 
@@ -243,13 +215,14 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int, s
     if manifest is not None:  # a bad manifest or a missing runtime fails now, not after the engine ran
         with trainer(base, "eager", manifest, regions):
             pass
-        patched_label = list(regions) if regions is not None else _all_regions(manifest)
+        patched_label = list(regions) if regions is not None else manifest_regions(manifest)
         if attribute:
             names = list(regions) if regions is not None else manifest_regions(manifest)
     engine_modes: list[EngineMode] = ["compiled", "eager"] if modes else ["compiled"]
     trainer_modes: list[TrainerMode] = ["eager", "compiled"] if modes else ["eager"]
     samples = sample_engine(model_dir, prompts, engine_modes, max_tokens=max_tokens, seed=seed,
-                            temperature=temperature, out_dir=out_dir, isolate=isolate, progress=progress)
+                            temperature=temperature, out_dir=out_dir, isolate=isolate, progress=progress,
+                            compilation_config=compilation_config)
     t_engine = time.perf_counter()
     measurements, notes = [], []
     for tmode in trainer_modes:
@@ -274,7 +247,7 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int, s
         attribution = shapley_attribute(gaps, [len(s.tokens) for s in run], names, metric=metric,
                                         bootstrap=bootstrap, seed=seed)
         # The empty subset is the unpatched model; the runtime with no region aligned should equal it bit for bit.
-        plain = train_logprobs(base, run)  # before patching: a patch is process-wide while it exists
+        plain = train_logprobs(base, run)
         with trainer(base, "eager", manifest, []) as model:
             none = train_logprobs(model, run)
         off = max((float((a - b).abs().max()) for a, b in zip(none, plain) if a.numel()), default=0.0)
@@ -290,11 +263,3 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int, s
         timings={"engine_s": round(t_engine - t0, 3), "trainer_s": round(time.perf_counter() - t_engine, 3)},
         reproduce=reproduce, notes=notes,
     )
-
-
-def _all_regions(manifest: Path) -> list[str]:
-    try:
-        return manifest_regions(manifest)
-    except GraphdiffError:
-        return ["all"]  # the runtime applies every patch; the manifest just does not name them
-

@@ -16,10 +16,9 @@ from typing import Any
 import torch
 
 from graphdiff.measure.uniformity import median_over_layers, nonuniformity
-from graphdiff.model import Graph, Site, layer_of, op_name
+from graphdiff.model import Graph, Site, layer_of
+from graphdiff.ops import MATMULS, op_name
 from graphdiff.rounding import rerun_fp32
-
-MATMULS = {"mm", "addmm", "bmm", "matmul"}
 
 
 def _fp32_values(fx_nodes: dict[str, torch.fx.Node], values: dict[str, Any], name: str,

@@ -1,0 +1,83 @@
+"""A captured compilation -> the data model's Graph: nodes, kernel calls in order, what each fuses and stores.
+
+Shared by the in-process capture (the engine, or torch.compile of any module) and the dump import: both read
+the same wrapper source (output_code.py) for kernel calls and buffers, and take the kernel -> FX-node mapping
+from the scheduler (in-process) or from the provenance JSON Inductor writes (dump).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from graphdiff.capture.inductor_code import KernelCall, kernel_args, parse_kernel_calls, parse_kernel_defs
+from graphdiff.capture.inductor_hooks import Compiled
+from graphdiff.errors import GraphdiffError
+from graphdiff.model import BufferArg, Graph, Kernel
+
+
+def _extern_nodes(call: KernelCall, comp: Compiled, targets: dict[str, str]) -> list[str]:
+    if call.id in comp.origin_node:
+        return [comp.origin_node[call.id]]
+    op = call.name.removeprefix("torch.ops.").removeprefix("extern_kernels.")
+    return [n for n in comp.origins.get(call.id, []) if targets.get(n, "").startswith(op) or
+            targets.get(n, "").split(".")[1:2] == [op]]
+
+
+def build_graph(comp: Compiled, names: dict[str, str], root: str, index: int) -> Graph:
+    from graphdiff.capture.fx import node_from_fx
+
+    assert comp.gm is not None and comp.module is not None
+    post = [n.name for n in comp.gm.graph.find_nodes(op="placeholder")]
+    if len(post) != len(comp.placeholders):
+        raise GraphdiffError(
+            f"engine graph {index}: {len(post)} post-grad inputs vs {len(comp.placeholders)} compiled inputs; "
+            "cannot map parameters (unsupported torch version?)"
+        )
+    post_names = {p: names.get(d, d) for p, d in zip(post, comp.placeholders)}
+    nodes = []
+    for fx_node in comp.gm.graph.nodes:
+        node = node_from_fx(fx_node, post_names)
+        if node.module is not None:  # Dynamo paths are relative to the compiled submodule
+            node.module = (root + node.module).rstrip(".")
+        nodes.append(node)
+    src = Path(comp.module.__file__).read_text()
+    return assemble_graph(f"engine_graph_{index}", nodes, src, comp.origins, comp.origin_node, comp.stores,
+                          post_names)
+
+
+def assemble_graph(name: str, nodes: list, src: str, origins: dict[str, list[str]], origin_node: dict[str, str],
+                   stores: dict[str, str], inputs: dict[str, str]) -> Graph:
+    """Nodes + wrapper source + kernel->FX-node mapping -> Graph (shared with the dump import)."""
+    defs = parse_kernel_defs(src)
+    calls = parse_kernel_calls(src, defs)
+    targets = {n.name: n.target for n in nodes}
+    comp = Compiled(placeholders=[], origins=origins, origin_node=origin_node)
+    extern_owned: set[str] = set()
+    kernels: list[Kernel] = []
+    for call in calls:
+        if call.extern:
+            fused = _extern_nodes(call, comp, targets)
+            extern_owned.update(fused)
+            # Positional, like the extern FX node's own arguments ("" where no buffer is passed).
+            args = [BufferArg(name=a or "", role="inout" if a else "scalar") for a in call.args]
+            if call.result:
+                args.append(BufferArg(name=call.result, role="out"))
+            kernels.append(Kernel(id=call.id, name=call.name, kind="extern", nodes=fused, args=args))
+        else:
+            kdef = defs[call.name]
+            args = kernel_args(call, kdef)
+            for a in args:
+                if a.role in ("out", "inout"):
+                    a.node = stores.get(a.name)
+            kernels.append(Kernel(id=call.id, name=call.name, kind="generated", nodes=[], args=args,
+                                  code=kdef.code))
+    for k in kernels:
+        if k.kind == "generated":
+            k.nodes = [n for n in origins.get(k.id, []) if n not in extern_owned and n in targets]
+    owner = {}
+    for k in kernels:
+        for n in k.nodes:
+            owner.setdefault(n, k.id)
+    for node in nodes:
+        node.kernel = owner.get(node.name)
+    return Graph(name=name, nodes=nodes, kernels=kernels, inputs=inputs)

@@ -1,0 +1,145 @@
+"""The engine capture as files (capture.json + buffers.pt), made in a child process.
+
+`scan` never starts the engine in its own process: vLLM's start-up changes process state (environment,
+Inductor config, OpenMP binding, its current-config global that custom ops and some transformers models
+trip over), and the trainer must run as it would in a training job. So the engine is captured in a child
+(`python -m graphdiff.capture.engine_process`, see graphdiff.child) that writes what `graphdiff capture
+--engine vllm` writes; the scan, `scan --engine-dump` and `graphdiff replay` all read it back the same way.
+
+Recorded weights are kept by reference in memory; on disk a large one is a reference to the checkpoint
+tensor of the same name (an embedding table is gigabytes), resolved again when the buffers are loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphdiff import child
+from graphdiff.capture.inductor_hooks import Record, weight_inputs
+from graphdiff.errors import GraphdiffError
+from graphdiff.model import Capture, Shape, load_capture, save_json
+
+BUFFERS_FILE = "buffers.pt"
+INLINE_WEIGHT_BYTES = 256 * 2**10  # larger recorded weights are saved as references to the checkpoint
+Progress = Callable[[str], None]
+Buffers = dict[str, dict[str, Record]]  # shape label -> kernel id -> record
+
+
+def _in_checkpoint(model_dir: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape, for every tensor of the checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for f in sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []:
+        with safe_open(str(f), framework="pt") as st:
+            shapes.update({k: list(st.get_slice(k).get_shape()) for k in st.keys()})  # noqa: SIM118
+    return shapes
+
+
+def save_engine_capture(cap: Capture, buffers: Buffers, directory: Path) -> Path:
+    """DIR/capture.json and DIR/buffers.pt. A large recorded weight that the checkpoint holds under the same name is
+    saved as {"weight": name, "shape": ..., "dtype": ...}; anything else (the engine's own tables) inline."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stored = _in_checkpoint(Path(cap.model))
+    weights = {}
+    for g in cap.graphs:
+        weights.update({buf: g.inputs[buf] for buf in weight_inputs(g) if g.inputs[buf] in stored})
+    slim: Buffers = {}
+    for label, records in buffers.items():
+        slim[label] = {}
+        for kid, rec in records.items():
+            ins = {}
+            for buf, t in rec["in"].items():
+                big = isinstance(t, torch.Tensor) and t.numel() * t.element_size() > INLINE_WEIGHT_BYTES
+                if buf in weights and big:
+                    ins[buf] = {"weight": weights[buf], "shape": list(t.shape), "dtype": str(t.dtype)}
+                else:
+                    ins[buf] = t
+            slim[label][kid] = {**rec, "in": ins}
+    torch.save(slim, directory / BUFFERS_FILE)
+    cap.buffers_file = BUFFERS_FILE
+    return save_json(cap, directory / "capture.json")
+
+
+def _checkpoint_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
+    from safetensors import safe_open
+
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            if name in st.keys():  # noqa: SIM118 - safe_open has keys(), no __contains__
+                return st.get_tensor(name)
+    return None
+
+
+def _resolve(ref: dict, model_dir: Path) -> torch.Tensor | None:
+    t = _checkpoint_tensor(model_dir, ref["weight"])
+    shape = torch.Size(ref["shape"])
+    if t is None or t.dim() != len(shape) or any(a > b for a, b in zip(t.shape, shape)):
+        return None
+    if t.shape != shape:  # the engine pads some tables (vocabulary to a multiple of 64): rows never read
+        padded = torch.zeros(shape, dtype=t.dtype)
+        padded[tuple(slice(0, n) for n in t.shape)] = t
+        t = padded
+    return t.to(getattr(torch, ref["dtype"].removeprefix("torch.")))
+
+
+def load_engine_capture(directory: Path, model_dir: Path | None = None) -> tuple[Capture, Buffers]:
+    """An engine capture with real kernel buffers (weight references resolved from `model_dir`, default the
+    checkpoint the capture ran); one clear error when the directory holds something else."""
+    if not (directory / "capture.json").exists():
+        if directory.exists() and any(directory.rglob("output_code.py")):
+            raise GraphdiffError(
+                f"{directory} is a TORCH_COMPILE_DEBUG dump without recorded kernel buffers, which the scan "
+                "replays; on the engine machine run `graphdiff capture MODEL --engine vllm --out DIR` and pass DIR")
+        raise GraphdiffError(f"{directory} holds no engine capture (capture.json from `graphdiff capture`)")
+    cap = load_capture(directory / "capture.json")
+    if cap.side != "engine" or not cap.buffers_file or not (directory / cap.buffers_file).exists():
+        raise GraphdiffError(f"{directory / 'capture.json'} is not an engine capture with recorded buffers")
+    try:
+        buffers: Buffers = torch.load(directory / cap.buffers_file, weights_only=False, mmap=True)
+    except Exception as e:
+        raise GraphdiffError(f"cannot read {directory / cap.buffers_file}: {type(e).__name__}") from None
+    source = model_dir or Path(cap.model)
+    cache: dict[str, torch.Tensor | None] = {}
+    for records in buffers.values():
+        for rec in records.values():
+            for buf, t in list(rec["in"].items()):
+                if isinstance(t, dict) and "weight" in t:
+                    if t["weight"] not in cache:
+                        cache[t["weight"]] = _resolve(t, source) if source.is_dir() else None
+                    if cache[t["weight"]] is None:
+                        del rec["in"][buf]  # the kernel's replay says its inputs could not be resolved
+                    else:
+                        rec["in"][buf] = cache[t["weight"]]
+    return cap, buffers
+
+
+def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
+                     compilation_config: dict[str, Any] | None = None, progress: Progress = lambda m: None,
+                     config_sha256: str = "") -> tuple[Capture, Buffers, float]:
+    """Capture the engine in a child process into `directory`; returns the capture, its buffers and the
+    engine's start-up time."""
+    child.run("graphdiff.capture.engine_process",
+              dict(model_dir=str(model_dir), shapes=[s.model_dump() for s in shapes], out=str(directory),
+                   compilation_config=compilation_config or {}, config_sha256=config_sha256), progress)
+    cap, buffers = load_engine_capture(directory, model_dir)
+    return cap, buffers, cap.startup_s or 0.0
+
+
+def _serve(req: dict, progress: Progress) -> None:
+    from graphdiff.capture.vllm import EngineOptions, capture_vllm
+
+    run = capture_vllm(Path(req["model_dir"]), [Shape.model_validate(s) for s in req["shapes"]],
+                       options=EngineOptions(compilation_config=req["compilation_config"]), progress=progress)
+    run.capture.config_sha256 = req["config_sha256"]
+    run.capture.startup_s = round(run.startup_s, 3)
+    save_engine_capture(run.capture, run.buffers, Path(req["out"]))
+
+
+if __name__ == "__main__":
+    sys.exit(child.serve(_serve))

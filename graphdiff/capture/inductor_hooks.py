@@ -1,0 +1,215 @@
+"""In-process hooks on Inductor: what it compiles, which FX nodes each kernel fuses, and real buffers.
+
+Installed only for the duration of a capture (the engine's start-up, or a torch.compile of any module):
+- `compile_fx` (entry): the graph handed to Inductor, whose placeholder names say which module
+  parameter each input is (Dynamo names them after the module path);
+- `set_kernel_post_grad_provenance_tracing`: called by the scheduler once per kernel call it
+  generates, with the scheduler nodes (and so the FX nodes) fused into it;
+- `GraphLowering.compile_to_module`: the post-grad FX graph and the compiled module.
+After compile, every generated kernel callable in the compiled module can be wrapped by a
+`BufferRecorder`, so that real forwards record each kernel call's input buffers (before) and output
+buffers (after). Nothing is added to the graph: an added output would be stored, and storing is rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from graphdiff.capture.inductor_code import KernelCall, arg_role
+from graphdiff.model import Graph
+
+Record = dict[str, Any]  # {"in": {buffer: tensor}, "out": {buffer: tensor}, "scalars": {name: value}}
+
+
+@dataclass
+class Compiled:
+    """One Inductor compilation seen by the hooks."""
+
+    placeholders: list[str]  # input names of the graph handed to Inductor
+    gm: torch.fx.GraphModule | None = None  # post-grad graph
+    module: ModuleType | None = None
+    origins: dict[str, list[str]] = field(default_factory=dict)  # kernel id -> FX nodes
+    origin_node: dict[str, str] = field(default_factory=dict)  # kernel id -> exact FX node (externs)
+    stores: dict[str, str] = field(default_factory=dict)  # buffer -> FX node whose value it holds
+
+
+@dataclass
+class _Hooks:
+    compiled: list[Compiled] = field(default_factory=list)
+    depth: int = 0
+
+
+def _snodes(schedule: Any) -> Iterator[Any]:
+    for snode in schedule:
+        if hasattr(snode, "get_nodes"):
+            yield from snode.get_nodes()
+
+
+def _last_origin(origins: Any) -> Any:
+    """The FX node whose value a buffer holds: the one origin no other origin consumes."""
+    sinks = [o for o in origins if not any(u in origins for u in o.users)]
+    return sinks[0] if len(sinks) == 1 else None
+
+
+@contextlib.contextmanager
+def inductor_hooks() -> Iterator[_Hooks]:
+    import torch._inductor.codegen.cpp as cpp_codegen
+    import torch._inductor.compile_fx as compile_fx_mod
+    import torch._inductor.config as inductor_config
+    import torch._inductor.debug as inductor_debug
+    from torch._inductor.graph import GraphLowering
+
+    hooks = _Hooks()
+    orig_compile_fx = compile_fx_mod.compile_fx
+    orig_trace = inductor_debug.set_kernel_post_grad_provenance_tracing
+    orig_to_module = GraphLowering.compile_to_module
+    modules_with_trace = [inductor_debug, cpp_codegen]
+    try:
+        import torch._inductor.codegen.triton as triton_codegen
+
+        modules_with_trace.append(triton_codegen)
+    except ImportError:  # pragma: no cover - triton codegen is importable wherever triton is
+        pass
+
+    def compile_fx(gm: Any, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if hooks.depth == 0:
+            names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+            hooks.compiled.append(Compiled(placeholders=names))
+        hooks.depth += 1
+        try:
+            return orig_compile_fx(gm, example_inputs, *args, **kwargs)
+        finally:
+            hooks.depth -= 1
+
+    def trace(node_schedule: Any, kernel_name: str, is_extern: bool = False) -> Any:
+        handle = orig_trace(node_schedule, kernel_name, is_extern)
+        if not hooks.compiled:
+            return handle
+        cur = hooks.compiled[-1]
+        kid = f"{kernel_name}:{inductor_debug._inductor_kernel_provenance_debug_handle}"
+        names: list[str] = []
+        irnodes = [node_schedule] if is_extern else [s.node for s in _snodes(node_schedule) if s.node is not None]
+        for ir in irnodes:
+            for origin in sorted(ir.origins, key=lambda n: n.name):
+                if origin.name not in names:
+                    names.append(origin.name)
+            origin_node = getattr(ir, "origin_node", None) or _last_origin(ir.origins)
+            if origin_node is not None:
+                if is_extern:
+                    cur.origin_node[kid] = origin_node.name
+                with contextlib.suppress(Exception):
+                    cur.stores[ir.get_name()] = origin_node.name
+        cur.origins[kid] = names
+        return handle
+
+    def compile_to_module(self: Any) -> Any:
+        mod = orig_to_module(self)
+        if hooks.compiled and hooks.compiled[-1].module is None:
+            hooks.compiled[-1].gm = self.module
+            hooks.compiled[-1].module = mod
+        return mod
+
+    saved_level = inductor_config.trace.provenance_tracking_level
+    inductor_config.trace.provenance_tracking_level = max(1, saved_level)
+    compile_fx_mod.compile_fx = compile_fx
+    for m in modules_with_trace:
+        m.set_kernel_post_grad_provenance_tracing = trace
+    GraphLowering.compile_to_module = compile_to_module
+    try:
+        yield hooks
+    finally:
+        compile_fx_mod.compile_fx = orig_compile_fx
+        for m in modules_with_trace:
+            m.set_kernel_post_grad_provenance_tracing = orig_trace
+        GraphLowering.compile_to_module = orig_to_module
+        inductor_config.trace.provenance_tracking_level = saved_level
+
+
+class _Launcher:
+    """Stands in for a Triton launcher: `.run` records, everything else is the real launcher's."""
+
+    def __init__(self, inner: Any, run: Callable) -> None:
+        self._inner = inner
+        self.run = run
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class BufferRecorder:
+    """Wraps a compiled module's generated kernels to record real buffers, one forward at a time.
+
+    While armed, every forward's kernel calls are recorded; a forward ends when each kernel call site of the
+    wrapper has run once (the wrapper is straight-line code), and its records go to `forwards`."""
+
+    def __init__(self, module: ModuleType, calls: list[KernelCall], defs: dict, weights: set[str]) -> None:
+        # Weights are never written by a forward: keep them by reference (an embedding table is
+        # gigabytes). Everything else is copied: the engine reuses its input buffers every step.
+        self.weights = weights
+        self.forwards: list[dict[str, Record]] = []
+        self.armed = False
+        self._current: dict[str, Record] = {}
+        self._sites: dict[str, list[KernelCall]] = defaultdict(list)
+        for c in calls:
+            if not c.extern:
+                self._sites[c.name].append(c)
+        self._seen: dict[str, int] = defaultdict(int)
+        for name in self._sites:
+            setattr(module, name, self._wrap(getattr(module, name), name, defs[name]))
+
+    @property
+    def records(self) -> dict[str, Record]:
+        """The first recorded forward (or what was recorded of it)."""
+        return self.forwards[0] if self.forwards else self._current
+
+    def reset(self) -> None:
+        self.forwards, self._current, self._seen = [], {}, defaultdict(int)
+
+    def complete(self) -> bool:
+        return bool(self.forwards)
+
+    def _wrap(self, kernel: Any, name: str, kdef: Any) -> Any:
+        # C++ kernels are plain callables; Triton kernels are launcher objects called as `.run(...)`.
+        fn: Callable = kernel.run if hasattr(kernel, "run") else kernel
+        roles = [arg_role(p, dt) for p, dt in kdef.params]
+
+        def recording_kernel(*args: Any, **kwargs: Any) -> Any:
+            k = self._seen[name]
+            if not self.armed or k >= len(self._sites[name]):
+                return fn(*args, **kwargs)
+            site = self._sites[name][k]
+            self._seen[name] = k + 1
+            rec: Record = {"in": {}, "out": {}, "scalars": {}}
+            for arg, bufname, role in zip(args, site.args, roles):
+                if isinstance(arg, torch.Tensor):
+                    if role == "in" and bufname in self.weights:
+                        rec["in"][bufname] = arg.detach()
+                    elif role in ("in", "inout"):
+                        rec["in"][bufname] = arg.detach().clone()
+                else:
+                    rec["scalars"][bufname or "?"] = arg
+            result = fn(*args, **kwargs)
+            for arg, bufname, role in zip(args, site.args, roles):
+                if isinstance(arg, torch.Tensor) and role in ("out", "inout"):
+                    rec["out"][bufname] = arg.detach().clone()
+            self._current[site.id] = rec
+            if all(self._seen[n] == len(s) for n, s in self._sites.items()):  # the forward is over
+                self.forwards.append(self._current)
+                self._current, self._seen = {}, defaultdict(int)
+            return result
+
+        return _Launcher(kernel, recording_kernel) if hasattr(kernel, "run") else recording_kernel
+
+
+def weight_inputs(graph: Graph) -> set[str]:
+    """Placeholders that hold module parameters/buffers (named like `model.layers.0.x.weight`)."""
+    return {p for p, name in graph.inputs.items() if "." in name and "#" not in name}
+
+

@@ -1,0 +1,263 @@
+"""Replay one generated engine kernel on its real recorded buffers, and score the rounding model.
+
+A kernel's FX fragment (the nodes the scheduler fused into it) is re-executed by the
+RoundingInterpreter on the kernel's recorded inputs, once under the predicted model (FP32 in
+registers, low precision only where the kernel stores) and once under "round after every op"
+(naive), and the results are compared bit for bit with the kernel's recorded low-precision stores.
+The capture names most buffers for certain; the few it cannot (an input passed under another name,
+one part of a concatenation written in place) are placed by shape and value, and the assignment that
+replays best is kept. Where the predicted model is not exact, conversions the kernel really performs
+in registers are searched for, one at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphdiff.model import Graph, Kernel, Node
+from graphdiff.ops import VIEWS, is_low, op_name
+from graphdiff.replay import LOW, bits_equal_fraction, run_fragment, to_dtype
+
+MAX_PERMUTATIONS = 120
+Record = dict[str, Any]  # {"in": {buffer: tensor}, "out": {buffer: tensor}, "scalars": {name: value}}
+
+
+def is_view(node: Node) -> bool:
+    return node.op == "call_function" and op_name(node.target) in VIEWS
+
+
+@dataclass
+class KernelReplay:
+    kernel: str
+    predicted_bitexact: float
+    naive_bitexact: float
+    elements: int  # low-precision elements compared
+    fp32_max_rel_error: float = 0.0  # FP32 stores: accumulation-order differences only
+    outputs: dict[str, str] = field(default_factory=dict)  # stored buffer -> FX node
+    explicit: list[str] = field(default_factory=list)  # in-register roundings the code really does
+    error: str = ""
+    per_output: dict[str, tuple[float, float]] = field(default_factory=dict)  # low-precision store -> (pred, naive)
+
+
+class Declared:
+    """Node dtypes by name, read through the graph's index (no per-kernel copy)."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.nodes = graph.node_map()
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        node = self.nodes.get(name)
+        return node.dtype if node is not None else default
+
+
+def numel(shape: list[int | str] | None, syms: dict[str, int]) -> int | None:
+    if shape is None:
+        return None
+    total = 1
+    for d in shape:
+        if isinstance(d, str):
+            if d not in syms:
+                return None
+            d = syms[d]
+        total *= int(d)
+    return total
+
+
+def kernel_fragment(graph: Graph, k: Kernel, owned: set[str]) -> tuple[list[Node], list[str]]:
+    """Kernel nodes in graph order, pulled back through views no kernel computes, and their inputs."""
+    nodes = graph.node_map()
+    members = {n for n in k.nodes if nodes[n].op == "call_function"}
+    while True:
+        ext = {i for m in members for i in nodes[m].inputs if i not in members}
+        pull = {e for e in ext if is_view(nodes[e]) and e not in owned}
+        if not pull:
+            break
+        members |= pull
+    frag = [nodes[m] for m in sorted(members, key=graph.position)]
+    external = list(dict.fromkeys(i for n in frag for i in n.inputs if i not in members))
+    return frag, external
+
+
+def bind_symbols(graph: Graph, record: Record) -> dict[str, int]:
+    """Symbolic sizes (the token count) from the kernel's scalar arguments and its inputs' real shapes."""
+    syms = {name: int(v) for name, v in record.get("scalars", {}).items() if isinstance(v, int)}
+    nodes = graph.node_map()
+    for n in (nodes[b] for b in record["in"] if b in nodes):
+        t = record["in"].get(n.name)
+        if n.shape and isinstance(t, torch.Tensor) and len(n.shape) == t.dim():
+            for d, real in zip(n.shape, t.shape):
+                if isinstance(d, str):
+                    syms.setdefault(d, int(real))
+    return syms
+
+
+def score(run_vals: dict[str, Any], outputs: dict[str, str], record: Record) -> tuple[float, int]:
+    """Bit-identical fraction over the kernel's low-precision stores (the rounding claim).
+
+    FP32 stores (e.g. a reduction's partial result) are compared by `fp32_error` instead:
+    their last bits depend on accumulation order, which is not what this model predicts."""
+    total, good = 0, 0.0
+    for buf, node in outputs.items():
+        real = record["out"].get(buf)
+        pred = run_vals.get(node)
+        if not isinstance(real, torch.Tensor) or not isinstance(pred, torch.Tensor) or real.dtype not in LOW:
+            continue
+        good += bits_equal_fraction(pred, real) * real.numel()
+        total += real.numel()
+    return (good / total if total else 0.0), total
+
+
+def closeness(pred: torch.Tensor, real: torch.Tensor) -> float:
+    """Higher is closer: bit agreement for low-precision stores, -relative error for FP32 ones."""
+    if pred.numel() != real.numel():
+        return float("-inf")
+    if real.dtype in LOW:
+        return bits_equal_fraction(pred, real)
+    diff = (pred.double().reshape(-1) - real.double().reshape(-1)).norm()
+    return -float(diff / real.double().norm().clamp_min(1e-30))
+
+
+def fp32_error(run_vals: dict[str, Any], outputs: dict[str, str], record: Record) -> float:
+    worst = 0.0
+    for buf, node in outputs.items():
+        real, pred = record["out"].get(buf), run_vals.get(node)
+        if isinstance(real, torch.Tensor) and isinstance(pred, torch.Tensor) and real.dtype == torch.float32 \
+                and pred.numel() == real.numel():
+            diff = (pred.double().reshape(-1) - real.double().reshape(-1)).abs()
+            worst = max(worst, float((diff / real.double().reshape(-1).abs().clamp_min(1e-30)).max()))
+    return worst
+
+
+@dataclass
+class _Binding:
+    """What the capture says for certain about a kernel call's buffers, and what is left to place."""
+
+    inputs: dict[str, Any]  # fragment input node -> its recorded value (or symbol value)
+    loose: list[str]  # fragment inputs with no named buffer
+    free: list[str]  # recorded input buffers no named input took
+    outputs: dict[str, str]  # stored buffer -> fragment node it holds
+    open: list[str]  # stored buffers with no node named for them
+
+
+def _bind(graph: Graph, k: Kernel, record: Record, known: dict[str, str], frag: list[Node], external: list[str],
+          syms: dict[str, int]) -> _Binding:
+    nodes = graph.node_map()
+    node_buf = {v: b for b, v in known.items()}
+    inputs: dict[str, Any] = {}
+    loose: list[str] = []
+    for e in external:
+        n = nodes[e]
+        if n.sym is not None and n.sym in syms:
+            inputs[e] = syms[n.sym]
+            continue
+        buf = node_buf.get(e)
+        if buf is not None and buf in record["in"]:
+            inputs[e] = record["in"][buf]
+        else:
+            loose.append(e)
+    taken = {node_buf.get(e) for e in inputs}
+    free = [b for b in record["in"] if b not in taken]
+    names = {n.name for n in frag}
+    # Stores the capture names a node for (buffers whose size disagrees hold a part of it, e.g. one input
+    # of a concatenation written in place; those are placed by value, or left out).
+    outputs = {a.name: a.node for a in k.args if a.role in ("out", "inout") and a.node in names
+               and isinstance(record["out"].get(a.name), torch.Tensor)
+               and numel(nodes[a.node].shape, syms) == record["out"][a.name].numel()}
+    open_bufs = [a.name for a in k.args if a.role in ("out", "inout") and a.name not in outputs
+                 and a.name in record["out"]]
+    return _Binding(inputs, loose, free, outputs, open_bufs)
+
+
+def _sinks(graph: Graph, frag: list[Node]) -> set[str]:
+    names, users = {n.name for n in frag}, graph.users()
+    return {n.name for n in frag if not is_view(n) and any(u not in names for u in users.get(n.name, []))}
+
+
+def _place_outputs(b: _Binding, frag: list[Node], values: dict[str, Any], record: Record, syms: dict[str, int],
+                   sinks: set[str]) -> dict[str, str]:
+    """Named stores plus each unnamed one placed at the fragment value closest to what it holds."""
+    placed = dict(b.outputs)
+    for buf in b.open:
+        real = record["out"][buf]
+        options = [n.name for n in frag if not is_view(n) and n.name not in placed.values()
+                   and numel(n.shape, syms) == real.numel() and to_dtype(n.dtype) is not None
+                   and (to_dtype(n.dtype) == real.dtype or n.name in sinks)
+                   and isinstance(values.get(n.name), torch.Tensor)]
+        if options:  # a buffer we cannot place is left out of the comparison
+            placed[buf] = max(options, key=lambda c: closeness(values[c], real))
+    return placed
+
+
+def _best_assignment(graph: Graph, b: _Binding, frag: list[Node], external: list[str], record: Record,
+                     syms: dict[str, int], compute: torch.dtype) -> tuple[tuple | None, str]:
+    """Try each placement of the unnamed inputs (by element count); keep the one that replays best.
+    Only the input assignment changes the computation; outputs are placed after each run."""
+    nodes, declared, sinks = graph.node_map(), Declared(graph), _sinks(graph, frag)
+
+    def candidates(e: str) -> list[str]:
+        want = numel(nodes[e].shape, syms)
+        return [x for x in b.free if isinstance(record["in"][x], torch.Tensor) and record["in"][x].numel() == want]
+
+    best, error = None, "inputs could not be resolved"
+    for ins in itertools.islice(itertools.product(*(candidates(e) for e in b.loose)), MAX_PERMUTATIONS):
+        if len(set(ins)) != len(ins):
+            continue
+        trial = {**b.inputs, **{e: record["in"][x] for e, x in zip(b.loose, ins)}}
+        run = run_fragment(frag, {e: trial[e] for e in external if e in trial}, declared, "fp32", syms,
+                           compute=compute)
+        if not run.ok:
+            error = run.error
+            continue
+        outputs = _place_outputs(b, frag, run.values, record, syms, sinks)
+        s, _ = score(run.values, outputs, record)
+        if best is None or s > best[0]:
+            best = (s, trial, outputs, run.values)
+    return best, error
+
+
+def _explicit_conversions(frag: list[Node], inputs: dict[str, Any], outputs: dict[str, str], record: Record,
+                          declared: Declared, syms: dict[str, int], predicted: float, values: dict[str, Any],
+                          compute: torch.dtype) -> tuple[float, list[str], dict[str, Any]]:
+    """Conversions the kernel really performs in registers: add one at a time while the replay improves."""
+    explicit: list[str] = []
+    candidates = [n.name for n in frag if is_low(n.dtype) and "convert_element_type" in n.target]
+    while predicted < 1.0 and candidates:
+        trials = []
+        for c in candidates:
+            run = run_fragment(frag, inputs, declared, "fp32", syms, rounded={*explicit, c}, compute=compute)
+            if run.ok:
+                trials.append((score(run.values, outputs, record)[0], c, run.values))
+        if not trials or max(trials, key=lambda t: t[0])[0] <= predicted:
+            break
+        predicted, c, values = max(trials, key=lambda t: t[0])
+        explicit.append(c)
+        candidates.remove(c)
+    return predicted, explicit, values
+
+
+def replay_kernel(graph: Graph, k: Kernel, record: Record, known: dict[str, str], owned: set[str],
+                  compute: torch.dtype = torch.float32) -> tuple[KernelReplay, dict[str, Any]]:
+    """The kernel's replay evidence and, under the predicted model, every fragment value."""
+    frag, external = kernel_fragment(graph, k, owned)
+    syms = bind_symbols(graph, record)
+    binding = _bind(graph, k, record, known, frag, external, syms)
+    best, error = _best_assignment(graph, binding, frag, external, record, syms, compute)
+    if best is None:
+        return KernelReplay(k.id, 0.0, 0.0, 0, error=error), {}
+    _, inputs, outputs, values = best
+    ext_inputs = {e: inputs[e] for e in external if e in inputs}
+    declared = Declared(graph)
+    predicted, elements = score(values, outputs, record)
+    predicted, explicit, values = _explicit_conversions(frag, ext_inputs, outputs, record, declared, syms,
+                                                        predicted, values, compute)
+    naive_run = run_fragment(frag, ext_inputs, declared, "eager", syms)
+    naive = score(naive_run.values, outputs, record)[0] if naive_run.ok else 0.0
+    per_output = {buf: (score(values, {buf: node}, record)[0],
+                        score(naive_run.values, {buf: node}, record)[0] if naive_run.ok else 0.0)
+                  for buf, node in outputs.items() if getattr(record["out"].get(buf), "dtype", None) in LOW}
+    return KernelReplay(k.id, predicted, naive, elements, fp32_error(values, outputs, record), outputs,
+                        explicit, per_output=per_output), values
