@@ -91,6 +91,8 @@ def capture(
                                       "default: one prefill of --tokens"),
     compilation_config: str | None = typer.Option(None, "--compilation-config", "-cc",
                                                   help="the engine's compilation config, JSON as for `vllm serve`"),
+    optimization_level: int | None = typer.Option(None, "--optimization-level", "-O",
+                                                  help="the engine's -O level (0-3), as for `vllm serve`"),
     keep_dump: bool = typer.Option(False, help="keep the TORCH_COMPILE_DEBUG dump in OUT/inductor-debug"),
     kernels: bool = typer.Option(True, help="print one line per kernel"),
 ) -> None:
@@ -125,8 +127,8 @@ def capture(
                 from graphdiff.capture.vllm import EngineOptions, capture_vllm
 
                 config = parse_json_option(compilation_config, "--compilation-config")
-                options = EngineOptions(compilation_config=config, layers=layers,
-                                        debug_dir=out_dir / "inductor-debug" if keep_dump else None)
+                options = EngineOptions(compilation_config=config, optimization_level=optimization_level,
+                                        layers=layers, debug_dir=out_dir / "inductor-debug" if keep_dump else None)
                 with progress("starting vLLM") as update:
                     run = capture_vllm(resolved.path, wanted, options=options, progress=update)
                 cap = run.capture
@@ -135,6 +137,11 @@ def capture(
                 path = save_engine_capture(cap, run.buffers, out_dir)
     print_summary(cap, kernels)
     out.print(f"wrote {path}")
+
+
+def engine_config(config: dict, optimization_level: int | None) -> dict:
+    """The engine's compilation config with its -O level under "optimization_level" (what `kl` starts)."""
+    return {**config, **({"optimization_level": optimization_level} if optimization_level is not None else {})}
 
 
 def parse_json_option(text: str | None, name: str) -> dict:
@@ -171,6 +178,8 @@ def scan_cmd(
     compilation_config: str | None = typer.Option(None, "--compilation-config", "-cc",
                                                   help="the engine's compilation config, JSON as for `vllm serve` "
                                                   "(e.g. '{\"mode\": 3}' for vLLM's piecewise graphs)"),
+    optimization_level: int | None = typer.Option(None, "--optimization-level", "-O",
+                                                  help="the engine's -O level (0-3), as for `vllm serve`"),
     out_dir: Path | None = typer.Option(None, "--out", help="output directory (default scans/<model>)"),
     report: bool = typer.Option(False, "--report", help="also render OUT/report.html (see `graphdiff report`)"),
     patch: bool = typer.Option(False, "--patch", help="also generate the patch into OUT/patch (see `graphdiff patch`)"),
@@ -199,7 +208,8 @@ def scan_cmd(
             raise GraphdiffError(f"--manifest {manifest}: no such file")
         with progress("scanning") as update:
             outcome = scan(model, layers=layers, tokens=tokens, shapes=wanted, out=d, progress=update,
-                           argv=sys.argv[1:], engine_dump=engine_dump, manifest=manifest, compilation_config=config)
+                           argv=sys.argv[1:], engine_dump=engine_dump, manifest=manifest, compilation_config=config,
+                           optimization_level=optimization_level)
         result = outcome.result
         if engine_dump is not None:  # the report draws the engine graph from the scan directory
             from graphdiff.capture.engine_process import save_engine_capture
@@ -218,7 +228,8 @@ def scan_cmd(
                 kl_result = measure(outcome.model_dir, random_prompts(outcome.config, 8, 16, 0),
                                     max_tokens=DEFAULT_MAX_TOKENS, manifest=d.patch_dir / "manifest.json" if patch
                                     else None, out_dir=d.root, progress=update,
-                                    reproduce="graphdiff " + shlex.join(sys.argv[1:]), compilation_config=config)
+                                    reproduce="graphdiff " + shlex.join(sys.argv[1:]),
+                                    compilation_config=engine_config(config, optimization_level))
             save_json(kl_result, d.kl_json)
             result.kl = kl_result.model_dump(mode="json")
             path = d.save_scan(result)

@@ -41,6 +41,7 @@ class KernelReplay:
     explicit: list[str] = field(default_factory=list)  # in-register roundings the code really does
     error: str = ""
     per_output: dict[str, tuple[float, float]] = field(default_factory=dict)  # low-precision store -> (pred, naive)
+    note: str = ""
 
 
 class Declared:
@@ -163,10 +164,13 @@ def _bind(graph: Graph, k: Kernel, record: Record, known: dict[str, str], frag: 
     free = [b for b in record["in"] if b not in taken]
     names = {n.name for n in frag}
     # Stores the capture names a node for (buffers whose size disagrees hold a part of it, e.g. one input
-    # of a concatenation written in place; those are placed by value, or left out).
-    outputs = {a.name: a.node for a in k.args if a.role in ("out", "inout") and a.node in names
+    # of a concatenation written in place; those are placed by value, or left out). A store the capture names
+    # no node for may be named by the extern that reads it (a mutating extern's input, e.g. the q/k copies
+    # _C.rotary_embedding rotates in place): the same value stored twice.
+    named = {a.name: a.node or (known.get(a.name) if known.get(a.name) in names else None) for a in k.args}
+    outputs = {a.name: named[a.name] for a in k.args if a.role in ("out", "inout") and named[a.name] in names
                and isinstance(record["out"].get(a.name), torch.Tensor)
-               and numel(nodes[a.node].shape, syms) == record["out"][a.name].numel()}
+               and numel(nodes[named[a.name]].shape, syms) == record["out"][a.name].numel()}
     open_bufs = [a.name for a in k.args if a.role in ("out", "inout") and a.name not in outputs
                  and a.name in record["out"]]
     return _Binding(inputs, loose, free, outputs, open_bufs)
@@ -239,9 +243,26 @@ def _explicit_conversions(frag: list[Node], inputs: dict[str, Any], outputs: dic
     return predicted, explicit, values
 
 
+def copy_kernel(graph: Graph, k: Kernel, record: Record) -> KernelReplay | None:
+    """A kernel whose fused nodes are all computed by other kernels (Inductor's copy-back of a buffer a mutating
+    extern wrote) computes nothing: it replays if every store equals one of its loads bit for bit."""
+    nodes = graph.node_map()
+    if not k.nodes or any(nodes[n].kernel == k.id for n in k.nodes):
+        return None
+    loads = [t for t in record["in"].values() if isinstance(t, torch.Tensor)]
+    stores = [t for t in record["out"].values() if isinstance(t, torch.Tensor)]
+    if not stores or not all(any(i.numel() == t.numel() and i.dtype == t.dtype
+                                 and torch.equal(i.reshape(-1), t.reshape(-1)) for i in loads) for t in stores):
+        return None
+    return KernelReplay(k.id, 1.0, 1.0, sum(t.numel() for t in stores), note="a copy: every store equals a load")
+
+
 def replay_kernel(graph: Graph, k: Kernel, record: Record, known: dict[str, str], owned: set[str],
                   compute: torch.dtype = torch.float32) -> tuple[KernelReplay, dict[str, Any]]:
     """The kernel's replay evidence and, under the predicted model, every fragment value."""
+    copied = copy_kernel(graph, k, record)
+    if copied is not None:
+        return copied, {}
     frag, external = kernel_fragment(graph, k, owned)
     syms = bind_symbols(graph, record)
     binding = _bind(graph, k, record, known, frag, external, syms)

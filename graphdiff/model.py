@@ -308,6 +308,7 @@ class KernelEvidence(BaseModel):
     error: str = ""
     outputs: dict[str, str] = Field(default_factory=dict)  # stored buffer -> the FX node it holds (as replayed)
     per_output: dict[str, tuple[float, float]] = Field(default_factory=dict)  # low-precision store -> (pred, naive)
+    note: str = ""  # how it was checked, where not by re-running its fragment ("a copy: ...")
 
 
 class ScanResult(BaseModel):

@@ -41,24 +41,38 @@ RULES = (
 
 @dataclass(frozen=True)
 class ExternRule:
-    """What an opaque engine op (an extern kernel call) rounds: by the name the capture gives the call."""
+    """What an opaque engine op (an extern kernel call) rounds, by the name the capture gives the call."""
 
-    op: str  # a substring of the extern's name ("onednn_mm", "unified_attention")
-    kind: str  # matmul | attention | kv-cache | ...
+    op: str  # a substring of the extern's name ("onednn_mm", "_C.rotary_embedding")
+    kind: str  # matmul | attention | kv-cache | norm | activation | rope | allreduce
+    fp32_inside: bool  # FP32 from its inputs to its outputs, each output rounded once
     rounds: str  # what it rounds, in one line
-    source: str  # where this is known from (a test against the real op, or the kernel's source)
+    source: str  # where this is known from: a test against the real op (tests/test_opaque_ops_engine.py)
 
 
+_TESTED = "tests/test_opaque_ops_engine.py, against the real op"
 EXTERNS = (
-    ExternRule("onednn_mm", "matmul", "one GEMM accumulated in FP32, the result rounded once to the output dtype",
-               "equals F.linear on the same BF16 inputs bit for bit (tests/test_opaque_engine.py)"),
-    ExternRule("extern_kernels.mm", "matmul", "ATen GEMM, result rounded once", "Inductor's own extern: ATen's mm"),
-    ExternRule("extern_kernels.addmm", "matmul", "ATen GEMM + bias, result rounded once", "ATen's addmm"),
-    ExternRule("extern_kernels.bmm", "matmul", "ATen batched GEMM, result rounded once", "ATen's bmm"),
-    ExternRule("unified_attention", "attention", "see the attention backend rules (RULES)",
-               "per backend: RULES in graphdiff/opaque.py"),
-    ExternRule("unified_kv_cache_update", "kv-cache", "copies BF16 keys/values into the paged KV cache (exact)",
+    ExternRule("onednn_mm", "matmul", True, "one GEMM accumulated in FP32, the result rounded once",
+               f"equals F.linear on the same BF16 inputs bit for bit at 1 to 513 rows ({_TESTED})"),
+    ExternRule("extern_kernels.mm", "matmul", True, "ATen GEMM, result rounded once", "Inductor's extern: ATen mm"),
+    ExternRule("extern_kernels.addmm", "matmul", True, "ATen GEMM + bias, result rounded once", "ATen addmm"),
+    ExternRule("extern_kernels.bmm", "matmul", True, "ATen batched GEMM, result rounded once", "ATen bmm"),
+    ExternRule("unified_attention", "attention", False, "per attention backend (RULES)", "RULES in this module"),
+    ExternRule("unified_kv_cache_update", "kv-cache", True, "copies BF16 keys/values into the paged KV cache",
                "a copy in the cache dtype: no arithmetic"),
+    ExternRule("_C.rms_norm", "norm", True, "RMSNorm in FP32 (the weight multiply too), output rounded once",
+               _TESTED),
+    ExternRule("_C.fused_add_rms_norm", "norm", False,
+               "writes residual = bf16(x + r); the norm applies the FP32 sum's variance to that BF16 sum, in FP32, "
+               "output rounded once", _TESTED),
+    ExternRule("_C.silu_and_mul", "activation", True, "silu(gate) * up in FP32, rounded once", _TESTED),
+    ExternRule("_C.gelu_and_mul", "activation", True, "gelu(gate) * up in FP32 (erf form), rounded once", _TESTED),
+    ExternRule("_C.gelu_tanh_and_mul", "activation", True,
+               "tanh-gelu(gate) * up in FP32 (the kernel's vectorized tanh), rounded once", _TESTED),
+    ExternRule("_C.rotary_embedding", "rope", True,
+               "q/k rotated in FP32 with a BF16 cos/sin cache, each rounded once, in place", _TESTED),
+    ExternRule("_C.shm_allreduce", "allreduce", True, "sums the ranks' BF16 partials in FP32, rounds once",
+               "tensor-parallel CPU all-reduce: output = bf16(FP32 sum of the BF16 inputs), measured at TP=2"),
 )
 
 

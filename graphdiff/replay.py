@@ -72,8 +72,9 @@ def fragment_graph(nodes: Iterable[Node], external: Iterable[str], syms: dict[st
     outs = []
     for n in nodes:
         args, kwargs = n.call[0], n.call[1]
-        fx_node = g.call_function(
-            resolve_target(n.target), tuple(_decode(args, env, syms)), _decode(kwargs, env, syms)
+        fx_node = g.call_function(  # kwargs per key: a keyword named dtype/device/node is not an encoded value
+            resolve_target(n.target), tuple(_decode(args, env, syms)),
+            {k: _decode(v, env, syms) for k, v in kwargs.items()},
         )
         fx_node.name = n.name
         env[n.name] = fx_node

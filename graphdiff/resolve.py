@@ -40,6 +40,17 @@ def architecture(config: dict) -> str:
     return str(config["architectures"][0])
 
 
+def check_decoder_lm(config: dict, where: object) -> None:
+    """graphdiff scans decoder-only causal LMs: refuse anything transformers does not build as one."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = architecture(config)
+    if arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        raise GraphdiffError(f"{where} is a {arch} ({config.get('model_type', '?')}): graphdiff scans decoder-only "
+                             "causal language models (an architecture transformers builds with AutoModelForCausalLM, "
+                             "such as Qwen3ForCausalLM), and this is not one")
+
+
 # --- Resolving a model spec to a checkpoint directory, never touching the network ---------------------------
 
 CONFIGS_PACKAGE = "graphdiff.configs"
@@ -144,10 +155,12 @@ def resolve_model(spec: str, work_dir: Path | None = None, layers: int | None = 
     if not _is_hf_id(spec):
         path = Path(spec).expanduser()
         config = read_config(path)
+        check_decoder_lm(config, path)
         return ResolvedModel(spec, path, config, has_weights(path), "local")
     snapshot = find_in_hf_cache(spec)
     if snapshot is not None:
         config = read_config(snapshot)
+        check_decoder_lm(config, spec)
         if layers is not None:
             snapshot = _materialize(spec, _with_layers(config, layers), work_dir, link_from=snapshot)
             config = read_config(snapshot)

@@ -87,7 +87,7 @@ def _evidence(er: EngineRounding, shape: str) -> list[KernelEvidence]:
     return [KernelEvidence(kernel=r.kernel, shape=shape, predicted_bitexact=round(r.predicted_bitexact, 6),
                            naive_bitexact=round(r.naive_bitexact, 6), elements=r.elements,
                            fp32_max_rel_error=r.fp32_max_rel_error, explicit_roundings=r.explicit, error=r.error,
-                           outputs=r.outputs, per_output={b: (round(p, 6), round(n, 6))
+                           note=r.note, outputs=r.outputs, per_output={b: (round(p, 6), round(n, 6))
                                                           for b, (p, n) in r.per_output.items()})
             for r in er.replays]
 
@@ -318,7 +318,7 @@ class ScanOutcome:
 def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list[Shape] | None = None,
          out: ScanDir | None = None, work_dir: Path | None = None, progress: Progress = lambda m: None,
          argv: list[str] | None = None, engine_dump: Path | None = None, manifest: Path | None = None,
-         compilation_config: dict | None = None) -> ScanOutcome:
+         compilation_config: dict | None = None, optimization_level: int | None = None) -> ScanOutcome:
     """Resolve `spec`, run the real engine (in a child process; or take its capture from `engine_dump`) and the
     HF trainer on the same weights and tokens, analyze. The engine capture is written to `out`'s engine dir."""
     import tempfile
@@ -329,6 +329,10 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
     resolved, notes = prepare_model(spec, layers, work_dir, progress)
     config = resolved.config
     total = int(config.get("num_hidden_layers", 0))
+    if engine_dump is None:
+        from graphdiff.capture.vllm_cpu import check_options
+
+        check_options(compilation_config or {}, optimization_level)
     if engine_dump is not None:
         cap, buffers = load_engine_capture(engine_dump, resolved.path)
         if cap.config_sha256 and cap.config_sha256 != config_sha256(config):
@@ -345,6 +349,7 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
         progress("starting the engine in its own process (compile)")
         cap, buffers, startup = capture_isolated(resolved.path, shapes, directory, progress=progress,
                                                  compilation_config=compilation_config,
+                                                 optimization_level=optimization_level,
                                                  config_sha256=config_sha256(config))
     t_engine = time.perf_counter()
     progress("tracing the trainer's eager forward")

@@ -118,15 +118,30 @@ def _base(engine: Graph, e: str) -> str:
     return e
 
 
+def _fp32_readers(engine: Graph, base: str, chain: list[str]) -> list[str]:
+    """Computing consumers of an FP32 value and its FP32 views (not its casts)."""
+    nodes, users = engine.node_map(), engine.users()
+    return [u for c in chain if not is_low(nodes[c].dtype) for u in users.get(c, [])
+            if u not in chain and nodes[u].op == "call_function" and op_name(nodes[u].target) not in CASTS]
+
+
 def engine_state(e: str, engine: Graph, er: EngineRounding) -> SideState:
     """How the engine holds the value of node `e`: rounded here, on the grid from upstream, or FP32."""
     nodes = engine.node_map()
     base = _base(engine, e)
     kernel = nodes[base].kernel
     # The value is rounded right after it is computed if it, or a cast/view of it that carries the
-    # same value, is what a kernel stores in low precision.
-    for same in _same_value_chain(engine, base):
+    # same value, is what a kernel stores in low precision -- unless only a downcast copy is stored and the
+    # value's own consumers read it in FP32 (vLLM's residual `r = x.to(bf16)`, a graph output when it is live
+    # across a piecewise split, while the norm reads the FP32 sum).
+    chain = _same_value_chain(engine, base)
+    for same in chain:
         if same in er.rounded:
+            readers = _fp32_readers(engine, base, chain) if same != base and not is_low(nodes[base].dtype) else []
+            if readers:
+                return SideState(dtype="float32", how=f"FP32 for {', '.join(readers[:4])} in "
+                                                      f"{(kernel or '').split(':')[0]} (a BF16 copy is "
+                                                      f"{er.rounded[same]})")
             return SideState(dtype=nodes[same].dtype, rounds=True, on_grid=True, how=f"rounded: {er.rounded[same]}")
     if _representable(er.values.get(e)):
         return SideState(dtype=nodes[e].dtype, on_grid=True, how="already on the BF16 grid here (loaded or "

