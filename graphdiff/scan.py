@@ -29,6 +29,7 @@ from graphdiff.match import Match, match_values
 from graphdiff.measure.site_uniformity import site_nonuniformity
 from graphdiff.model import Capture, Decision, Graph, KernelEvidence, ScanResult, Shape, Site
 from graphdiff.opaque import attention_decisions, extern_rule
+from graphdiff.ops import is_attention
 from graphdiff.rounding import EngineRounding, eager_values, engine_rounding, train_rounding
 from graphdiff.scandir import ScanDir
 from graphdiff.shapes import check_shapes, default_shapes, with_prompts
@@ -200,7 +201,7 @@ def _sites_and_regions(plan: list[Decision], tgraph: Graph, engine_cap: Capture,
     where = _site_shapes(plan)
     for s in sites:
         s.shapes = [label for label in labels if label in where.get(s.id, [])]
-    kinds = {d.id: ("attention", "inside the engine's opaque attention op (registry)") if d.rule == "opaque-registry"
+    kinds = {d.id: ("attention", "inside the engine's opaque attention op (registry)") if is_attention(d.op)
              else classify(tgraph, d.node) for d in site_decisions}
     regions = group_regions(sites, kinds)
     by_id = {s.id: s for s in sites}

@@ -23,6 +23,7 @@ import torch
 from graphdiff.kernel_replay import KernelReplay
 from graphdiff.match import Match
 from graphdiff.model import Decision, Evidence, Graph, Node, Region, SideRef, SideState, Site, layer_of
+from graphdiff.opaque import ExternRule, extern_rule
 from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, is_attention, is_heavy, is_low, op_name
 from graphdiff.replay import LOW
 from graphdiff.rounding import EngineRounding, is_view
@@ -250,8 +251,74 @@ def decide(train: Graph, train_values: dict[str, object], changed: dict[str, flo
                                         confidence=min(by_train[below].confidence, anchors[above].confidence),
                                         **_replay_fields(kb, replays))))
                 continue
+            extern = _fp32_extern_reading(engine, ea) if above else None
+            if extern is not None and (below is None or _producing_call(engine, by_train[below].engine) == extern[0]):
+                kid, rule = extern
+                # The op's output is rounded once on both sides: the value that leaves the stretch for a boundary.
+                output = _leaves_for_boundary(train, t.name)
+                state = SideState(dtype=t.dtype, rounds=True, on_grid=True, how=f"the output of {rule.op}, rounded "
+                                  "once (registry)") if output else SideState(
+                    dtype="float32", how=f"FP32 inside {rule.op} (registry)")
+                out.append(Decision(**base, engine=state, rule="opaque-registry", site=not output, evidence=Evidence(
+                                        engine_graph=engine.name, kernel=kid, stretch=[ea], registry=f"{rule.op}: "
+                                        f"{rule.rounds} ({rule.source})", confidence=anchors[above].confidence)))
+                continue
         out.append(Decision(**base, rule="no-engine-value"))
     return out
+
+
+def _leaves_for_boundary(train: Graph, name: str) -> bool:
+    """Does the value only flow (through exact ops) into matmul/attention-like ops: the end of a stretch?"""
+    nodes, users = train.node_map(), train.users()
+    frontier, seen = [name], {name}
+    while frontier:
+        nxt = []
+        for n in frontier:
+            for u in users.get(n, []):
+                if is_heavy(nodes[u].target) or nodes[u].op == "output":
+                    continue
+                if op_name(nodes[u].target) not in EXACT:
+                    return False
+                if u not in seen:
+                    seen.add(u)
+                    nxt.append(u)
+        frontier = nxt
+    return True
+
+
+def _producing_call(engine: Graph, name: str) -> str | None:
+    """The kernel call (generated or extern) computing a node, looking through glue."""
+    nodes = engine.node_map()
+    frontier = [name]
+    for _ in range(MAX_HOPS):
+        for n in frontier:
+            if nodes[n].kernel:
+                return nodes[n].kernel
+        frontier = [i for n in frontier for i in nodes[n].inputs]
+        if not frontier:
+            return None
+    return None
+
+
+def _fp32_extern_reading(engine: Graph, name: str) -> tuple[str, ExternRule] | None:
+    """An opaque op the registry says computes in FP32 inside (rounding once per output) that reads the value of
+    `name` (or a view of it): then trainer values between that input and the op's outputs are FP32 in the engine."""
+    nodes, users = engine.node_map(), engine.users()
+    seen, frontier = {name}, [name]
+    while frontier:
+        nxt = []
+        for n in frontier:
+            for u in users.get(n, []):
+                kid = nodes[u].kernel or ""
+                rule = extern_rule(kid.split(":")[0]) if kid else None
+                if rule is not None and rule.fp32_inside and rule.kind not in ("matmul", "kv-cache") and \
+                        any(k.id == kid and k.kind == "extern" for k in engine.kernels):
+                    return kid, rule
+                if is_view(nodes[u]) and u not in seen:
+                    seen.add(u)
+                    nxt.append(u)
+        frontier = nxt
+    return None
 
 
 def merge_decisions(train: Graph, per_graph: list[list[Decision]]) -> list[Decision]:
@@ -291,6 +358,8 @@ def summary(d: Decision) -> str:
     if d.rule == "inside-kernel":
         return (f"no engine node computes this value (other decomposition); the engine computes {e.stretch[0]} -> "
                 f"{e.stretch[1]} inside {e.kernel.split(':')[0]} in FP32 (replay-verified)")
+    if d.rule == "opaque-registry" and e.stretch:
+        return f"no engine node computes this value: the engine computes it inside the opaque {e.registry}"
     if d.rule == "opaque-registry":
         return (f"trainer: its attention on FP32-upcast inputs, rounded once, differs on {d.train.changed:.0%} of "
                 f"the output; {e.registry}")
