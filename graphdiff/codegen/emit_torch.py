@@ -115,13 +115,9 @@ def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _mean(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
-    if EXACT_REDUCTIONS:  # order-independent (what the Triton kernels accumulate)
-        return x.double().mean(dims, keepdim=keepdim).float()
     return x.mean(dims, keepdim=keepdim)
 
 
 def _sum(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
-    if EXACT_REDUCTIONS:
-        return x.double().sum(dims, keepdim=keepdim).float()
     return x.sum(dims, keepdim=keepdim)
 '''

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from graphdiff.codegen import emit_torch, emit_triton
+from graphdiff.codegen import emit_torch, emit_triton, inductor_lowering
 from graphdiff.codegen.fragment import Fragment, decide_outputs, fragment_for, merge, region_slug
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import (
@@ -126,7 +126,7 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) ->
                 frag.problems.append(f"PyTorch emitter: {e}")
             else:
                 source = "\n".join(lines)
-                frag.compiled = _compile("import torch\nimport torch.nn.functional as F\nEXACT_REDUCTIONS = False\n"
+                frag.compiled = _compile("import torch\nimport torch.nn.functional as F\n"
                                          + emit_torch.PRELUDE + "\n" + source, f"torch_{slug}")
                 splice.torch_fn = f"torch_{slug}"
                 splice.inputs = [f"param:{frag.params[i]}" if i in frag.params else "arg:0" for i in frag.inputs]
@@ -183,10 +183,10 @@ def render_module(scan: ScanResult, body: list[str], triton: bool) -> str:
         "",
         "from __future__ import annotations",
         "",
+        "import os",
+        "",
         "import torch",
         "import torch.nn.functional as F",
-        "",
-        "EXACT_REDUCTIONS = False  # True: row reductions accumulate in FP64 (order-independent, as the kernels do)",
         "",
         emit_torch.PRELUDE.strip("\n"),
         "",
@@ -201,5 +201,5 @@ def render_module(scan: ScanResult, body: list[str], triton: bool) -> str:
         "    return args, kwargs",
     ]
     if triton:
-        head += ["", "", emit_triton.PRELUDE.strip("\n")]
+        head += ["", "", f"# Triton kernels' math: {inductor_lowering.source()}", emit_triton.PRELUDE.strip("\n")]
     return "\n".join(head + body) + "\n"
