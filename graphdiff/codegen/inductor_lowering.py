@@ -18,7 +18,7 @@ expression each, over the fragment's variables and earlier steps. A reduction is
 persistent reduction of a row (one FP32 `tl.sum` over a power-of-two block, masked lanes 0) for rows up to
 `persistent_limit()`, which the emitter writes.
 
-Where Inductor cannot be asked (no torch._inductor, or its internals changed), `FALLBACK` gives the forms read
+Where Inductor cannot be asked (no torch._inductor, or its internals changed), `_fallback` gives the forms read
 from torch 2.11 and 2.13 (the recorded H200 dump and this module's tests), and `source()` says why.
 """
 
