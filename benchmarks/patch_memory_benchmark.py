@@ -10,7 +10,8 @@ Two numbers per variant, both from torch's own allocator events (no sampling):
 Variants: `unpatched` (HF eager), `torch` (every region aligned, the generated PyTorch functions: what the runtime
 runs on a CPU), `triton` (the same with the Triton kernels, GRAPHDIFF_TRITON=1: needs TRITON_INTERPRET=1, in
 which the kernels run in numpy, whose own buffers torch does not see). On a GPU the same comparison is
-`patch_step_benchmark.py --device cuda` (torch.cuda.max_memory_allocated).
+`patch_step_benchmark.py --device cuda` (torch.cuda.max_memory_allocated). `--splice-rows N` adds the peak of
+one norm splice's Triton backward over N rows (where the weight gradient's buffer shows).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,9 +30,6 @@ from graphdiff.codegen import generate
 
 
 def peak_and_saved(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
     model.zero_grad(set_to_none=True)
     saved: dict[int, int] = {}
 
@@ -39,11 +38,23 @@ def peak_and_saved(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]
         saved[s.data_ptr()] = s.nbytes()
         return t
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    def step() -> None:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
-    del loss
+
+    peak = peak_of(step)
+    model.zero_grad(set_to_none=True)
+    return peak, sum(saved.values())
+
+
+def peak_of(fn: Callable[[], object]) -> int:
+    """The most CPU tensor memory live at once while `fn` runs, above what was live when it started."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
     events: list[tuple[int, int]] = []  # (time, bytes): allocations positive, frees negative
 
     def walk(node) -> None:  # noqa: ANN001 - a profiler event node
@@ -58,8 +69,17 @@ def peak_and_saved(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]
     for _, delta in sorted(events):
         live += delta
         peak = max(peak, live)
-    model.zero_grad(set_to_none=True)
-    return peak, sum(saved.values())
+    return peak
+
+
+def splice_backward_peak(gen: object, splice: object, hidden: int, rows: int) -> int:
+    """Peak memory of one norm splice's Triton backward (x: rows x hidden BF16, weight: hidden BF16)."""
+    gen_ = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, hidden, generator=gen_).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(hidden, generator=gen_).to(torch.bfloat16).requires_grad_()
+    y = getattr(gen, splice.triton_fn)(x, w, align=frozenset(splice.regions))[0]
+    g = torch.ones_like(y)
+    return peak_of(lambda: torch.autograd.grad(y, (x, w), g))
 
 
 def main() -> None:
@@ -70,6 +90,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--variants", default="unpatched,torch,triton")
+    ap.add_argument("--splice-rows", type=int, default=0,
+                    help="also: peak of model.norm's Triton backward alone over this many rows (TRITON_INTERPRET=1)")
     ap.add_argument("--out", type=Path, help="write the numbers as JSON here")
     args = ap.parse_args()
 
@@ -97,6 +119,16 @@ def main() -> None:
         base = results.get("unpatched")
         ratio = f"  ({peak / base['peak_bytes']:.3f}x peak, {saved / base['saved_bytes']:.3f}x saved)" if base else ""
         print(f"{variant:10s} peak {peak / 2**20:8.2f} MiB  saved for backward {saved / 2**20:8.2f} MiB{ratio}")
+    if args.splice_rows and os.environ.get("TRITON_INTERPRET") == "1":
+        from graphdiff.runtime import load_generated
+
+        gen = load_generated(manifest, work / "patch" / "manifest.json")
+        splice = next(s for s in manifest.splices if s.key == "model.norm")
+        peak = splice_backward_peak(gen, splice, model.config.hidden_size, args.splice_rows)
+        grads = args.splice_rows * model.config.hidden_size * 2 + model.config.hidden_size * 2
+        results["norm_backward"] = {"rows": args.splice_rows, "peak_bytes": peak, "gradient_bytes": grads}
+        print(f"model.norm Triton backward, {args.splice_rows} x {model.config.hidden_size}: "
+              f"peak {peak / 2**20:.2f} MiB (the BF16 gradients themselves: {grads / 2**20:.2f} MiB)")
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
                                        indent=2) + "\n")

@@ -219,3 +219,34 @@ def test_recomputed_fp32_output_is_the_forward_output(qwen3, patch_dir: Path) ->
     y = act(x)
     runtime.remove(qwen3)
     assert y.dtype == torch.float32 and torch.equal(y._graphdiff_recompute(), y)
+
+
+TRITON_STEP = """
+import sys, torch
+from graphdiff import runtime
+from graphdiff.capture.hf import load_hf_model
+from tests.test_runtime import IDS, _saved_bytes
+model = load_hf_model(sys.argv[1])
+unpatched, _, _ = _saved_bytes(model, IDS)
+runtime.apply(model, sys.argv[2])
+patched, loss, grads = _saved_bytes(model, IDS)
+assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+print(unpatched, patched)
+"""
+
+
+def test_triton_path_training_step_keeps_no_more_activations_than_unpatched(tiny_models, patch_dir: Path) -> None:
+    """The same with the Triton kernels (in the interpreter): RoPE's prologue (rotate_half's FP32 cat) is made
+    again in the backward, not kept."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "GRAPHDIFF_TRITON": "1"}
+    proc = subprocess.run([sys.executable, "-c", TRITON_STEP, str(tiny_models["qwen3"]), str(patch_dir)],
+                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    unpatched, patched = map(int, proc.stdout.split()[-2:])
+    assert patched <= unpatched, (patched, unpatched)

@@ -16,6 +16,8 @@ stored only for inputs that need one: in the input's dtype where the input has t
 rounded to nearest even in the kernel), and for an input broadcast to every row (a norm weight) reduced
 blockwise: each program runs a block of rows and stores one FP32 partial row, so the buffer is programs x D,
 not rows x D. Other broadcasts (per-row scalars, cos/sin over heads) store FP32 rows reduced after the kernel.
+A fragment with a prologue runs under non-reentrant checkpointing (`_inputs_only`), so the FP32 tensors the
+prologue makes are made again in the backward rather than kept.
 """
 
 from __future__ import annotations
@@ -150,6 +152,12 @@ def _emit(frag: Fragment, slug: str, nodes: dict[str, Node]) -> list[str]:
                        f"{', '.join(v(i) for i in ins)})")
         outs.append(f"o{j}")
     wrapper.append(f"    return ({', '.join(outs)},)")
+    if prologue:  # its data movement makes new FP32 tensors the kernels would keep: keep the inputs instead
+        params = ", ".join(f"x{i}" for i in range(len(frag.inputs)))
+        wrapper[0] = wrapper[0].replace(f"def triton_{slug}(", f"def _triton_{slug}_body(")
+        wrapper += ["", f"def triton_{slug}({params}, align: frozenset[str]):",
+                    '    """Same as the PyTorch function, as Triton kernels, keeping only the inputs for backward."""',
+                    f"    return _inputs_only(_triton_{slug}_body, {params}, align=align)"]
     return ["    " + ln if ln else "" for ln in [*lines, *wrapper]]
 
 
@@ -300,6 +308,13 @@ if triton is not None:
         for d, n in enumerate(shape[:-1]):
             off = off.unsqueeze(-1) + torch.arange(n, dtype=torch.int64, device=t.device) * strides[d]
         return off.reshape(-1).contiguous(), strides[-1]
+
+    def _inputs_only(fn, *inputs, align):
+        """fn keeping only its inputs for the backward (non-reentrant checkpointing): the FP32 tensors its
+        PyTorch prologue makes (rotate_half's cat) are made again in the backward, not kept."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            return torch.utils.checkpoint.checkpoint(fn, *inputs, align=align, use_reentrant=False)
+        return fn(*inputs, align=align)
 
     GRAD_PROGRAMS = 1024  # the backward's programs when a broadcast weight's gradient is summed blockwise
 

@@ -187,6 +187,7 @@ def render_module(scan: ScanResult, body: list[str], triton: bool) -> str:
         "",
         "import torch",
         "import torch.nn.functional as F",
+        "import torch.utils.checkpoint",
         "",
         emit_torch.PRELUDE.strip("\n"),
         "",

@@ -47,6 +47,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import MANIFEST_VERSION, Manifest, ManifestSplice
