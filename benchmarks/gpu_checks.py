@@ -97,7 +97,8 @@ def main() -> None:
                 "torch_checks": sum(c.path == "torch" for c in checks),
                 "max_ulp_triton": max((c.max_ulp for c in checks if c.path == "triton"), default=0.0),
                 "max_grad_rel_err": max(c.grad_rel_err for c in checks),
-                "non_identical": [f"{c.splice} {c.path} aligned={c.aligned} ulp={c.max_ulp:.1f}"
+                "non_identical": [f"{c.splice} {c.path} aligned={c.aligned} ulp={c.max_ulp:.1f} "
+                                  f"(allowed {c.ulp_limit}{': ' + c.cause if c.cause else ''})"
                                   for c in checks if not c.identical],
                 "seconds": round(time.perf_counter() - t, 1),
             }

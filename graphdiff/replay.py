@@ -87,14 +87,12 @@ class RoundingInterpreter(torch.fx.Interpreter):
     """Runs a fragment under a rounding plan and keeps every node's value."""
 
     def __init__(self, gm: torch.fx.GraphModule, declared: dict[str, str | None], plan: str,
-                 rounded: set[str] | frozenset[str] = frozenset(), compute: torch.dtype = torch.float32,
-                 reduce: torch.dtype | None = None) -> None:
+                 rounded: set[str] | frozenset[str] = frozenset(), compute: torch.dtype = torch.float32) -> None:
         super().__init__(gm)
         self.declared = declared  # node -> its dtype in the captured graph
         self.plan = plan
         self.rounded = rounded
         self.compute = compute
-        self.reduce = reduce  # mean/sum accumulate in this dtype (FP64: order-independent), result in `compute`
         self.values: dict[str, Any] = {}
 
     def _up(self, x: Any) -> Any:
@@ -113,11 +111,7 @@ class RoundingInterpreter(torch.fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             args = torch.fx.node.map_aggregate(args, self._up)
             kwargs = torch.fx.node.map_aggregate(kwargs, self._up)
-            reduction = op_name(str(n.target)) in ("mean", "sum") and isinstance(args[0], torch.Tensor)
-            if self.reduce is not None and reduction:
-                out = n.target(args[0].to(self.reduce), *args[1:], **kwargs).to(self.compute)
-            else:
-                out = n.target(*args, **kwargs)
+            out = n.target(*args, **kwargs)
             low = to_dtype(self.declared.get(n.name))
             if n.name in self.rounded and isinstance(out, torch.Tensor) and low in LOW:
                 out = out.to(low).to(self.compute)

@@ -180,3 +180,73 @@ def test_config_check_reads_the_published_config_form(patch_dir: Path, tmp_path:
     model.config.intermediate_size += 1
     with pytest.raises(PatchError, match="intermediate_size=12289, the scanned one 12288"):
         _check(model, manifest, patch_dir / "manifest.json", allow_version_mismatch=False)
+
+
+def _saved_bytes(model, ids: torch.Tensor) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:  # noqa: ANN001
+    """Bytes of the distinct tensors autograd keeps for the backward of one training step, the loss, the grads."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return sum(saved.values()), loss.detach(), grads
+
+
+def test_patched_training_step_keeps_no_more_activations_than_unpatched(qwen3, patch_dir: Path) -> None:
+    """Splices keep only their inputs, FP32 outputs saved by later ops are recomputed: with every region
+    aligned the step saves no more for the backward than unpatched HF (issue 13, memory)."""
+    ids = IDS.repeat(2, 4)
+    unpatched, _, _ = _saved_bytes(qwen3, ids)
+    runtime.apply(qwen3, patch_dir)
+    patched, loss, grads = _saved_bytes(qwen3, ids)
+    again, loss2, grads2 = _saved_bytes(qwen3, ids)
+    runtime.remove(qwen3)
+    assert patched <= unpatched, (patched, unpatched)
+    assert torch.equal(loss, loss2) and all(torch.equal(grads[n], grads2[n]) for n in grads)  # deterministic
+
+
+def test_recomputed_fp32_output_is_the_forward_output(qwen3, patch_dir: Path) -> None:
+    """What the backward gets in place of a saved FP32 splice output is bit-identical to it."""
+    runtime.apply(qwen3, patch_dir)
+    act = qwen3.model.layers[0].mlp.act_fn
+    x = torch.randn(2, 5, qwen3.config.intermediate_size, dtype=torch.bfloat16, requires_grad=True)
+    y = act(x)
+    runtime.remove(qwen3)
+    assert y.dtype == torch.float32 and torch.equal(y._graphdiff_recompute(), y)
+
+
+TRITON_STEP = """
+import sys, torch
+from graphdiff import runtime
+from graphdiff.capture.hf import load_hf_model
+from tests.test_runtime import IDS, _saved_bytes
+model = load_hf_model(sys.argv[1])
+unpatched, _, _ = _saved_bytes(model, IDS)
+runtime.apply(model, sys.argv[2])
+patched, loss, grads = _saved_bytes(model, IDS)
+assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+print(unpatched, patched)
+"""
+
+
+def test_triton_path_training_step_keeps_no_more_activations_than_unpatched(tiny_models, patch_dir: Path) -> None:
+    """The same with the Triton kernels (in the interpreter): RoPE's prologue (rotate_half's FP32 cat) is made
+    again in the backward, not kept."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "GRAPHDIFF_TRITON": "1"}
+    proc = subprocess.run([sys.executable, "-c", TRITON_STEP, str(tiny_models["qwen3"]), str(patch_dir)],
+                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    unpatched, patched = map(int, proc.stdout.split()[-2:])
+    assert patched <= unpatched, (patched, unpatched)

@@ -2,116 +2,92 @@
 
 The fragment splits into a *prologue* of exact data movement on its inputs (rotate_half's slices, cat and
 neg; unsqueezes), run by PyTorch under autograd, and a *core* of elementwise ops and last-dim reductions,
-one kernel per output. Inside a kernel every value is FP32 in registers; `_rne` rounds to BF16 (nearest
-even, on the FP32 bits: the interpreter's BF16 store truncates) exactly where the plan rounds, and the
-store is exact because the value is already on the grid. Row reductions accumulate in FP64 so the result
-does not depend on the reduction order (verify compares them with the plan replay reducing in FP64).
-The backward kernel recomputes the forward from the saved inputs (no activations kept) and runs the
-reverse pass in FP32, treating roundings as identities (straight-through, like autograd through `.to`).
+one kernel per output. Each core op is written as Inductor's Triton codegen writes it on the installed torch
+(`inductor_lowering`: its decompositions, lowerings and Triton op overrides: libdevice.rsqrt, libdevice.exp,
+`/`, pow as multiplications, mean as an FP32 sum divided by the row size), because on a GPU the engine runs
+Inductor's kernels. Row reductions are Inductor's persistent reduction: one FP32 `tl.sum` over the row padded
+to a power of two (masked lanes 0). Inside a kernel every value is FP32 in registers; `_rne` rounds to BF16
+(nearest even, on the FP32 bits: the interpreter's BF16 store truncates) exactly where the plan rounds, and the
+store is exact because the value is already on the grid.
+
+The backward kernel recomputes the forward from the saved inputs (no activations kept) and runs the reverse
+pass in FP32, treating roundings as identities (straight-through, like autograd through `.to`). Gradients are
+stored only for inputs that need one: in the input's dtype where the input has the output's shape (BF16
+rounded to nearest even in the kernel), and for an input broadcast to every row (a norm weight) reduced
+blockwise: each program runs a block of rows and stores one FP32 partial row, so the buffer is programs x D,
+not rows x D. Other broadcasts (per-row scalars, cos/sin over heads) store FP32 rows reduced after the kernel.
+A fragment with a prologue runs under non-reentrant checkpointing (`_inputs_only`), so the FP32 tensors the
+prologue makes are made again in the backward rather than kept.
 """
 
 from __future__ import annotations
 
+from graphdiff.codegen import inductor_lowering
 from graphdiff.codegen.emit_torch import Unsupported, expression
 from graphdiff.codegen.fragment import Fragment, rounding
+from graphdiff.codegen.inductor_lowering import Step
 from graphdiff.model import Node
-from graphdiff.ops import EXACT, IDENTITY, is_low, op_name
+from graphdiff.ops import EXACT, is_low, op_name
 
-CORE = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "sigmoid", "silu", "reciprocal", "mean",
-        "sum"} | IDENTITY
+MOVES = EXACT - {"neg", "clone", "alias", "contiguous"}  # data movement: only in the prologue
 
 
 def v(name: str) -> str:
     return f"v_{name}"
 
 
-def _arg(a: object) -> str:
-    if isinstance(a, dict) and "node" in a:
-        return v(a["node"])
-    if isinstance(a, (int, float)) and not isinstance(a, bool):
-        return repr(float(a))
-    raise Unsupported(f"argument {a!r}")
-
-
-def forward_line(n: Node, row_dim: int) -> str:
-    """FP32 Triton expression for node n (masked lanes hold 0 and never reach a store or a reduction)."""
-    a = n.call[0]
+def forward_steps(n: Node, nodes: dict[str, Node], row_dim: int) -> list[Step]:
+    """Node n as Inductor's Triton codegen computes it (masked lanes hold 0 and never reach a store)."""
     name = op_name(n.target)
-    x = _arg(a[0]) if a else ""
-    if name in IDENTITY:
-        return x
-    if name in ("add", "sub", "mul"):
-        return f"{x} {dict(add='+', sub='-', mul='*')[name]} {_arg(a[1])}"
-    if name == "div":
-        return f"tl.math.div_rn({x}, {_arg(a[1])})"
-    if name == "neg":
-        return f"-{x}"
-    if name == "pow":
-        c = a[1]
-        if not (isinstance(c, (int, float)) and float(c).is_integer() and 1 <= c <= 4):
-            raise Unsupported(f"pow with exponent {c!r}")
-        return " * ".join([x] * int(c))
-    if name == "rsqrt":
-        return f"tl.math.div_rn(1.0, tl.sqrt_rn({x}))"
-    if name == "sqrt":
-        return f"tl.sqrt_rn({x})"
-    if name == "reciprocal":
-        return f"tl.math.div_rn(1.0, {x})"
-    if name == "exp":
-        return f"tl.exp({x})"
-    if name == "sigmoid":
-        return f"tl.math.div_rn(1.0, 1.0 + tl.exp(-{x}))"
-    if name == "silu":
-        return f"tl.math.div_rn({x}, 1.0 + tl.exp(-{x}))"
+    if name in MOVES:
+        raise Unsupported(f"{n.target} after computation (the kernel holds one row per program)")
     if name in ("mean", "sum"):
+        a = n.call[0]
         dims, keep = a[1], (a[2] if len(a) > 2 else False)
         if list(dims) not in ([-1], [row_dim]) or not keep:
             raise Unsupported(f"{n.target} over {dims} (only last-dim reductions with keepdim)")
-        total = f"tl.sum(tl.where(mask, ({x}).to(tl.float64), 0.0), axis=0)"
-        return f"({total} / D).to(tl.float32)" if name == "mean" else f"({total}).to(tl.float32)"
-    raise Unsupported(f"{n.target} has no Triton form")
+    try:
+        steps = inductor_lowering.lower(n, nodes, {i: v(i) for i in nodes}, v(n.name))
+    except inductor_lowering.Unsupported as e:
+        raise Unsupported(str(e)) from e
+    if any(s.op == "sum" for s in steps) and name not in ("mean", "sum"):
+        raise Unsupported(f"{n.target} reduces inside (only mean/sum over the row)")
+    return steps
 
 
-def grads(n: Node) -> list[tuple[str, str]]:
-    """(input variable, contribution) pairs of node n's adjoint `g` (reverse mode, FP32)."""
-    a = n.call[0]
-    name = op_name(n.target)
-    refs = [x for x in a if isinstance(x, dict) and "node" in x]
-    x = _arg(a[0]) if a else ""
-    y = _arg(a[1]) if len(a) > 1 and name in ("add", "sub", "mul", "div") else ""
-    out = v(n.name)
-    if name in IDENTITY | {"add", "sum"}:
-        rules = [(x, "g"), (y, "g")] if name == "add" else [(x, "g")]
-    elif name == "sub":
-        rules = [(x, "g"), (y, "-g")]
-    elif name == "mul":
-        rules = [(x, f"g * {y}"), (y, f"g * {x}")]
-    elif name == "div":
-        rules = [(x, f"g / {y}"), (y, f"-g * {x} / ({y} * {y})")]
-    elif name == "neg":
-        rules = [(x, "-g")]
-    elif name == "pow":
-        c = int(a[1])
-        rules = [(x, f"g * {float(c)!r}" + "".join(f" * {x}" for _ in range(c - 1)))]
-    elif name == "rsqrt":
-        rules = [(x, f"g * -0.5 * {out} * {out} * {out}")]
-    elif name == "sqrt":
-        rules = [(x, f"g * 0.5 / {out}")]
-    elif name == "reciprocal":
-        rules = [(x, f"-g * {out} * {out}")]
-    elif name == "exp":
-        rules = [(x, f"g * {out}")]
-    elif name == "sigmoid":
-        rules = [(x, f"g * {out} * (1.0 - {out})")]
-    elif name == "silu":
-        s = f"(1.0 / (1.0 + tl.exp(-{x})))"
-        rules = [(x, f"g * {s} * (1.0 + {x} * (1.0 - {s}))")]
-    elif name == "mean":
-        rules = [(x, "g / D")]
-    else:
-        raise Unsupported(f"no derivative for {n.target}")
-    names = {_arg(r) for r in refs}
-    return [(var, expr) for var, expr in rules if var in names]
+def step_line(s: Step) -> str:
+    if s.op == "sum":  # Inductor's persistent reduction: FP32, the whole row in one block
+        return f"{s.var} = tl.sum(tl.where(mask, {s.args[0]}, 0.0), axis=0)"
+    return f"{s.var} = {s.expr}"
+
+
+def grads(s: Step) -> list[tuple[str, str]]:
+    """(input variable, contribution) pairs of step s's adjoint `g` (reverse mode, FP32)."""
+    a = s.args
+    out = s.var
+    if s.op in ("identity", "sum"):
+        return [(a[0], "g")]
+    if s.op == "add":
+        return [(a[0], "g"), (a[1], "g")]
+    if s.op == "sub":
+        return [(a[0], "g"), (a[1], "-g")]
+    if s.op == "mul":
+        return [(a[0], f"g * {a[1]}"), (a[1], f"g * {a[0]}")]
+    if s.op in ("truediv", "div_rn"):
+        return [(a[0], f"g / {a[1]}"), (a[1], f"-g * {out} / {a[1]}")]
+    if s.op == "neg":
+        return [(a[0], "-g")]
+    if s.op == "rsqrt":
+        return [(a[0], f"g * -0.5 * {out} * {out} * {out}")]
+    if s.op == "sqrt":
+        return [(a[0], f"g * 0.5 / {out}")]
+    if s.op == "exp":
+        return [(a[0], f"g * {out}")]
+    if s.op == "sigmoid":
+        return [(a[0], f"g * {out} * (1.0 - {out})")]
+    if s.op == "constant":
+        return []
+    raise Unsupported(f"no derivative for Inductor's ops.{s.op}")
 
 
 def split(frag: Fragment) -> tuple[list[Node], list[Node]]:
@@ -138,9 +114,6 @@ def emit(frag: Fragment, slug: str, nodes: dict[str, Node]) -> list[str] | str:
 def _emit(frag: Fragment, slug: str, nodes: dict[str, Node]) -> list[str]:
     prologue, core = split(frag)
     core_names = {n.name for n in core}
-    for n in core:
-        if op_name(n.target) not in CORE:
-            raise Unsupported(f"{n.target} after computation (the kernel holds one row per program)")
     if not all(o in core_names for o in frag.outputs):
         raise Unsupported("an output is pure data movement")
     index = {r: i for i, r in enumerate(frag.regions)}
@@ -165,7 +138,8 @@ def _emit(frag: Fragment, slug: str, nodes: dict[str, Node]) -> list[str]:
         scalar = {i for i in ins if (nodes[i].shape or [1])[-1] == 1 and shape[-1] != 1}
         scalar |= {n.name for n in comp if (n.shape or [1])[-1] == 1 and shape[-1] != 1}
         kname = f"_k_{slug}_{j}"
-        lines += _kernel(kname, comp, ins, o, scalar, flags, frag, index, len(shape) - 1)
+        steps = {n.name: forward_steps(n, nodes, len(shape) - 1) for n in comp}
+        lines += _kernel(kname, comp, steps, ins, o, scalar, flags, frag, index, shape[-1])
         out_low = is_low(nodes[o].dtype)
         site = frag.sites.get(o)
         if not out_low:
@@ -179,6 +153,12 @@ def _emit(frag: Fragment, slug: str, nodes: dict[str, Node]) -> list[str]:
                        f"{', '.join(v(i) for i in ins)})")
         outs.append(f"o{j}")
     wrapper.append(f"    return ({', '.join(outs)},)")
+    if prologue:  # its data movement makes new FP32 tensors the kernels would keep: keep the inputs instead
+        params = ", ".join(f"x{i}" for i in range(len(frag.inputs)))
+        wrapper[0] = wrapper[0].replace(f"def triton_{slug}(", f"def _triton_{slug}_body(")
+        wrapper += ["", f"def triton_{slug}({params}, align: frozenset[str]):",
+                    '    """Same as the PyTorch function, as Triton kernels, keeping only the inputs for backward."""',
+                    f"    return _inputs_only(_triton_{slug}_body, {params}, align=align)"]
     return ["    " + ln if ln else "" for ln in [*lines, *wrapper]]
 
 
@@ -204,46 +184,92 @@ def _round_lines(n: Node, frag: Fragment, index: dict[str, int], pad: str) -> li
     return [f"{pad}{v(n.name)} = _rne({v(n.name)})"]
 
 
-def _kernel(kname: str, comp: list[Node], ins: list[str], out: str, scalar: set[str], flags: list[str],
-            frag: Fragment, index: dict[str, int], row_dim: int) -> list[str]:
+def _rows_of(steps: dict[str, list[Step]], comp: list[Node], ins: list[str], scalar: set[str]) -> set[str]:
+    """Variables that hold a row (the others hold one value per row: reductions, constants, per-row inputs)."""
+    row = {v(i) for i in ins if i not in scalar}
+    for n in comp:
+        for st in steps[n.name]:
+            if st.op not in ("sum", "constant") and any(a in row for a in st.args):
+                row.add(st.var)
+    return row
+
+
+def _kernel(kname: str, comp: list[Node], steps: dict[str, list[Step]], ins: list[str], out: str, scalar: set[str],
+            flags: list[str], frag: Fragment, index: dict[str, int], d: int) -> list[str]:
     params = ", ".join(f"{v(i)}_ptr, {v(i)}_rows, {v(i)}_s" for i in ins)
     consts = "".join(f", {f}: tl.constexpr" for f in flags)
+
+    def loads(pad: str, valid: str) -> list[str]:
+        head = []
+        for i in ins:
+            base = f"{v(i)}_ptr + tl.load({v(i)}_rows + row)"
+            if i in scalar:
+                head.append(f"{pad}{v(i)} = tl.load({base}).to(tl.float32)")
+            else:
+                head.append(f"{pad}{v(i)} = tl.load({base} + cols * {v(i)}_s, mask={valid}, other=0.0).to(tl.float32)")
+        return head
+
+    def body(pad: str) -> list[str]:
+        lines = []
+        for n in comp:
+            for st in steps[n.name]:
+                lines.append(f"{pad}{step_line(st)}  # {n.target}" + (f": {st.op}" if st.var != v(n.name) else ""))
+            lines += _round_lines(n, frag, index, pad)
+        return lines
+
+    note = []
+    if d > inductor_lowering.persistent_limit() and any(st.op == "sum" for ss in steps.values() for st in ss):
+        note = [f"    # rows of {d} > {inductor_lowering.persistent_limit()}: Inductor loops over such rows with an "
+                "autotuned block; this sum reduces the row at once (FP32 order may differ)"]
     head = ["    row = tl.program_id(0)", "    cols = tl.arange(0, BLOCK)", "    mask = cols < D"]
-    for i in ins:
-        base = f"{v(i)}_ptr + tl.load({v(i)}_rows + row)"
-        if i in scalar:
-            head.append(f"    {v(i)} = tl.load({base}).to(tl.float32)")
-        else:
-            head.append(f"    {v(i)} = tl.load({base} + cols * {v(i)}_s, mask=mask, other=0.0).to(tl.float32)")
-    body = []
-    for n in comp:
-        body.append(f"    {v(n.name)} = {forward_line(n, row_dim)}  # {n.target}")
-        body += _round_lines(n, frag, index, "    ")
     signature = f"out_ptr, {params}, D, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr{consts}"
-    fwd = ["@triton.jit", f"def {kname}_fwd({signature}):",
-           *head, *body, f"    y = {v(out)}", "    if OUT_BF16:", "        y = _rne(y)",
+    fwd = ["@triton.jit", f"def {kname}_fwd({signature}):", *note,
+           *head, *loads("    ", "mask"), *body("    "), f"    y = {v(out)}", "    if OUT_BF16:", "        y = _rne(y)",
            "    tl.store(out_ptr + row * D + cols, y, mask=mask)", ""]
-    grad_params = ", ".join(f"g_{i}_ptr" for i in ins)
-    rev = ["    g = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)", f"    a_{out} = g"]
-    have = {out}
-    for n in reversed(comp):
-        if n.name not in have:
+
+    row_vars = _rows_of(steps, comp, ins, scalar)
+    flat = [st for n in comp for st in steps[n.name]]
+    live = {v(i) for i in ins}  # variables that depend on an input: the only ones with an adjoint
+    for st in flat:
+        if any(a in live for a in st.args):
+            live.add(st.var)
+    p = "        "
+    rev = [f"{p}g = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)", f"{p}a_{v(out)} = g"]
+    have = {v(out)}
+    for st in reversed(flat):
+        if st.var not in have:
             continue
-        rev.append(f"    g = a_{n.name}  # through {n.target}")
-        for var, expr in grads(n):
-            x = var.removeprefix("v_")
-            contrib = f"tl.sum(tl.where(mask, {expr}, 0.0), axis=0)" if x in scalar and n.name not in scalar else expr
-            rev.append(f"    a_{x} = a_{x} + {contrib}" if x in have else f"    a_{x} = {contrib}")
-            have.add(x)
-    for i in ins:
-        value = f"a_{i}" if i in have else "tl.zeros([BLOCK], dtype=tl.float32)"
+        rev.append(f"{p}g = a_{st.var}  # through {st.op}")
+        for var, expr in grads(st):
+            if var not in live:
+                continue
+            contrib = f"tl.sum(tl.where(mask, {expr}, 0.0), axis=0)" if var not in row_vars and st.var in row_vars \
+                else expr
+            rev.append(f"{p}a_{var} = a_{var} + {contrib}" if var in have else f"{p}a_{var} = {contrib}")
+            have.add(var)
+    stores, finals = [], []
+    for k, i in enumerate(ins):
+        a = f"a_{v(i)}"
         if i in scalar:
-            value = f"a_{i}" if i in have else "0.0"
-            rev.append(f"    tl.store(g_{i}_ptr + row, {value})")
-        else:
-            rev.append(f"    tl.store(g_{i}_ptr + row * D + cols, {value}, mask=mask)")
-    bwd = ["@triton.jit", f"def {kname}_bwd(gout_ptr, {params}, {grad_params}, D, BLOCK: tl.constexpr{consts}):",
-           *head, *body, *rev, ""]
+            value = a if a in {f"a_{h}" for h in have} else "0.0"
+            stores += [f"{p}if GM{k} == 3:", f"{p}    tl.store(g{k}_ptr + row, {value})"]
+            continue
+        value = a if v(i) in have else "tl.zeros([BLOCK], dtype=tl.float32)"
+        stores += [f"{p}if GM{k} == 1:", f"{p}    tl.store(g{k}_ptr + row * D + cols, {value}, mask=mask)",
+                   f"{p}if GM{k} == 2:", f"{p}    tl.store(g{k}_ptr + row * D + cols, _rne({value}), mask=mask)",
+                   f"{p}if GM{k} == 4:", f"{p}    acc{k} += tl.where(valid, {value}, 0.0)"]
+        finals += [f"    if GM{k} == 4:", f"        tl.store(g{k}_ptr + pid * D + cols, acc{k}, mask=mask)"]
+    grad_params = ", ".join(f"g{k}_ptr" for k in range(len(ins)))
+    modes = "".join(f", GM{k}: tl.constexpr" for k in range(len(ins)))
+    loop = ["    pid = tl.program_id(0)", "    cols = tl.arange(0, BLOCK)", "    mask = cols < D",
+            *[f"    acc{k} = tl.zeros([BLOCK], dtype=tl.float32)" for k, i in enumerate(ins) if i not in scalar],
+            "    for r in range(RPP):  # a block of rows per program: broadcast weights' gradients summed in registers",
+            "        ok = pid * RPP + r < n_rows",
+            "        row = tl.where(ok, pid * RPP + r, n_rows - 1)  # past the end: the last row again, not summed",
+            "        valid = mask & ok"]
+    bwd = ["@triton.jit",
+           f"def {kname}_bwd(gout_ptr, {params}, {grad_params}, D, n_rows, RPP, BLOCK: tl.constexpr{modes}{consts}):",
+           *note, *loop, *loads(p, "mask"), *body(p), *rev, *stores, *finals, ""]
     return fwd + bwd
 
 
@@ -255,6 +281,21 @@ except ImportError:  # CPU-only installs: the runtime uses the PyTorch functions
     triton = None
 
 if triton is not None:
+    try:  # the names Inductor's Triton kernels call their math library by
+        from torch._inductor.runtime.triton_helpers import libdevice, math as tl_math
+    except ImportError:
+        from triton.language.extra import libdevice
+        tl_math = tl.math
+    if os.environ.get("TRITON_INTERPRET") == "1":
+
+        class _InterpretedLibdevice:
+            """The interpreter runs no extern (libdevice) calls: tl.math's function of the same name, which the
+            interpreter computes with numpy (its FP32 results are numpy's, not CUDA's)."""
+
+            def __getattr__(self, name):
+                return lambda *args: getattr(tl.math, name)(*args)
+
+        libdevice = _InterpretedLibdevice()
 
     @triton.jit
     def _rne(x):
@@ -272,6 +313,29 @@ if triton is not None:
             off = off.unsqueeze(-1) + torch.arange(n, dtype=torch.int64, device=t.device) * strides[d]
         return off.reshape(-1).contiguous(), strides[-1]
 
+    def _inputs_only(fn, *inputs, align):
+        """fn keeping only its inputs for the backward (non-reentrant checkpointing): the FP32 tensors its
+        PyTorch prologue makes (rotate_half's cat) are made again in the backward, not kept."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            return torch.utils.checkpoint.checkpoint(fn, *inputs, align=align, use_reentrant=False)
+        return fn(*inputs, align=align)
+
+    GRAD_PROGRAMS = 1024  # the backward's programs when a broadcast weight's gradient is summed blockwise
+
+    def _grad_mode(t: torch.Tensor, shape: torch.Size, per_row: bool, need: bool) -> int:
+        """How the backward kernel stores this input's gradient: 0 not at all, 1 FP32 rows, 2 BF16 rows (the
+        input has the output's shape), 3 one FP32 value per row, 4 one FP32 partial row per program (the
+        input is one row broadcast to all rows: a norm weight)."""
+        if not need:
+            return 0
+        if per_row:
+            return 3
+        if t.shape == shape:
+            return 2 if t.dtype == torch.bfloat16 else 1
+        if t.numel() == shape[-1]:
+            return 4
+        return 1
+
     class _RowKernel(torch.autograd.Function):
         """One generated forward/backward kernel pair over the rows of the broadcast shape of its inputs."""
 
@@ -284,7 +348,7 @@ if triton is not None:
             args = [a for t in inputs for a in (t, *_rows(t, shape))]
             block = triton.next_power_of_2(d)
             fwd[(out.numel() // d,)](out, *args, d, BLOCK=block, OUT_BF16=out_bf16, **flags)
-            ctx.save_for_backward(*inputs)
+            ctx.save_for_backward(*inputs)  # inputs only: the backward kernel recomputes the forward
             ctx.kernels, ctx.flags, ctx.shape = kernels, flags, shape
             return out
 
@@ -295,14 +359,25 @@ if triton is not None:
             shape = ctx.shape
             d = shape[-1]
             rows = gout.numel() // d
-            # Full-size FP32 gradients per input, reduced to each input's shape (broadcast weights) after.
-            grads = [torch.empty((rows, 1 if i in per_row else d), dtype=torch.float32, device=gout.device)
-                     for i in range(len(inputs))]
+            modes = [_grad_mode(t, shape, i in per_row, need) for i, (t, need)
+                     in enumerate(zip(inputs, ctx.needs_input_grad[3:]))]
+            programs = min(rows, GRAD_PROGRAMS) if 4 in modes else rows
+            rpp = -(-rows // programs)
+            programs = -(-rows // rpp)
+            grads = []
+            for t, m in zip(inputs, modes):
+                size = {0: (1,), 1: (rows, d), 2: (rows, d), 3: (rows, 1), 4: (programs, d)}[m]
+                grads.append(torch.empty(size, dtype=torch.bfloat16 if m == 2 else torch.float32, device=gout.device))
             args = [a for t in inputs for a in (t, *_rows(t, shape))]
-            bwd[(rows,)](gout.contiguous(), *args, *grads, d, BLOCK=triton.next_power_of_2(d), **ctx.flags)
+            bwd[(programs,)](gout.contiguous(), *args, *grads, d, rows, rpp, BLOCK=triton.next_power_of_2(d),
+                             **{f"GM{k}": m for k, m in enumerate(modes)}, **ctx.flags)
             out = []
-            for t, g, need in zip(inputs, grads, ctx.needs_input_grad[3:]):
-                g = g.view(*shape[:-1], g.shape[-1])
-                out.append(g.sum_to_size(t.shape).to(t.dtype) if need else None)
+            for t, g, m in zip(inputs, grads, modes):
+                if m == 0:
+                    out.append(None)
+                elif m == 4:
+                    out.append(g.sum(0).view(t.shape).to(t.dtype))
+                else:
+                    out.append(g.view(*shape[:-1], g.shape[-1]).sum_to_size(t.shape).to(t.dtype))
             return (None, None, None, *out)
 '''

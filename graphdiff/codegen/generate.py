@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from graphdiff.codegen import emit_torch, emit_triton
+from graphdiff.codegen import emit_torch, emit_triton, inductor_lowering
 from graphdiff.codegen.fragment import Fragment, cut_fragments, region_slug
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import (
@@ -198,8 +198,11 @@ def render_module(scan: ScanResult, body: list[str], triton: bool) -> str:
         "",
         "from __future__ import annotations",
         "",
+        "import os",
+        "",
         "import torch",
         "import torch.nn.functional as F",
+        "import torch.utils.checkpoint",
         "",
         emit_torch.PRELUDE.strip("\n"),
         "",
@@ -214,5 +217,5 @@ def render_module(scan: ScanResult, body: list[str], triton: bool) -> str:
         "    return args, kwargs",
     ]
     if triton:
-        head += ["", "", emit_triton.PRELUDE.strip("\n")]
+        head += ["", "", f"# Triton kernels' math: {inductor_lowering.source()}", emit_triton.PRELUDE.strip("\n")]
     return "\n".join(head + body) + "\n"

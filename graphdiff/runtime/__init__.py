@@ -19,6 +19,10 @@ How the generated code is spliced in (no per-model code; everything comes from t
   attention implementation (HF's sdpa on FP32-upcast q/k/v, output rounded once);
 - every nn.Linear rounds a floating input to its weight dtype: the engine stores every matmul input in
   low precision, and an FP32 value the patch produced must be rounded exactly there.
+Memory: a splice keeps only its inputs for the backward (the Triton backward kernel recomputes the forward; the
+PyTorch path runs under non-reentrant checkpointing), and an FP32 output that a later eager op saves (SiLU's
+output for the gate product, the q/k norm for RoPE) is saved as a recipe and recomputed in the backward, so the
+patch adds no FP32 activations to what autograd keeps.
 Splices of regions not in `regions` are installed too, rounding where HF eager rounds (bit-identical to
 unpatched HF), so that a value another region made FP32 is still handled; only their sites stay rounded.
 
@@ -43,6 +47,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import MANIFEST_VERSION, Manifest, ManifestSplice
@@ -167,12 +172,85 @@ def _chooser(gen: ModuleType, splice: ManifestSplice) -> Callable[..., tuple]:
     ref = getattr(gen, splice.torch_fn)
     kernel = getattr(gen, splice.triton_fn) if splice.triton_fn else None
 
-    def run(inputs: list[torch.Tensor], align: frozenset[str]) -> tuple:
+    def compute(inputs: list[torch.Tensor], align: frozenset[str]) -> tuple:
         if kernel is not None and _use_triton(inputs):
-            return kernel(*inputs, align=align)
+            return kernel(*inputs, align=align)  # its backward kernel recomputes from the saved inputs
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+            # the PyTorch path keeps only its inputs too: its FP32 intermediates are recomputed in the backward
+            # (same ops, same values)
+            return torch.utils.checkpoint.checkpoint(ref, *inputs, align=align, use_reentrant=False)
         return ref(*inputs, align=align)
 
+    def run(inputs: list[torch.Tensor], align: frozenset[str]) -> tuple:
+        outs = compute(inputs, align)
+        if torch.is_grad_enabled():
+            for j, o in enumerate(outs):
+                if isinstance(o, torch.Tensor) and o.dtype == torch.float32 and o.requires_grad:
+                    o._graphdiff_recompute = _Recompute(compute, inputs, align, j)
+        return outs
+
     return run
+
+
+class _Recompute:
+    """How an FP32 output of a splice is recomputed when a later op saves it for the backward (instead of keeping
+    the FP32 activation): from the splice's inputs, which its own backward keeps anyway."""
+
+    def __init__(self, compute: Callable, inputs: list[torch.Tensor], align: frozenset[str], index: int) -> None:
+        self.compute, self.inputs, self.align, self.index = compute, inputs, align, index
+        self.versions = [t._version if isinstance(t, torch.Tensor) else None for t in inputs]
+
+    def __call__(self) -> torch.Tensor:
+        if any(isinstance(t, torch.Tensor) and t._version != v for t, v in zip(self.inputs, self.versions)):
+            raise RuntimeError("graphdiff: an input of a patched module was modified in place after the forward; "
+                               "its FP32 output cannot be recomputed for the backward")
+        with torch.no_grad():
+            return self.compute(self.inputs, self.align)[self.index]
+
+
+def _outer_saved_tensors_hooks() -> tuple[Callable | None, Callable | None]:
+    """The saved-tensor hooks active now (torch's private accessor; none where it is missing)."""
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    except (AttributeError, TypeError):
+        top = None
+    return top if top else (None, None)
+
+
+def _saved_fp32_recomputed(model: torch.nn.Module) -> Callable[[], None]:
+    """While `model` runs forward, a saved tensor that is a splice's FP32 output is stored as its recipe
+    (`_Recompute`); any other goes to the saved-tensor hooks that were active (e.g. CPU offloading), if any."""
+    stack: list[Any] = []
+
+    def enter(module: torch.nn.Module, args: tuple) -> None:
+        outer_pack, outer_unpack = _outer_saved_tensors_hooks()
+
+        def pack(t: torch.Tensor) -> Any:
+            recipe = getattr(t, "_graphdiff_recompute", None)
+            if recipe is not None:
+                return recipe
+            return outer_pack(t) if outer_pack else t
+
+        def unpack(x: Any) -> torch.Tensor:
+            if isinstance(x, _Recompute):
+                return x()
+            return outer_unpack(x) if outer_unpack else x
+
+        ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        ctx.__enter__()
+        stack.append(ctx)
+
+    def leave(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
+
+    def undo() -> None:
+        for h in hooks:
+            h.remove()
+
+    return undo
 
 
 def _module_forward(mod: torch.nn.Module, splice: ManifestSplice, run: Callable, align: frozenset[str]) -> Callable:
@@ -298,6 +376,7 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
     for _, mod in named:
         if isinstance(mod, torch.nn.Linear):
             state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
+    state.undo.append(_saved_fp32_recomputed(model))
     setattr(model, _ATTR, state)
     return model
 

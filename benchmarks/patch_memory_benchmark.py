@@ -1,0 +1,138 @@
+"""Peak memory of a training step (forward + backward), unpatched and patched, measured on the CPU.
+
+    TRITON_INTERPRET=1 python benchmarks/patch_memory_benchmark.py --scan fixtures/scans/tiny-qwen3 --arch qwen3
+
+Two numbers per variant, both from torch's own allocator events (no sampling):
+- peak: the most tensor memory live at once during the step, above what was live before it (parameters),
+  from the profiler's allocation and free events (`profile_memory=True`), in time order;
+- saved: bytes of the distinct tensors autograd saves for the backward during the forward (saved-tensor hooks).
+
+Variants: `unpatched` (HF eager), `torch` (every region aligned, the generated PyTorch functions: what the runtime
+runs on a CPU), `triton` (the same with the Triton kernels, GRAPHDIFF_TRITON=1: needs TRITON_INTERPRET=1, in
+which the kernels run in numpy, whose own buffers torch does not see). On a GPU the same comparison is
+`patch_step_benchmark.py --device cuda` (torch.cuda.max_memory_allocated). `--splice-rows N` adds the peak of
+one norm splice's Triton backward over N rows (where the weight gradient's buffer shows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from graphdiff import runtime
+from graphdiff.codegen import generate
+
+
+def peak_and_saved(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
+    model.zero_grad(set_to_none=True)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    def step() -> None:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+
+    peak = peak_of(step)
+    model.zero_grad(set_to_none=True)
+    return peak, sum(saved.values())
+
+
+def peak_of(fn: Callable[[], object]) -> int:
+    """The most CPU tensor memory live at once while `fn` runs, above what was live when it started."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events: list[tuple[int, int]] = []  # (time, bytes): allocations positive, frees negative
+
+    def walk(node) -> None:  # noqa: ANN001 - a profiler event node
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    live = peak = 0
+    for _, delta in sorted(events):
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def splice_backward_peak(gen: object, splice: object, hidden: int, rows: int) -> int:
+    """Peak memory of one norm splice's Triton backward (x: rows x hidden BF16, weight: hidden BF16)."""
+    gen_ = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, hidden, generator=gen_).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(hidden, generator=gen_).to(torch.bfloat16).requires_grad_()
+    y = getattr(gen, splice.triton_fn)(x, w, align=frozenset(splice.regions))[0]
+    g = torch.ones_like(y)
+    return peak_of(lambda: torch.autograd.grad(y, (x, w), g))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scan", type=Path, required=True, help="scan directory (scan.json + train.capture.json)")
+    ap.add_argument("--arch", default="qwen3")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--variants", default="unpatched,torch,triton")
+    ap.add_argument("--splice-rows", type=int, default=0,
+                    help="also: peak of model.norm's Triton backward alone over this many rows (TRITON_INTERPRET=1)")
+    ap.add_argument("--out", type=Path, help="write the numbers as JSON here")
+    args = ap.parse_args()
+
+    from graphdiff.capture.hf import load_hf_model
+    from graphdiff.tiny import make_tiny
+
+    work = Path(tempfile.mkdtemp(prefix="graphdiff-mem-"))
+    model = load_hf_model(make_tiny(args.arch, work / "model", layers=args.layers)).train()
+    manifest = generate(args.scan, work / "patch")
+    regions = [r.name for r in manifest.regions if r.generated]
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for variant in args.variants.split(","):
+        if variant == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+            print("triton: skipped (set TRITON_INTERPRET=1 to run the kernels on the CPU)")
+            continue
+        os.environ["GRAPHDIFF_TRITON"] = "1" if variant == "triton" else "0"
+        if variant != "unpatched":
+            runtime.apply(model, work / "patch" / "manifest.json", regions=regions)
+        peak_and_saved(model, ids)  # warm-up: lazy initialisation is not the step's memory
+        peak, saved = peak_and_saved(model, ids)
+        if variant != "unpatched":
+            runtime.remove(model)
+        results[variant] = {"peak_bytes": peak, "saved_bytes": saved}
+        base = results.get("unpatched")
+        ratio = f"  ({peak / base['peak_bytes']:.3f}x peak, {saved / base['saved_bytes']:.3f}x saved)" if base else ""
+        print(f"{variant:10s} peak {peak / 2**20:8.2f} MiB  saved for backward {saved / 2**20:8.2f} MiB{ratio}")
+    if args.splice_rows and os.environ.get("TRITON_INTERPRET") == "1":
+        from graphdiff.runtime import load_generated
+
+        gen = load_generated(manifest, work / "patch" / "manifest.json")
+        splice = next(s for s in manifest.splices if s.key == "model.norm")
+        peak = splice_backward_peak(gen, splice, model.config.hidden_size, args.splice_rows)
+        grads = args.splice_rows * model.config.hidden_size * 2 + model.config.hidden_size * 2
+        results["norm_backward"] = {"rows": args.splice_rows, "peak_bytes": peak, "gradient_bytes": grads}
+        print(f"model.norm Triton backward, {args.splice_rows} x {model.config.hidden_size}: "
+              f"peak {peak / 2**20:.2f} MiB (the BF16 gradients themselves: {grads / 2**20:.2f} MiB)")
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                                       indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
