@@ -310,6 +310,34 @@ def replay_cmd(
               f"low-precision elements bit-identical; naive round-after-every-op: {r.naive:.2%}")
 
 
+@app.command("check")
+def check_cmd(
+    manifest: Path = typer.Argument(..., help="the checked-in patch: manifest.json or its directory"),
+    engine: str = typer.Option("vllm", help="the inference engine (vllm)"),
+    model: str | None = typer.Option(None, help="the checkpoint to check (default: the model the patch was made for)"),
+    compilation_config: str | None = typer.Option(None, "--compilation-config", "-cc",
+                                                  help="the engine's compilation config now (default: the patch's)"),
+    optimization_level: int | None = typer.Option(None, "--optimization-level", "-O", help="the engine's -O now"),
+    shapes: str | None = typer.Option(None, "--shapes", help="shapes to re-scan (default: the patch's scan's)"),
+    fmt: str = typer.Option("text", "--format", help="text, json (a CI log) or markdown (a PR comment)"),
+    out_dir: Path | None = typer.Option(None, "--out", help="keep the re-scan here"),
+) -> None:
+    """CI gate: exit 0 when the patch still holds, 1 (with why) when it must be regenerated."""
+    from graphdiff.check import check, render
+
+    with user_errors():
+        if engine != "vllm":
+            raise GraphdiffError(f"unknown engine {engine!r}; graphdiff checks against vllm")
+        if fmt not in ("text", "json", "markdown"):
+            raise GraphdiffError(f"unknown format {fmt!r}; choose text, json or markdown")
+        config = parse_json_option(compilation_config, "--compilation-config") if compilation_config else None
+        with progress("re-scanning the patched trainer") as update:
+            result = check(manifest, model=model, compilation_config=config, optimization_level=optimization_level,
+                           shapes=shapes, out=out_dir, progress=update)
+    print(render(result, fmt))
+    raise typer.Exit(0 if result.ok else 1)
+
+
 @app.command("report")
 def report_cmd(
     scan_dir: Path = typer.Argument(..., help="a scan output directory (scan.json + the two capture files)"),
@@ -477,11 +505,14 @@ def kl_cmd(
     prompts_file: Path | None = typer.Option(None, "--prompts", help="one prompt per line: JSON token ids or text"),
     random: int | None = typer.Option(None, "--random", help="N seeded random prompts (default 8)"),
     prompt_len: int = typer.Option(16, "--prompt-tokens", help="length of each random prompt"),
-    max_tokens: int = typer.Option(64, help="tokens the engine samples per prompt"),
+    max_tokens: int = typer.Option(1024, help="tokens the engine samples per prompt (the gap is shown per 128)"),
     temperature: float = typer.Option(1.0, help="sampling temperature"),
     seed: int = typer.Option(0, help="seed for prompts, sampling (seed+i per prompt) and the bootstrap"),
     modes: bool = typer.Option(False, "--modes", help="engine compiled/eager x trainer eager/compiled (2x2)"),
     bootstrap: int = typer.Option(1000, help="bootstrap resamples for the attribution's confidence intervals"),
+    compilation_config: str | None = typer.Option(None, "--compilation-config", "-cc",
+                                                  help="the compiled engine's config, JSON as for `vllm serve`"),
+    optimization_level: int | None = typer.Option(None, "--optimization-level", "-O", help="the engine's -O"),
     out_dir: Path | None = typer.Option(None, "--out", help="output directory (default kl/<model>)"),
 ) -> None:
     """Measure the engine-vs-trainer log-prob gap on engine samples; write OUT/kl.json."""
@@ -501,11 +532,12 @@ def kl_cmd(
         prompts = (read_prompts(prompts_file, resolved.path, vocab) if prompts_file is not None
                    else random_prompts(resolved.config, random or 8, prompt_len, seed))
         names = [r.strip() for r in regions.split(",") if r.strip()] if regions else None
+        config = engine_config(parse_json_option(compilation_config, "--compilation-config"), optimization_level)
         with progress("measuring the log-prob gap") as update:
             result = measure(resolved.path, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature,
                              modes=modes, manifest=manifest, regions=names, attribute=attribute, metric=metric,
                              bootstrap=bootstrap, out_dir=out_dir, progress=update,
-                             reproduce="graphdiff " + shlex.join(sys.argv[1:]))
+                             reproduce="graphdiff " + shlex.join(sys.argv[1:]), compilation_config=config)
         path = save_json(result, out_dir / "kl.json")
     print_kl(result)
     out.print(f"wrote {path} (engine samples cached in {out_dir / SAMPLES_FILE})")
@@ -514,26 +546,37 @@ def kl_cmd(
 def print_kl(result) -> None:  # noqa: ANN001 - KLResult
     t = Table(title=f"log-prob gap, diff = logp_engine - logp_train: {result.model} ({result.architecture}), "
                     f"{result.prompts} prompts x {result.max_tokens} tokens")
-    for col in ("engine", "trainer", "patched", "k1 ± se (1e-4)", "k3 (1e-4)", "rms", "max |diff|", "bit-identical",
-                "tokens"):
+    for col in ("engine", "trainer", "patched", "k3 ± se (1e-4)", "rms", "max |diff|", "bit-identical",
+                "k1 ± se (1e-4)", "tokens"):
         t.add_column(col, justify="left" if col in ("engine", "trainer", "patched") else "right")
+
     def patched(m) -> str:  # noqa: ANN001 - KLMeasurement; kl.json lists every region
         return "-" if not m.regions else "+".join(m.regions) if len(m.regions) <= 2 else f"{len(m.regions)} regions"
 
-    for m in result.measurements:
-        k1 = f"{m.k1 * 1e4:.2f}" + ("" if m.k1_se is None else f" ± {m.k1_se * 1e4:.2f}")
-        t.add_row(m.engine_mode, m.trainer_mode, patched(m), k1,
-                  f"{m.k3 * 1e4:.2f}", f"{m.rms:.4f}", f"{m.max_abs:.4f}", f"{m.bitexact_fraction:.1%}",
-                  str(m.tokens))
+    def pm(value: float, se: float | None) -> str:
+        return f"{value * 1e4:.2f}" + ("" if se is None else f" ± {se * 1e4:.2f}")
+
+    rows = [*result.measurements, *([result.floor] if result.floor else [])]
+    for m in rows:
+        t.add_row(m.engine_mode, "engine prefill (floor)" if m.trainer_mode == "engine-prefill" else m.trainer_mode,
+                  patched(m), pm(m.k3, m.k3_se), f"{m.rms:.4f}", f"{m.max_abs:.4f}", f"{m.bitexact_fraction:.1%}",
+                  pm(m.k1, m.k1_se), str(m.tokens))
     out.print(t)
-    if result.measurements and result.measurements[0].position:
-        p = Table(title="rms of diff by continuation position (0 = first sampled token)")
+    if rows and rows[0].position:
+        p = Table(title=f"rms of diff (bit-identical) by continuation position, {result.bucket} at a time "
+                        "(0 = the first sampled token)")
         p.add_column("engine / trainer")
-        for b in result.measurements[0].position:
+        for b in rows[0].position:
             p.add_column(f"{b.start}-{b.stop - 1}", justify="right")
-        for m in result.measurements:
-            p.add_row(f"{m.engine_mode} / {m.trainer_mode}" + (f" + {patched(m)}" if m.regions else ""),
-                      *(f"{b.rms:.4f}" for b in m.position))
+        for m in rows:
+            who = "floor" if m.trainer_mode == "engine-prefill" else f"{m.engine_mode} / {m.trainer_mode}" + (
+                f" + {patched(m)}" if m.regions else "")
+            p.add_row(who, *(f"{b.rms:.4f} ({b.bitexact_fraction:.0%})" for b in m.position))
+        plain = next((m for m in result.measurements if m.regions is None and m.trainer_mode == "eager"), None)
+        fixed = next((m for m in result.measurements if m.regions and m.trainer_mode == "eager"), None)
+        if plain and fixed:
+            p.add_row("patched / unpatched rms", *(f"{b.rms / a.rms:.2f}" if a.rms else "-"
+                                                   for a, b in zip(plain.position, fixed.position)))
         out.print(p)
     a = result.attribution
     if a is not None:

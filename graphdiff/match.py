@@ -22,6 +22,7 @@ from graphdiff.ops import CASTS, op_name
 from graphdiff.rounding import is_view
 
 TOLERANCE = 0.015  # relative L2 distance of sorted values accepted as "the same value"
+SAME_LAYER_PREFERENCE = 1.5  # a neighbouring layer's candidate must be this much closer to win
 
 
 @dataclass
@@ -90,25 +91,29 @@ def match_values(train: Graph, train_values: dict[str, object], engine: Graph,
             continue
         tv = fingerprint("t:" + t.name, v)
         scale = float(tv.norm()) or 1.0
-        scored: list[tuple[float, bool, int, str]] = []
         layer = layer_of(t.module)
-        for same_layer in (True, False):  # a neighbouring layer only when the own layer has no match
+        near: dict[bool, list[tuple[float, bool, int, str]]] = {}
+        for same_layer in (True, False):  # the own layer, and the neighbouring layers (and no layer)
             if same_layer:
                 layers: list[int | None] = [layer]
             else:
                 layers = [None] if layer is not None else []
                 layers += [layer - 1, layer + 1] if layer is not None else sorted(
                     {k[1] for k in by_key if k[0] == v.numel() and k[1] is not None})
+            found = []
             for e in (e for ly in layers for e in by_key.get((v.numel(), ly), [])):
                 if _compatible(t.module, enodes[e].module, same_layer):
                     d = float((fingerprint("e:" + e, engine_values[e]) - tv).norm()) / scale
                     # Equal values are common (a cast that is a no-op in FP32, a view): prefer the
                     # same kind of op, then the later node (the value as its consumers see it).
-                    scored.append((round(d, 6), _kind(enodes[e]) != _kind(t), -engine.position(e), e))
-            scored.sort()
-            if scored and scored[0][0] <= TOLERANCE:
-                break
-            scored = []
+                    found.append((round(d, 6), _kind(enodes[e]) != _kind(t), -engine.position(e), e))
+            near[same_layer] = sorted(found)
+        # The own layer wins unless a neighbouring layer's value is much closer: a residual sum the engine
+        # re-computes in the next layer's norm kernel can otherwise lose to an unrelated own-layer value that is
+        # merely within the tolerance (a long prompt's residual is dominated by one MLP output).
+        own, other = ([x for x in near[k] if x[0] <= TOLERANCE] for k in (True, False))
+        scored = near[True] if own and not (other and other[0][0] * SAME_LAYER_PREFERENCE < own[0][0]) else (
+            near[False] if other else [])
         if not scored:
             unmatched.append(t.name)
             continue

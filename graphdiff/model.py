@@ -201,7 +201,8 @@ def load_capture(path: Path) -> Capture:
 
 # --- scan results --------------------------------------------------------------------------------
 
-REGION_KINDS = ("rope", "qk_norm", "attention", "gated_act", "residual_norm", "norm_weight", "other")
+REGION_KINDS = ("rope", "qk_norm", "attention", "router", "expert_combine", "gated_act", "embedding_scale",
+                "residual_scale", "residual_norm", "norm_weight", "logit_scale", "other")
 
 
 class SideRef(BaseModel):
@@ -324,6 +325,7 @@ class ScanResult(BaseModel):
     prompt_tokens: list[int] = Field(default_factory=list)
     shapes: list[Shape] = Field(default_factory=list)  # the engine forwards analysed; the first is the trainer's
     engine_config: dict[str, object] = Field(default_factory=dict)  # the engine's effective compilation config
+    compilation_config: dict[str, object] = Field(default_factory=dict)  # as asked (-O as "optimization_level")
     plan: list[Decision] = Field(default_factory=list)  # every trainer value decided on; codegen reads it
     sites: list[Site]
     regions: list[Region]
@@ -346,7 +348,7 @@ class ScanResult(BaseModel):
 # --- log-prob gap measurement (`graphdiff kl`) -------------------------------------------------------
 
 EngineMode = Literal["compiled", "eager"]
-TrainerMode = Literal["eager", "compiled"]
+TrainerMode = Literal["eager", "compiled", "engine-prefill"]  # engine-prefill: the engine scoring its own samples
 
 
 class EngineSample(BaseModel):
@@ -355,6 +357,8 @@ class EngineSample(BaseModel):
     prompt: list[int]
     tokens: list[int]
     logprobs: list[float]  # FP32 values as the engine returned them (exact in JSON: Python floats round-trip)
+    # the engine scoring the same prompt + tokens in one prefill (prompt_logprobs): its own decode/prefill floor
+    prefill_logprobs: list[float] = Field(default_factory=list)
 
 
 class EngineSamples(BaseModel):
@@ -393,6 +397,8 @@ class PositionBin(BaseModel):
     tokens: int
     k1: float
     rms: float
+    k3: float = 0.0
+    bitexact_fraction: float = 0.0
 
 
 class KLMeasurement(BaseModel):
@@ -404,12 +410,14 @@ class KLMeasurement(BaseModel):
     k1: float  # mean diff: the paper's per-token KL estimate
     k1_se: float | None = None  # its standard error, sequences as the independent units
     k3: float  # mean of exp(r) - 1 - r, r = -diff: unbiased, never negative per token
+    k3_se: float | None = None  # its standard error, sequences as the independent units
     rms: float
     max_abs: float
     bitexact_fraction: float  # tokens whose FP32 log-probs agree bit for bit
     tokens: int
     sequences: int
     position: list[PositionBin] = Field(default_factory=list)
+    label: str = ""  # what is compared, where it is not engine decode vs trainer (the floor)
 
 
 class ShapleyValue(BaseModel):
@@ -458,6 +466,10 @@ class KLResult(BaseModel):
     prompts: int
     method: str  # exactly how each side's log-probs are computed
     measurements: list[KLMeasurement]
+    # the engine's own floor: its decode log-probs vs its prefill scoring of the same sequences (compiled engine)
+    floor: KLMeasurement | None = None
+    bucket: int = 128  # width of the position buckets (`position`) in tokens
+    compilation_config: dict[str, object] = Field(default_factory=dict)  # the compiled engine's, as asked
     attribution: Attribution | None = None
     manifest: str | None = None
     timings: dict[str, float] = Field(default_factory=dict)
@@ -465,9 +477,33 @@ class KLResult(BaseModel):
     notes: list[str] = Field(default_factory=list)
 
 
+# --- the CI gate (`graphdiff check`) ------------------------------------------------------------------------
+
+class CheckFinding(BaseModel):
+    kind: Literal["version", "model config", "compile config", "site"]
+    what: str
+    was: str
+    now: str
+
+
+class CheckResult(BaseModel):
+    """What `graphdiff check` reports: ok, or why the checked-in patch must be regenerated."""
+
+    schema_version: int = SCHEMA_VERSION
+    kind: Literal["graphdiff.check"] = "graphdiff.check"
+    manifest: str
+    model: str
+    ok: bool = False
+    findings: list[CheckFinding] = Field(default_factory=list)
+    sites_left: int = 0  # one-sided sites the scan of the patched trainer found
+    left_out: list[str] = Field(default_factory=list)  # of those, sites of regions the patch does not align
+    regenerate: str = ""  # the command that makes the patch again
+    notes: list[str] = Field(default_factory=list)
+
+
 # --- patch manifest (`graphdiff patch`) ----------------------------------------------------------------
 
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3
 
 
 class ManifestSplice(BaseModel):
@@ -490,6 +526,19 @@ class ManifestSplice(BaseModel):
     problems: list[str] = Field(default_factory=list)  # non-empty: not generated, the reasons
 
 
+class RegionEffect(BaseModel):
+    """What one region does to the engine-vs-trainer gap, measured on the engine's own samples (k3, 1e-4 units
+    not applied: raw)."""
+
+    metric: str  # "k3"
+    without: float  # the gap with every enabled region but this one
+    with_: float = Field(alias="with")  # the gap with every enabled region
+    delta: float  # with - without: < 0 narrows the gap
+    ci: tuple[float, float] | None = None  # 95% bootstrap interval of delta over sequences
+    tokens: int
+    model_config = {"populate_by_name": True}
+
+
 class ManifestRegion(BaseModel):
     name: str
     kind: str
@@ -499,6 +548,8 @@ class ManifestRegion(BaseModel):
     splices: list[str]  # keys of the splices that align this region's sites
     generated: bool
     reason: str = ""  # why not, when not generated
+    enabled: bool = True  # applied by default (`runtime.apply(model, manifest)`); False: measured to widen the gap
+    effect: RegionEffect | None = None  # its measured effect on the gap, where measured
 
 
 class Manifest(BaseModel):
@@ -514,6 +565,10 @@ class Manifest(BaseModel):
     config: dict[str, object]
     layers_scanned: int
     versions: dict[str, str] = Field(default_factory=dict)  # torch / transformers / engine the scan ran
+    compilation_config: dict[str, object] = Field(default_factory=dict)  # as the scan asked for it (-O included)
+    engine_config: dict[str, object] = Field(default_factory=dict)  # the engine's effective config the scan ran
+    shapes: list[str] = Field(default_factory=list)  # the shapes the scan analysed (Shape.label)
+    scan_command: str = ""  # the scan that made it
     module_file: str  # generated module, relative to the manifest
     module_sha256: str
     regions: list[ManifestRegion]

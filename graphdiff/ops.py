@@ -28,8 +28,11 @@ CASTS = frozenset({"_to_copy", "convert_element_type", "to", "type_as"})
 # Return their input's value (a cast is the identity on an FP32-carried value).
 IDENTITY = frozenset({"_to_copy", "convert_element_type", "alias", "clone", "contiguous"})
 MATMULS = frozenset({"mm", "addmm", "bmm", "matmul", "linear"})
-# Boundaries of elementwise neighbourhoods (region kinds, fragments, pictures): matmul-like ops and attention.
-HEAVY = MATMULS | {"baddbmm", "embedding", "convolution", "onednn_mm"}
+# Boundaries of elementwise neighbourhoods (region kinds, fragments, pictures): matmul-like ops (MoE experts run
+# grouped GEMMs in transformers 5, one fused op in vLLM), lookups and attention.
+HEAVY = MATMULS | {"baddbmm", "embedding", "convolution", "onednn_mm", "_grouped_mm", "grouped_mm",
+                   "_scaled_grouped_mm", "cpu_fused_moe", "fused_moe"}
+ROUTING = frozenset({"topk", "_softmax", "softmax"})  # an MoE router: top-k over softmax-normalized logits
 ATTENTION_MARKS = ("attention", "scaled_dot_product")
 ACTIVATIONS = frozenset({"silu", "gelu", "sigmoid", "tanh", "relu", "softplus", "mish", "elu", "leaky_relu",
                          "hardswish", "gelu_tanh"})

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from graphdiff.inductor_math import INDUCTOR_MATH, inductor_unary
 from graphdiff.model import Node
 from graphdiff.ops import DATA_MOVEMENT, op_name
 
@@ -87,8 +88,10 @@ class RoundingInterpreter(torch.fx.Interpreter):
     """Runs a fragment under a rounding plan and keeps every node's value."""
 
     def __init__(self, gm: torch.fx.GraphModule, declared: dict[str, str | None], plan: str,
-                 rounded: set[str] | frozenset[str] = frozenset(), compute: torch.dtype = torch.float32) -> None:
+                 rounded: set[str] | frozenset[str] = frozenset(), compute: torch.dtype = torch.float32,
+                 inductor_math: bool = False) -> None:
         super().__init__(gm)
+        self.inductor_math = inductor_math  # transcendental ops as Inductor's C++ kernels compute them
         self.declared = declared  # node -> its dtype in the captured graph
         self.plan = plan
         self.rounded = rounded
@@ -111,7 +114,12 @@ class RoundingInterpreter(torch.fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             args = torch.fx.node.map_aggregate(args, self._up)
             kwargs = torch.fx.node.map_aggregate(kwargs, self._up)
-            out = n.target(*args, **kwargs)
+            name = op_name(str(n.target))
+            if self.inductor_math and name in INDUCTOR_MATH and len(args) == 1 and not kwargs \
+                    and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
+                out = inductor_unary(name, args[0])
+            else:
+                out = n.target(*args, **kwargs)
             low = to_dtype(self.declared.get(n.name))
             if n.name in self.rounded and isinstance(out, torch.Tensor) and low in LOW:
                 out = out.to(low).to(self.compute)
@@ -141,12 +149,12 @@ class FragmentRun:
 
 def run_fragment(nodes: list[Node], inputs: dict[str, Any], declared: dict[str, str | None], plan: str,
                  syms: dict[str, int], rounded: set[str] | frozenset[str] = frozenset(),
-                 compute: torch.dtype = torch.float32) -> FragmentRun:
+                 compute: torch.dtype = torch.float32, inductor_math: bool = False) -> FragmentRun:
     """Execute `nodes` on `inputs` (external values by name) under `plan`."""
     names = list(inputs)
     try:
         gm = fragment_graph(nodes, names, syms)
-        interp = RoundingInterpreter(gm, declared, plan, rounded, compute)
+        interp = RoundingInterpreter(gm, declared, plan, rounded, compute, inductor_math)
         args = []
         for name in names:
             v = inputs[name]

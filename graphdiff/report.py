@@ -28,9 +28,15 @@ MAX_FIGURES = 3  # per region: the first layer plus layers whose sites differ
 KIND_HELP = {
     "rope": "depends elementwise on the cos/sin table (rotary embedding)",
     "qk_norm": "inside a normalization whose output flows into attention (q/k norm)",
-    "gated_act": "an activation, or elementwise on its output before a matmul (gated MLP)",
+    "attention": "inside the engine's opaque attention op: what the registry says it keeps in FP32",
+    "router": "MoE routing weights: computed from the top-k/softmax of the router logits",
+    "expert_combine": "MoE: the weighted sum over the chosen experts",
+    "gated_act": "an activation, or elementwise on its output before a matmul (gated MLP), no norm in reach",
+    "embedding_scale": "the embedding lookup scaled by a constant",
+    "residual_scale": "a branch output scaled by a constant before the residual add",
     "residual_norm": "a residual-stream add that flows into a normalization",
     "norm_weight": "inside a normalization, e.g. the cast before the weight multiply",
+    "logit_scale": "the logits scaled or soft-capped by a constant on their way out",
     "other": "not one of the known patterns",
 }
 ME_VALUES = {"train": 1, "engine": 2}  # Model Explorer node value: which side rounds

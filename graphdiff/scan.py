@@ -62,17 +62,19 @@ class TrainSide:
     fp32: dict[str, Any] | None = None  # each rounding node's FP32 result before it was rounded
 
 
-def run_train_side(model_dir: Path, prompt: list[int], manifest: Path | None = None) -> TrainSide:
+def run_train_side(model_dir: Path, prompt: list[int], manifest: Path | None = None,
+                   allow_version_mismatch: bool = False) -> TrainSide:
     from graphdiff.capture.hf import capture_hf
 
-    cap, live = capture_hf(model_dir, input_ids=prompt, manifest=manifest)
+    cap, live = capture_hf(model_dir, input_ids=prompt, manifest=manifest,
+                           allow_version_mismatch=allow_version_mismatch)
     values = eager_values(live["graph_module"], live["inputs"])
     fp32: dict[str, Any] = {}
     changed = train_rounding(live["graph_module"], values, fp32)
     return TrainSide(cap, values, changed, live["graph_module"], fp32)
 
 
-def _scanned_config(config: dict) -> dict:
+def scanned_config_of(config: dict) -> dict:
     """What the patch's runtime compares a trainer's config with (transformers-normalized, run settings out)."""
     from transformers import AutoConfig
 
@@ -253,7 +255,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     unmatched_all = set.intersection(*(set(u) for _, u in matched.values())) if matched else set()
     return ScanResult(
         model=model, architecture=engine_cap.architecture, config_sha256=config_sha256(config),
-        config=_scanned_config(config), versions={**train.capture.versions, **engine_cap.versions},
+        config=scanned_config_of(config), versions={**train.capture.versions, **engine_cap.versions},
         layers_scanned=int(config.get("num_hidden_layers",
                                       len({s.layer for s in sites if s.layer is not None}) or layers_total)),
         layers_total=layers_total, prompt_tokens=engine_cap.prompt_tokens, shapes=engine_cap.shapes,
@@ -319,7 +321,8 @@ class ScanOutcome:
 def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list[Shape] | None = None,
          out: ScanDir | None = None, work_dir: Path | None = None, progress: Progress = lambda m: None,
          argv: list[str] | None = None, engine_dump: Path | None = None, manifest: Path | None = None,
-         compilation_config: dict | None = None, optimization_level: int | None = None) -> ScanOutcome:
+         compilation_config: dict | None = None, optimization_level: int | None = None,
+         allow_version_mismatch: bool = False) -> ScanOutcome:
     """Resolve `spec`, run the real engine (in a child process; or take its capture from `engine_dump`) and the
     HF trainer on the same weights and tokens, analyze. The engine capture is written to `out`'s engine dir."""
     import tempfile
@@ -354,7 +357,7 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
                                                  config_sha256=config_sha256(config))
     t_engine = time.perf_counter()
     progress("tracing the trainer's eager forward")
-    train = run_train_side(resolved.path, cap.prompt_tokens, manifest)
+    train = run_train_side(resolved.path, cap.prompt_tokens, manifest, allow_version_mismatch)
     if manifest is not None:
         notes.append(f"trainer side patched with {manifest}: the sites are what the patch leaves")
     if engine_dump is not None:
@@ -364,6 +367,8 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
     reproduce = "graphdiff " + shlex.join(argv) if argv else f"graphdiff scan {shlex.quote(spec)} --engine vllm"
     result = analyze(cap, buffers, train, model=spec, layers_total=_published_layers(spec, total),
                      config=config, reproduce=reproduce, notes=notes)
+    result.compilation_config = {**(compilation_config or {}), **(
+        {"optimization_level": optimization_level} if optimization_level is not None else {})}
     result.timings.update(engine_startup_s=round(startup, 3), wall_s=round(time.perf_counter() - t_start, 3),
                           engine_total_s=round(t_engine - t_start, 3), train_s=round(t_train - t_engine, 3))
     if not result.sites and not result.replay:

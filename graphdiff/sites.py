@@ -24,12 +24,13 @@ from graphdiff.kernel_replay import KernelReplay
 from graphdiff.match import Match
 from graphdiff.model import Decision, Evidence, Graph, Node, Region, SideRef, SideState, Site, layer_of
 from graphdiff.opaque import ExternRule, extern_rule
-from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, is_attention, is_heavy, is_low, op_name
+from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, ROUTING, is_attention, is_heavy, is_low, op_name
 from graphdiff.replay import LOW
 from graphdiff.rounding import EngineRounding, is_view
 
 MAX_HOPS = 12
-KIND_ORDER = ("rope", "qk_norm", "attention", "gated_act", "residual_norm", "norm_weight", "other")
+KIND_ORDER = ("rope", "qk_norm", "attention", "router", "expert_combine", "gated_act", "embedding_scale",
+              "residual_scale", "residual_norm", "norm_weight", "logit_scale", "other")
 
 
 # --- stable ids ------------------------------------------------------------------------------------
@@ -53,43 +54,69 @@ def stable_ids(graph: Graph) -> dict[str, str]:
 
 # --- dataflow around a value ----------------------------------------------------------------------
 
-def _closure(graph: Graph, start: str, down: bool) -> tuple[set[str], bool]:
-    """Nodes reachable elementwise from `start` (not crossing matmul/attention/embedding), and
-    whether an attention op is reached at the boundary (downwards only)."""
+def _closure(graph: Graph, start: str, down: bool) -> tuple[set[str], set[str]]:
+    """Nodes reachable from `start` without crossing a matmul/attention/embedding/expert op, and the ops of those
+    boundary nodes it reaches ("attention", "embedding", "mm", ...; the graph output as "output")."""
     nodes, users = graph.node_map(), graph.users()
-    seen, frontier, attention = {start}, [start], False
+    seen, frontier, edges = {start}, [start], set()
     for _ in range(MAX_HOPS):
         nxt = []
         for name in frontier:
             for other in (users.get(name, []) if down else nodes[name].inputs):
                 n = nodes[other]
-                if is_heavy(n.target):
-                    attention |= down and is_attention(n.target)
+                if is_heavy(n.target) or n.op == "output":
+                    edges.add("attention" if is_attention(n.target) else "output" if n.op == "output"
+                              else op_name(n.target))
                     continue
                 if other not in seen and n.op == "call_function":
                     seen.add(other)
                     nxt.append(other)
         frontier = nxt
-    return seen, attention
+    return seen, edges
+
+
+def _scaled_by_constant(n: Node, nodes: dict[str, Node]) -> bool:
+    """A multiply or divide by a constant (a config number, or a 0-d tensor such as Gemma's sqrt(hidden)), not by
+    another activation."""
+    if op_name(n.target) not in ("mul", "div"):
+        return False
+    for a in n.call[0][:2]:
+        if isinstance(a, int | float) and not isinstance(a, bool):
+            return True
+        if isinstance(a, dict) and "node" in a and nodes[a["node"]].shape == []:
+            return True
+    return False
 
 
 def classify(graph: Graph, name: str) -> tuple[str, str]:
     """(kind, the dataflow fact that decided it), first rule that holds."""
     nodes = graph.node_map()
-    up, _ = _closure(graph, name, down=False)
-    down, to_attention = _closure(graph, name, down=True)
-    up_ops = {op_name(nodes[n].target) for n in up}
-    down_ops = {op_name(nodes[n].target) for n in down}
+    n = nodes[name]
+    up, up_edges = _closure(graph, name, down=False)
+    down, down_edges = _closure(graph, name, down=True)
+    up_ops = {op_name(nodes[x].target) for x in up}
+    down_ops = {op_name(nodes[x].target) for x in down}
+    norm_near = "rsqrt" in up_ops | down_ops
     if up_ops & {"cos", "sin"}:
         return "rope", "depends elementwise on a cos/sin table"
-    if "rsqrt" in up_ops and to_attention:
+    if "rsqrt" in up_ops and "attention" in down_edges:
         return "qk_norm", "inside a normalization (rsqrt) whose output flows into attention"
-    if acts := up_ops & ACTIVATIONS:
-        return "gated_act", f"elementwise on the output of {', '.join(sorted(acts))}"
-    if op_name(nodes[name].target) == "add" and "rsqrt" in down_ops and "rsqrt" not in up_ops:
+    if up_ops & ROUTING:
+        return "router", f"computed from the {'/'.join(sorted(up_ops & ROUTING))} of router logits (MoE routing)"
+    if "index_add" in down_ops | {op_name(n.target)}:
+        return "expert_combine", "the weighted sum over the chosen experts (index_add)"
+    if (acts := up_ops & ACTIVATIONS) and not norm_near:
+        return "gated_act", f"elementwise on the output of {', '.join(sorted(acts))}, no normalization in reach"
+    if _scaled_by_constant(n, nodes) and "embedding" in up_edges:
+        return "embedding_scale", "the embedding lookup scaled by a constant"
+    if _scaled_by_constant(n, nodes) and "rsqrt" in down_ops and "rsqrt" not in up_ops:
+        return "residual_scale", "a matmul output scaled by a constant before the residual add and a normalization"
+    if op_name(n.target) == "add" and "rsqrt" in down_ops and "rsqrt" not in up_ops:
         return "residual_norm", "an add whose result flows into a normalization (rsqrt)"
     if "rsqrt" in up_ops:
         return "norm_weight", "inside a normalization, after its rsqrt"
+    if (_scaled_by_constant(n, nodes) or op_name(n.target) == "tanh") and "output" in down_edges and not norm_near:
+        return "logit_scale", "the logits scaled (or soft-capped) by a constant on their way out"
     return "other", "no known pattern in its elementwise neighbourhood"
 
 

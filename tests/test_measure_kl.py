@@ -70,13 +70,24 @@ def test_k3_keeps_tiny_differences_exact():
     assert same.k1 == same.k3 == same.rms == 0 and same.bitexact_fraction == 1.0
 
 
-def test_position_curve_bins_cover_every_token():
+def test_position_buckets_cover_every_token():
     diffs = [torch.arange(10, dtype=torch.float64), torch.ones(3, dtype=torch.float64)]
-    curve = position_curve(diffs, bins=4)
+    same = [d == 0 for d in diffs]
+    curve = position_curve(diffs, same, width=3)
     assert [(b.start, b.stop) for b in curve] == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert sum(b.tokens for b in curve) == 13
     assert curve[0].k1 == pytest.approx((0 + 1 + 2 + 1 + 1 + 1) / 6)
-    assert curve[-1].k1 == 9 and curve[-1].rms == 9
+    assert curve[0].bitexact_fraction == pytest.approx(1 / 6)  # position 0 of the first sequence
+    assert curve[-1].k1 == 9 and curve[-1].rms == 9 and curve[-1].bitexact_fraction == 0
+
+
+def test_the_default_buckets_are_128_tokens_up_to_max_tokens():
+    e = [torch.zeros(1024), torch.zeros(1024)]
+    t = [torch.full((1024,), 1e-3), torch.zeros(1024)]
+    m = gap_metrics(e, t, engine_mode="compiled", trainer_mode="eager")
+    assert [(b.start, b.stop) for b in m.position] == [(i, i + 128) for i in range(0, 1024, 128)]
+    assert all(b.tokens == 256 and b.bitexact_fraction == 0.5 for b in m.position)
+    assert m.k3_se is not None and m.k3 > 0
 
 
 def test_mismatched_lengths_are_refused():
@@ -144,7 +155,8 @@ def _fake_runtime(monkeypatch) -> list[list[str]]:
 
     def load_manifest(path):
         regions = json.loads(Path(path).read_text())["regions"]
-        return types.SimpleNamespace(regions=[types.SimpleNamespace(name=r, generated=True) for r in regions])
+        return types.SimpleNamespace(regions=[types.SimpleNamespace(name=r, generated=True, enabled=True)
+                                               for r in regions])
 
     module = types.ModuleType("graphdiff.runtime")
     module.apply = apply
@@ -272,7 +284,8 @@ def test_the_engine_child_process_protocol(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(eng, "_sample_here", fake)
     assert child.serve(eng._child) == 0
     assert capsys.readouterr().out == "@progress sampling now\n"  # one line per message: the parent reads lines
-    assert json.loads(result.read_text()) == {"eager": [{"prompt": [1, 2], "tokens": [3], "logprobs": [-0.5]}]}
+    assert json.loads(result.read_text()) == {"eager": [{"prompt": [1, 2], "tokens": [3], "logprobs": [-0.5],
+                                                     "prefill_logprobs": []}]}
 
     def failing(*args, **kwargs):
         raise GraphdiffError("vLLM could not start on m: boom")

@@ -165,7 +165,7 @@ def test_config_check_reads_the_published_config_form(patch_dir: Path, tmp_path:
 
     from graphdiff.resolve import _with_layers, bundled_config
     from graphdiff.runtime import _check
-    from graphdiff.scan import _scanned_config
+    from graphdiff.scan import scanned_config_of
 
     published = bundled_config("Qwen/Qwen3-8B")
     assert "torch_dtype" in published and "rope_theta" in published
@@ -175,7 +175,7 @@ def test_config_check_reads_the_published_config_form(patch_dir: Path, tmp_path:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     manifest = runtime.load_manifest(patch_dir).model_copy(
-        update={"layers_scanned": 2, "config": _scanned_config(_with_layers(published, 2))})
+        update={"layers_scanned": 2, "config": scanned_config_of(_with_layers(published, 2))})
     _check(model, manifest, patch_dir / "manifest.json", allow_version_mismatch=False)
     model.config.intermediate_size += 1
     with pytest.raises(PatchError, match="intermediate_size=12289, the scanned one 12288"):

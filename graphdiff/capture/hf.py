@@ -122,7 +122,7 @@ def _version(package: str) -> str:
 
 def capture_hf(
     model_path: Path, input_ids: list[int] | None = None, num_tokens: int = 16, seed: int = 0,
-    manifest: Path | None = None,
+    manifest: Path | None = None, allow_version_mismatch: bool = False,
 ) -> tuple[Capture, dict[str, Any]]:
     """Capture the HF eager graph of `model_path` on one prompt (patched first by `manifest`, if given:
     a scan of the patched trainer shows which one-sided roundings the patch leaves).
@@ -136,7 +136,7 @@ def capture_hf(
     if manifest is not None:
         from graphdiff import runtime
 
-        runtime.apply(model, manifest)
+        runtime.apply(model, manifest, allow_version_mismatch=allow_version_mismatch)
     vocab = model.get_input_embeddings().num_embeddings
     if input_ids is None:
         if num_tokens < 1:

@@ -190,8 +190,9 @@ def llm_kwargs(model_dir: Path, options: EngineOptions, shapes: list[Shape]) -> 
     if torch.cuda.is_available():
         # A replayed CUDA graph bypasses the Python kernel wrappers: record with plain launches.
         compilation.setdefault("cudagraph_mode", "NONE")
+    # No prefix caching: a recorded forward must compute its whole prompt, not a cached prefix's suffix.
     kwargs: dict[str, Any] = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-                                  enforce_eager=False, **engine_limits(shapes))
+                                  enforce_eager=False, enable_prefix_caching=False, **engine_limits(shapes))
     if compilation:
         kwargs["compilation_config"] = compilation
     if options.optimization_level is not None:

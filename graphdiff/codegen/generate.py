@@ -173,7 +173,8 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) ->
     manifest = Manifest(
         schema_version=MANIFEST_VERSION, model=scan.model, architecture=scan.architecture,
         config_sha256=scan.config_sha256, config=scan.config, layers_scanned=scan.layers_scanned,
-        versions=scan.versions,
+        versions=scan.versions, compilation_config=scan.compilation_config, engine_config=scan.engine_config,
+        shapes=[s.label for s in scan.shapes], scan_command=scan.reproduce,
         module_file=MODULE_FILE, module_sha256=hashlib.sha256(source.encode()).hexdigest(),
         regions=[ManifestRegion(name=r.name, kind=r.kind, module=r.module, layers=r.layers, sites=r.sites,
                                 splices=[s.key for s in splices if r.name in s.regions and not s.problems],

@@ -154,7 +154,24 @@ def engine_sample(llm: Any, prompts: Sequence[list[int]], *, max_tokens: int, se
             raise GraphdiffError("the engine returned no log-prob per sampled token (logprobs=0 unsupported?)")
         samples.append(EngineSample(prompt=list(prompt), tokens=tokens,
                                     logprobs=[float(lp[t].logprob) for lp, t in zip(o.logprobs, tokens)]))
+    score_prefill(llm, samples)
     return samples
+
+
+def score_prefill(llm: Any, samples: Sequence[EngineSample]) -> None:
+    """The engine scoring each sampled sequence (prompt + continuation) in one prefill (prompt_logprobs): the log-prob
+    it gives each sampled token when it computes them all at once, not one decode step at a time (its own floor)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(s.prompt) + list(s.tokens)) for s in samples],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)
+    for s, out in zip(samples, outs):
+        scored = out.prompt_logprobs or []
+        n = len(s.prompt)
+        if len(scored) != n + len(s.tokens):
+            raise GraphdiffError("the engine returned no prompt log-probs (prompt_logprobs=0 unsupported?)")
+        s.prefill_logprobs = [float(scored[n + j][t].logprob) for j, t in enumerate(s.tokens)]
 
 
 def engine_versions() -> dict[str, str]:

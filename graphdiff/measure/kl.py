@@ -27,14 +27,22 @@ import torch
 from graphdiff import runtime
 from graphdiff.errors import GraphdiffError
 from graphdiff.measure.engine import SAMPLES_FILE, random_prompts, read_prompts, sample_engine
-from graphdiff.model import EngineMode, EngineSample, KLMeasurement, KLResult, PositionBin, TrainerMode
+from graphdiff.model import (
+    Attribution,
+    EngineMode,
+    EngineSample,
+    KLMeasurement,
+    KLResult,
+    PositionBin,
+    TrainerMode,
+)
 
 __all__ = ["SAMPLES_FILE", "random_prompts", "read_prompts", "sample_engine", "measure", "train_logprobs",
            "gap_metrics", "subset_gaps"]
 
 Progress = Callable[[str], None]
-POSITION_BINS = 8
-DEFAULT_MAX_TOKENS = 64
+BUCKET = 128  # position buckets of the gap curve, in tokens
+DEFAULT_MAX_TOKENS = 1024  # long enough to show how the gap grows with position
 
 METHOD = (
     "engine: vLLM samples (temperature {temperature}, seed {seed}+i per prompt, EOS ignored) and returns each sampled "
@@ -42,7 +50,8 @@ METHOD = (
     "trainer: HF transformers, BF16 weights, one teacher-forced forward per sequence over prompt+continuation (batch "
     "1, no padding, use_cache=False), log_softmax(BF16 logits, dtype=float32) at the sampled tokens; trainer "
     "'compiled' = torch.compile(model) (inductor, default mode); engine 'eager' = enforce_eager=True; "
-    "diff = logp_engine - logp_train in float64 of the FP32 values"
+    "diff = logp_engine - logp_train in float64 of the FP32 values; floor: the engine's decode log-probs vs its "
+    "prompt_logprobs scoring of the same prompt+continuation in one prefill"
 )
 
 
@@ -90,8 +99,18 @@ def train_logprobs(model: Callable[..., Any], sequences: Iterable[Scored]) -> li
     return result
 
 
-def engine_logprobs(samples: Sequence[EngineSample]) -> list[torch.Tensor]:
-    return [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]
+def engine_logprobs(samples: Sequence[EngineSample], prefill: bool = False) -> list[torch.Tensor]:
+    """The engine's log-probs of its samples: as it decoded them, or (`prefill`) as it scores them in one prefill."""
+    return [torch.tensor(s.prefill_logprobs if prefill else s.logprobs, dtype=torch.float32) for s in samples]
+
+
+def floor(samples: Sequence[EngineSample]) -> KLMeasurement | None:
+    """The engine's own floor: its decode log-probs vs its prefill scoring of the same sequences. A trainer that
+    rounds exactly where the engine rounds still sees this gap (it scores whole sequences at once)."""
+    if not samples or any(len(s.prefill_logprobs) != len(s.tokens) for s in samples):
+        return None
+    return gap_metrics(engine_logprobs(samples), engine_logprobs(samples, prefill=True), engine_mode="compiled",
+                       trainer_mode="engine-prefill", label="floor: the engine's decode vs its own prefill scoring")
 
 
 # --- metrics -------------------------------------------------------------------------------------------------
@@ -109,40 +128,44 @@ def per_token(engine: Sequence[torch.Tensor], train: Sequence[torch.Tensor], met
     return out
 
 
-def position_curve(diffs: Sequence[torch.Tensor], bins: int = POSITION_BINS) -> list[PositionBin]:
-    """k1 and RMS of the diff over continuation positions, in `bins` equal-width bins."""
+def position_curve(diffs: Sequence[torch.Tensor], same: Sequence[torch.Tensor],
+                   width: int = BUCKET) -> list[PositionBin]:
+    """k1, k3, RMS and the bit-identical fraction of the diff over continuation positions, `width` at a time."""
     length = max((len(d) for d in diffs), default=0)
-    if length == 0:
-        return []
-    width = -(-length // bins)
     curve = []
     for start in range(0, length, width):
         part = torch.cat([d[start: start + width] for d in diffs])
         if part.numel():
+            k3 = torch.expm1(-part) + part
+            equal = torch.cat([s[start: start + width] for s in same])
             curve.append(PositionBin(start=start, stop=min(start + width, length), tokens=part.numel(),
-                                     k1=float(part.mean()), rms=float(part.pow(2).mean().sqrt())))
+                                     k1=float(part.mean()), rms=float(part.pow(2).mean().sqrt()), k3=float(k3.mean()),
+                                     bitexact_fraction=float(equal.double().mean())))
     return curve
 
 
 def gap_metrics(engine: Sequence[torch.Tensor], train: Sequence[torch.Tensor], *, engine_mode: EngineMode,
-                trainer_mode: TrainerMode, regions: Sequence[str] | None = None,
-                bins: int = POSITION_BINS) -> KLMeasurement:
+                trainer_mode: TrainerMode, regions: Sequence[str] | None = None, width: int = BUCKET,
+                label: str = "") -> KLMeasurement:
     diffs = per_token(engine, train)
     d = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
     if d.numel() == 0:
         raise GraphdiffError("no sampled tokens to measure")
-    same = torch.cat([e.float() == t.float() for e, t in zip(engine, train)])
+    same = [e.float() == t.float() for e, t in zip(engine, train)]
+    k3 = per_token(engine, train, "k3")
     return KLMeasurement(
         engine_mode=engine_mode, trainer_mode=trainer_mode, regions=list(regions) if regions is not None else None,
-        k1=float(d.mean()), k1_se=k1_standard_error(diffs), k3=float(torch.cat(per_token(engine, train, "k3")).mean()),
-        rms=float(d.pow(2).mean().sqrt()), max_abs=float(d.abs().max()), bitexact_fraction=float(same.double().mean()),
-        tokens=d.numel(), sequences=len(diffs), position=position_curve(diffs, bins),
+        k1=float(d.mean()), k1_se=k1_standard_error(diffs), k3=float(torch.cat(k3).mean()),
+        k3_se=k1_standard_error(k3), rms=float(d.pow(2).mean().sqrt()), max_abs=float(d.abs().max()),
+        bitexact_fraction=float(torch.cat(same).double().mean()), tokens=d.numel(), sequences=len(diffs),
+        position=position_curve(diffs, same, width), label=label,
     )
 
 
 def k1_standard_error(diffs: Sequence[torch.Tensor]) -> float | None:
-    """Standard error of k1 with sequences as the independent units (tokens of one sequence share context):
-    the cluster-robust error of a ratio of sums. None with fewer than two sequences."""
+    """Standard error of a per-token mean (k1, or k3 given its terms) with sequences as the independent units
+    (tokens of one sequence share context): the cluster-robust error of a ratio of sums. None with fewer than two
+    sequences."""
     sums = np.array([float(d.sum()) for d in diffs])
     counts = np.array([d.numel() for d in diffs], dtype=np.float64)
     m = len(diffs)
@@ -176,19 +199,75 @@ def subset_gaps(base: torch.nn.Module, manifest: Path, regions: Sequence[str], s
 
 
 def manifest_regions(manifest: Path) -> list[str]:
-    """The regions a manifest patches (those it generated)."""
-    return [r.name for r in runtime.load_manifest(manifest).regions if r.generated]
+    """The regions a manifest patches by default (generated and enabled)."""
+    return [r.name for r in runtime.load_manifest(manifest).regions if r.generated and r.enabled]
 
 
 # --- the whole measurement ---------------------------------------------------------------------------------
 
-def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int, seed: int = 0,
+def check_request(config: dict, prompts: Sequence[list[int]], max_tokens: int, metric: str, attribute: bool,
+                  manifest: Path | None) -> None:
+    """Refuse, before any engine starts, a measurement that cannot run."""
+    from graphdiff.shapes import max_positions
+
+    if max_tokens < 1:
+        raise GraphdiffError("--max-tokens must be at least 1")
+    longest = max(map(len, prompts)) + max_tokens
+    if longest > max_positions(config):
+        raise GraphdiffError(f"a {max(map(len, prompts))}-token prompt plus --max-tokens {max_tokens} needs {longest} "
+                             f"positions; the model has {max_positions(config)} (max_position_embeddings)")
+    if metric not in ("k1", "k3"):
+        raise GraphdiffError(f"unknown metric {metric!r}; choose k1 or k3")
+    if attribute and manifest is None:
+        raise GraphdiffError("--attribute needs --manifest (the patches to attribute the gap to)")
+
+
+def _trainer_measurements(base: torch.nn.Module, samples: dict, trainer_modes: Sequence[TrainerMode],
+                          manifest: Path | None, regions: Sequence[str] | None, patched: list[str] | None,
+                          progress: Progress) -> list[KLMeasurement]:
+    """Every trainer mode, unpatched and (with a manifest) patched, against every engine mode's samples."""
+    out = []
+    for tmode in trainer_modes:
+        for patch in [None, patched] if manifest is not None else [None]:
+            label = f"trainer {tmode}" + (f" + {'+'.join(patch)}" if patch else "")
+            if tmode == "compiled":
+                progress(f"{label}: torch.compile (inductor); the first sequence compiles")
+            with trainer(base, tmode, manifest if patch is not None else None,
+                         regions if patch is not None else None) as model:
+                for emode, found in samples.items():
+                    run = found.samples
+                    progress(f"{label} vs engine {emode}: {len(run)} sequences, "
+                             f"{sum(len(s.tokens) for s in run)} tokens")
+                    out.append(gap_metrics(engine_logprobs(run), train_logprobs(model, run), engine_mode=emode,
+                                           trainer_mode=tmode, regions=patch))
+    return out
+
+
+def _attribution(base: torch.nn.Module, manifest: Path, names: list[str], run: Sequence[EngineSample], metric: str,
+                 bootstrap: int, seed: int, progress: Progress) -> tuple[Attribution, list[str]]:
+    """Shapley over the regions on the compiled engine's samples (the paper's setting: eager trainer)."""
+    from graphdiff.measure.shapley import attribute as shapley_attribute
+
+    gaps = subset_gaps(base, manifest, names, run, metric=metric, progress=progress)
+    attribution = shapley_attribute(gaps, [len(s.tokens) for s in run], names, metric=metric, bootstrap=bootstrap,
+                                    seed=seed)
+    # The empty subset is the unpatched model; the runtime with no region aligned should equal it bit for bit.
+    plain = train_logprobs(base, run)
+    with trainer(base, "eager", manifest, []) as model:
+        none = train_logprobs(model, run)
+    off = max((float((a - b).abs().max()) for a, b in zip(none, plain) if a.numel()), default=0.0)
+    return attribution, ([f"runtime.apply(regions=[]) is not bit-identical to the unpatched model "
+                          f"(max |dlogp| {off:.3g})"] if off else [])
+
+
+def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = DEFAULT_MAX_TOKENS, seed: int = 0,
             temperature: float = 1.0, modes: bool = False, manifest: Path | None = None,
             regions: Sequence[str] | None = None, attribute: bool = False, metric: str = "k3", bootstrap: int = 1000,
             out_dir: Path | None = None, isolate: bool = True, progress: Progress = lambda m: None,
             reproduce: str = "", compilation_config: dict | None = None) -> KLResult:
     """Engine samples (compiled; with `modes` also eager) x trainer (eager; with `modes` also compiled),
-    each trainer also patched by `manifest` when given; with `attribute`, Shapley over the regions.
+    each trainer also patched by `manifest` when given; the engine's own floor; with `attribute`, Shapley over
+    the regions.
 
     The attribution's `metric` defaults to k3: k1 and k3 estimate the same KL without bias, but k1's
     per-token terms have both signs and are ~rms in size, so at thousands of tokens its noise (see
@@ -198,68 +277,37 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int, s
 
     import graphdiff
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.measure.shapley import attribute as shapley_attribute
     from graphdiff.resolve import architecture, read_config
 
     config = read_config(model_dir)
-    if max_tokens < 1:
-        raise GraphdiffError("--max-tokens must be at least 1")
-    if metric not in ("k1", "k3"):
-        raise GraphdiffError(f"unknown metric {metric!r}; choose k1 or k3")
-    if attribute and manifest is None:
-        raise GraphdiffError("--attribute needs --manifest (the patches to attribute the gap to)")
+    check_request(config, prompts, max_tokens, metric, attribute, manifest)
     t0 = time.perf_counter()
     base = load_hf_model(model_dir)
-    patched_label: list[str] | None = None
-    names: list[str] = []
-    if manifest is not None:  # a bad manifest or a missing runtime fails now, not after the engine ran
+    patched: list[str] | None = None
+    if manifest is not None:  # a bad manifest fails now, not after the engine ran
         with trainer(base, "eager", manifest, regions):
             pass
-        patched_label = list(regions) if regions is not None else manifest_regions(manifest)
-        if attribute:
-            names = list(regions) if regions is not None else manifest_regions(manifest)
+        patched = list(regions) if regions is not None else manifest_regions(manifest)
     engine_modes: list[EngineMode] = ["compiled", "eager"] if modes else ["compiled"]
     trainer_modes: list[TrainerMode] = ["eager", "compiled"] if modes else ["eager"]
     samples = sample_engine(model_dir, prompts, engine_modes, max_tokens=max_tokens, seed=seed,
                             temperature=temperature, out_dir=out_dir, isolate=isolate, progress=progress,
                             compilation_config=compilation_config)
     t_engine = time.perf_counter()
-    measurements, notes = [], []
-    for tmode in trainer_modes:
-        for patch in [None, patched_label] if manifest is not None else [None]:
-            label = f"trainer {tmode}" + (f" + {'+'.join(patch)}" if patch else "")
-            if tmode == "compiled":
-                progress(f"{label}: torch.compile (inductor); the first sequence compiles")
-            with trainer(base, tmode, manifest if patch is not None else None,
-                         regions if patch is not None else None) as model:
-                for emode in engine_modes:
-                    run = samples[emode].samples
-                    progress(f"{label} vs engine {emode}: {len(run)} sequences, "
-                             f"{sum(len(s.tokens) for s in run)} tokens")
-                    train = train_logprobs(model, run)
-                    measurements.append(gap_metrics(engine_logprobs(run), train, engine_mode=emode,
-                                                    trainer_mode=tmode, regions=patch))
-    attribution = None
+    measurements = _trainer_measurements(base, samples, trainer_modes, manifest, regions, patched, progress)
+    attribution, notes = None, []
     if attribute:
-        assert manifest is not None
-        run = samples["compiled"].samples  # the paper's setting: compiled engine, eager trainer
-        gaps = subset_gaps(base, manifest, names, run, metric=metric, progress=progress)
-        attribution = shapley_attribute(gaps, [len(s.tokens) for s in run], names, metric=metric,
-                                        bootstrap=bootstrap, seed=seed)
-        # The empty subset is the unpatched model; the runtime with no region aligned should equal it bit for bit.
-        plain = train_logprobs(base, run)
-        with trainer(base, "eager", manifest, []) as model:
-            none = train_logprobs(model, run)
-        off = max((float((a - b).abs().max()) for a, b in zip(none, plain) if a.numel()), default=0.0)
-        if off:
-            notes.append(f"runtime.apply(regions=[]) is not bit-identical to the unpatched model "
-                         f"(max |dlogp| {off:.3g})")
+        assert manifest is not None and patched is not None
+        attribution, notes = _attribution(base, manifest, patched, samples["compiled"].samples, metric, bootstrap,
+                                          seed, progress)
     first = samples[engine_modes[0]]
     return KLResult(
         model=str(model_dir), architecture=architecture(config), seed=seed, temperature=temperature,
         max_tokens=max_tokens, prompts=len(prompts), method=METHOD.format(temperature=temperature, seed=seed),
         versions={**first.versions, "transformers": transformers.__version__, "graphdiff": graphdiff.__version__},
-        measurements=measurements, attribution=attribution, manifest=str(manifest) if manifest else None,
+        measurements=measurements, floor=floor(samples["compiled"].samples), bucket=BUCKET,
+        compilation_config=dict(compilation_config or {}), attribution=attribution,
+        manifest=str(manifest) if manifest else None,
         timings={"engine_s": round(t_engine - t0, 3), "trainer_s": round(time.perf_counter() - t_engine, 3)},
         reproduce=reproduce, notes=notes,
     )

@@ -330,8 +330,8 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
     manifest = load_manifest(path)
     _check(model, manifest, path, allow_version_mismatch)
     generated = [r.name for r in manifest.regions if r.generated]
-    if regions is None:
-        regions = generated
+    if regions is None:  # the shipped patch: generated regions the scan did not measure widening the gap
+        regions = [r.name for r in manifest.regions if r.generated and r.enabled]
     unknown = [r for r in regions if r not in {m.name for m in manifest.regions}]
     if unknown:
         raise PatchError(f"no region {', '.join(unknown)} in {path}; regions: {', '.join(generated)}")

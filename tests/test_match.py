@@ -1,0 +1,31 @@
+"""The matcher's layer rule (the false engine-only residual site of a long scan, issue 14)."""
+
+from __future__ import annotations
+
+import torch
+
+from graphdiff.match import TOLERANCE, match_values
+from graphdiff.model import Graph, Node
+
+
+def _node(name: str, module: str, target: str = "aten.add.Tensor") -> Node:
+    return Node(name=name, op="call_function", target=target, module=module, dtype="float32", shape=[64])
+
+
+def test_a_much_closer_value_in_the_next_layer_beats_a_merely_tolerable_one_in_the_own_layer():
+    """The trainer's layer-0 residual sum, recomputed by the engine in layer 1's norm kernel (distance ~1e-4), must
+    not be paired with an own-layer value that only happens to lie within the tolerance (the down_proj output that
+    dominates a long prompt's residual: ~1.3e-2 at 500 tokens)."""
+    gen = torch.Generator().manual_seed(0)
+    residual = torch.randn(64, generator=gen)
+    train = Graph(name="t", nodes=[_node("add_8", "model.layers.0")])
+    engine = Graph(name="e", nodes=[_node("empty_4", "model.layers.0.mlp.down_proj", "aten.empty.memory_format"),
+                                    _node("add_352", "model.layers.1.input_layernorm")])
+    close = residual * (1 + 1e-4)
+    tolerable = residual + 0.8 * TOLERANCE * residual.norm() / 8 * torch.randn(64, generator=gen)
+    values = {"empty_4": tolerable, "add_352": close}
+    (m,), _ = match_values(train, {"add_8": residual}, engine, values)
+    assert m.engine == "add_352"
+    # with no better candidate elsewhere the own layer still wins
+    (m,), _ = match_values(train, {"add_8": residual}, engine, {"empty_4": tolerable})
+    assert m.engine == "empty_4"
