@@ -66,15 +66,27 @@ def configs_cmd() -> None:
 
 @app.command("make-tiny")
 def make_tiny_cmd(
-    arch: str = typer.Argument(..., help="qwen3, qwen2 or llama"),
-    out_dir: Path = typer.Option(..., "--out", help="directory to write config.json + model.safetensors"),
+    arch: str | None = typer.Argument(None, help="an architecture of `graphdiff make-tiny --list` (qwen3, llama, "
+                                      "mixtral, gemma2, ...)"),
+    out_dir: Path | None = typer.Option(None, "--out", help="directory to write config.json + model.safetensors"),
     layers: int = typer.Option(2, help="number of decoder layers"),
     seed: int = typer.Option(0, help="random seed (same seed, same weights)"),
+    list_archs: bool = typer.Option(False, "--list", help="list the architectures (config classes) and exit"),
 ) -> None:
     """Write a seeded random-weight HF checkpoint small enough for tests."""
-    from graphdiff.tiny import make_tiny
+    from graphdiff.tiny import ARCHS, make_tiny
 
+    if list_archs:
+        t = Table(title="tiny architectures (seeded; `graphdiff make-tiny ARCH --out DIR` or MODEL = tiny:ARCH)")
+        t.add_column("arch")
+        t.add_column("transformers config")
+        for name, (cls, _) in ARCHS.items():
+            t.add_row(name, cls)
+        out.print(t)
+        return
     with user_errors():
+        if arch is None or out_dir is None:
+            raise GraphdiffError("give ARCH and --out DIR (`graphdiff make-tiny --list` lists the architectures)")
         path = make_tiny(arch, out_dir, layers=layers, seed=seed)
     size = sum(p.stat().st_size for p in path.iterdir()) / 2**20
     out.print(f"wrote tiny {arch} ({layers} layers, {size:.1f} MiB) to {path}")

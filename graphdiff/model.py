@@ -298,6 +298,16 @@ class Region(BaseModel):
     proven: bool = True  # every site proven
 
 
+class RoutingAgreement(BaseModel):
+    """MoE: how often the engine and the trainer choose different experts for the same token, in one layer."""
+
+    layer: int
+    shape: str  # the recorded shape (Shape.label) it was measured at
+    tokens: int
+    differing: int  # tokens whose set of top-k experts differs
+    fraction: float
+
+
 class KernelEvidence(BaseModel):
     kernel: str
     shape: str = ""  # the recorded forward it was replayed on (Shape.label)
@@ -343,6 +353,7 @@ class ScanResult(BaseModel):
     # Rounding non-uniformity (measure.uniformity), median over layers: per region, and for
     # ordinary outputs ("contrast: ...") of the same trainer graph.
     nonuniformity: dict[str, float] = Field(default_factory=dict)
+    routing: list[RoutingAgreement] = Field(default_factory=list)  # MoE models: engine vs trainer expert choice
 
 
 # --- log-prob gap measurement (`graphdiff kl`) -------------------------------------------------------
@@ -511,7 +522,7 @@ class ManifestSplice(BaseModel):
     the attention function (registered with transformers' AttentionInterface)."""
 
     key: str  # module pattern (`model.layers.*.self_attn.q_norm`) or dotted function path
-    target: Literal["module", "function", "carry", "attention"]
+    target: Literal["module", "function", "carry", "attention", "router", "experts"]
     module: str  # HF module path pattern, layers collapsed as `layers.*`
     module_class: str = ""
     function: str = ""  # dotted path of the replaced function (target "function")

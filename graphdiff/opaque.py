@@ -71,6 +71,13 @@ EXTERNS = (
                "tanh-gelu(gate) * up in FP32 (the kernel's vectorized tanh), rounded once", _TESTED),
     ExternRule("_C.rotary_embedding", "rope", True,
                "q/k rotated in FP32 with a BF16 cos/sin cache, each rounded once, in place", _TESTED),
+    ExternRule("aten.topk", "selection", False, "selects the k largest values and their indices: no arithmetic",
+               "a selection (ATen topk)"),
+    ExternRule("_C.cpu_fused_moe", "moe", False,
+               "gate/up GEMM and SiLU in FP32, silu(gate) * up rounded to BF16 once (the down GEMM's input), the "
+               "down GEMM and the weighted sum over the top-k experts in FP32 with FP32 routing weights, output "
+               "rounded once",
+               f"equals moe.engine_like_experts on the same inputs on 100% of outputs ({_TESTED})"),
     ExternRule("_C.shm_allreduce", "allreduce", True, "sums the ranks' BF16 partials in FP32, rounds once",
                "tensor-parallel CPU all-reduce: output = bf16(FP32 sum of the BF16 inputs), measured at TP=2"),
 )

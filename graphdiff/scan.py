@@ -28,6 +28,7 @@ from graphdiff.errors import GraphdiffError
 from graphdiff.match import Match, match_values
 from graphdiff.measure.site_uniformity import site_nonuniformity
 from graphdiff.model import Capture, Decision, Graph, KernelEvidence, ScanResult, Shape, Site
+from graphdiff.moe import engine_routing, experts_decisions, experts_nodes, routing_agreement
 from graphdiff.opaque import attention_decisions, extern_rule
 from graphdiff.ops import is_attention
 from graphdiff.rounding import EngineRounding, eager_values, engine_rounding, train_rounding
@@ -203,9 +204,11 @@ def _sites_and_regions(plan: list[Decision], tgraph: Graph, engine_cap: Capture,
     where = _site_shapes(plan)
     for s in sites:
         s.shapes = [label for label in labels if label in where.get(s.id, [])]
+    experts = experts_nodes(tgraph)
     kinds = {d.id: ("attention", "inside the engine's opaque attention op (registry)") if is_attention(d.op)
-             else classify(tgraph, d.node) for d in site_decisions}
-    regions = group_regions(sites, kinds)
+             else classify(tgraph, d.node, experts) for d in site_decisions}
+    owner = {d.id: d.evidence.stretch[0] for d in site_decisions if d.rule == "opaque-registry" and d.node in experts}
+    regions = group_regions(sites, kinds, owner)
     by_id = {s.id: s for s in sites}
     for d in plan:  # codegen reads a site's region from the plan
         if d.site and d.id in by_id:
@@ -234,9 +237,13 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     timings: dict[str, float] = {}
     per_graph, matched, replay, engine_values = _reference_decisions(engine_cap, buffers, train, labels[0], timings)
     t = time.perf_counter()
+    ids = stable_ids(tgraph)
     attn, attn_notes = attention_decisions(engine_cap.attention, tgraph, train.gm, train.values, engine_cap.graphs,
-                                           stable_ids(tgraph))
+                                           ids)
     notes += attn_notes
+    moe_calls = [(g.name, k.id) for g in engine_cap.graphs for k in g.kernels
+                 if k.kind == "extern" and (r := extern_rule(k.name)) is not None and r.kind == "moe"]
+    attn += experts_decisions(tgraph, train.values, train.changed, moe_calls, ids) if moe_calls else []
     others: dict[str, list[Decision]] = {}
     for label in labels[1:]:
         graphs_here, more = _shape_decisions(engine_cap, buffers, train, label, matched)
@@ -247,6 +254,9 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     sites, regions = _sites_and_regions(plan, tgraph, engine_cap, labels)
     not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs)
     _mark_regions(regions, sites, labels)
+    routing = [a for g in engine_cap.graphs if labels[0] in g.shapes or not g.shapes
+               for a in routing_agreement(tgraph, train.values, engine_routing(g, buffers.get(labels[0], {})),
+                                          labels[0])]
     t = time.perf_counter()
     uniformity = (site_nonuniformity(tgraph, train.gm, train.values, sites, engine_values, train.fp32)
                   if train.gm else {})
@@ -266,7 +276,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
                                   if k.kind == "generated" and not (set(k.nodes) & used)],
         not_replayed=not_replayed, unexplained=unexplained, unregistered_externs=unregistered,
         timings={"analysis_s": round(time.perf_counter() - t0, 3), **{k: round(v, 3) for k, v in timings.items()}},
-        reproduce=reproduce, notes=notes, nonuniformity=uniformity,
+        reproduce=reproduce, notes=notes, nonuniformity=uniformity, routing=sorted(routing, key=lambda a: a.layer),
     )
 
 
@@ -322,9 +332,11 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
          out: ScanDir | None = None, work_dir: Path | None = None, progress: Progress = lambda m: None,
          argv: list[str] | None = None, engine_dump: Path | None = None, manifest: Path | None = None,
          compilation_config: dict | None = None, optimization_level: int | None = None,
-         allow_version_mismatch: bool = False) -> ScanOutcome:
+         allow_version_mismatch: bool = False, sample: dict | None = None) -> ScanOutcome:
     """Resolve `spec`, run the real engine (in a child process; or take its capture from `engine_dump`) and the
-    HF trainer on the same weights and tokens, analyze. The engine capture is written to `out`'s engine dir."""
+    HF trainer on the same weights and tokens, analyze. The engine capture is written to `out`'s engine dir.
+    `sample` ({"prompts", "max_tokens", "seed", "temperature"}): the same engine samples them afterwards, into
+    `out`/engine_samples.json (the patch's measurement and `kl` read them: one engine start)."""
     import tempfile
 
     from graphdiff.capture.engine_process import capture_isolated, load_engine_capture
@@ -351,10 +363,15 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
         shapes = with_prompts(shapes, config)
         directory = out.engine_dir if out is not None else Path(tempfile.mkdtemp(prefix="graphdiff-engine-"))
         progress("starting the engine in its own process (compile)")
+        if sample is not None:
+            from graphdiff.measure.kl import check_request
+
+            check_request(config, sample["prompts"], sample["max_tokens"], "k3", False, None)
+            sample = {**sample, "out_dir": str(out.root if out is not None else directory)}
         cap, buffers, startup = capture_isolated(resolved.path, shapes, directory, progress=progress,
                                                  compilation_config=compilation_config,
                                                  optimization_level=optimization_level,
-                                                 config_sha256=config_sha256(config))
+                                                 config_sha256=config_sha256(config), sample=sample)
     t_engine = time.perf_counter()
     progress("tracing the trainer's eager forward")
     train = run_train_side(resolved.path, cap.prompt_tokens, manifest, allow_version_mismatch)

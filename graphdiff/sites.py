@@ -88,8 +88,9 @@ def _scaled_by_constant(n: Node, nodes: dict[str, Node]) -> bool:
     return False
 
 
-def classify(graph: Graph, name: str) -> tuple[str, str]:
-    """(kind, the dataflow fact that decided it), first rule that holds."""
+def classify(graph: Graph, name: str, experts: set[str] | frozenset[str] = frozenset()) -> tuple[str, str]:
+    """(kind, the dataflow fact that decided it), first rule that holds; `experts`: the nodes inside MoE experts
+    modules (moe.experts_nodes)."""
     nodes = graph.node_map()
     n = nodes[name]
     up, up_edges = _closure(graph, name, down=False)
@@ -101,10 +102,10 @@ def classify(graph: Graph, name: str) -> tuple[str, str]:
         return "rope", "depends elementwise on a cos/sin table"
     if "rsqrt" in up_ops and "attention" in down_edges:
         return "qk_norm", "inside a normalization (rsqrt) whose output flows into attention"
-    if up_ops & ROUTING:
-        return "router", f"computed from the {'/'.join(sorted(up_ops & ROUTING))} of router logits (MoE routing)"
-    if "index_add" in down_ops | {op_name(n.target)}:
-        return "expert_combine", "the weighted sum over the chosen experts (index_add)"
+    if name in experts:
+        return "expert_combine", "inside an MoE experts module: the experts' GEMMs, activation and weighted sum"
+    if up_ops & ROUTING and not (up & experts):
+        return "router", f"from the {'/'.join(sorted(up_ops & ROUTING))} of router logits, before the experts"
     if (acts := up_ops & ACTIVATIONS) and not norm_near:
         return "gated_act", f"elementwise on the output of {', '.join(sorted(acts))}, no normalization in reach"
     if _scaled_by_constant(n, nodes) and "embedding" in up_edges:
@@ -352,10 +353,15 @@ def merge_decisions(train: Graph, per_graph: list[list[Decision]]) -> list[Decis
     """One decision per trainer value over all engine graphs, in trainer graph order: evidence beats no evidence,
     a match beats an in-kernel stretch (piecewise engines compile several graphs; each value is computed in one)."""
     rank = {"matched": 0, "opaque-registry": 1, "inside-kernel": 2, "no-engine-value": 3}
+
+    def order(d: Decision) -> int:  # inside an opaque op's module (MoE experts) its registry decides, not a match
+        return -1 if d.rule == "opaque-registry" and d.evidence.stretch and d.evidence.stretch[0] == (
+            d.module or "")[:len(d.evidence.stretch[0])] else rank[d.rule]
+
     best: dict[str, Decision] = {}
     for decisions in per_graph:
         for d in decisions:
-            if d.node not in best or rank[d.rule] < rank[best[d.node].rule]:
+            if d.node not in best or order(d) < order(best[d.node]):
                 best[d.node] = d
     return sorted(best.values(), key=lambda d: train.position(d.node))
 
@@ -417,12 +423,14 @@ def module_pattern(module: str | None) -> str:
     return re.sub(r"\.(layers|h|blocks|layer)\.\d+(?=\.|$)", r".\1.*", module or "<root>")
 
 
-def group_regions(sites: list[Site], kinds: dict[str, tuple[str, str]]) -> list[Region]:
-    """Sites grouped by (module pattern, kind): region `pattern#kind`; `kinds` maps site id -> (kind, reason)."""
+def group_regions(sites: list[Site], kinds: dict[str, tuple[str, str]],
+                  owner: dict[str, str] | None = None) -> list[Region]:
+    """Sites grouped by (module pattern, kind): region `pattern#kind`; `kinds` maps site id -> (kind, reason);
+    `owner` a site id -> the module it belongs to where that is not its own (a submodule of MoE experts)."""
     groups: dict[tuple[str, str], list[Site]] = defaultdict(list)
     for s in sites:
         s.kind = kinds[s.id][0]
-        groups[(module_pattern(s.train.module), s.kind)].append(s)
+        groups[(module_pattern((owner or {}).get(s.id, s.train.module)), s.kind)].append(s)
     regions = []
     for (pattern, kind), members in groups.items():
         name = f"{pattern}#{kind}"

@@ -12,28 +12,19 @@ from pathlib import Path
 import torch
 
 from graphdiff.errors import GraphdiffError
+from graphdiff.tiny_recipes import ARCHS, ONE_PLUS_NORM, TINY_SHAPE
 
-# One small shape shared by all architectures: head_dim 64 is a size every vLLM
-# attention backend supports; 2 KV heads exercise grouped-query attention.
-TINY_SHAPE = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    vocab_size=2048,
-    max_position_embeddings=4096,  # room for the scan's long-prefill shapes (2048 tokens and more)
-    rms_norm_eps=1e-6,
-    initializer_range=0.08,
-    tie_word_embeddings=False,
-    torch_dtype="bfloat16",
-)
+__all__ = ["ARCHS", "TINY_SHAPE", "make_tiny", "seeded_init", "tiny_path", "write_random_weights"]
 
-ARCHS: dict[str, tuple[str, dict]] = {
-    "qwen3": ("Qwen3Config", dict(rope_theta=1_000_000.0, attention_bias=False)),
-    "qwen2": ("Qwen2Config", dict(rope_theta=1_000_000.0)),
-    "llama": ("LlamaConfig", dict(rope_theta=500_000.0, attention_bias=False, mlp_bias=False)),
-}
+
+def _per_layer(overrides: dict, layers: int) -> dict:
+    """Lists with one entry per layer (layer_types, no_rope_layers) cycled to `layers` entries."""
+    out = dict(overrides)
+    for key, value in overrides.items():
+        if isinstance(value, list) and value and (key == "layer_types" or key.endswith("_layers")) \
+                and key != "mlp_only_layers":
+            out[key] = [value[i % len(value)] for i in range(layers)]
+    return out
 
 
 def make_tiny(arch: str, out: Path, layers: int = 2, seed: int = 0) -> Path:
@@ -42,24 +33,30 @@ def make_tiny(arch: str, out: Path, layers: int = 2, seed: int = 0) -> Path:
 
     if arch not in ARCHS:
         raise GraphdiffError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
-    config_cls, extra = ARCHS[arch]
-    config = getattr(transformers, config_cls)(num_hidden_layers=layers, **TINY_SHAPE, **extra)
+    config_cls, overrides = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**_per_layer(overrides, layers), num_hidden_layers=layers)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    seeded_init(model, seed, TINY_SHAPE["initializer_range"])
+    seeded_init(model, seed, TINY_SHAPE["initializer_range"], one_plus=arch in ONE_PLUS_NORM)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
     model = model.to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     return out
 
 
-def seeded_init(model: torch.nn.Module, seed: int, scale: float) -> None:
-    """Weights ~ N(0, scale), norm weights ~ 1 + 0.5 N(0, 1), biases ~ 0.02 N(0, 1); seeded."""
+def seeded_init(model: torch.nn.Module, seed: int, scale: float, one_plus: bool = False) -> None:
+    """Weights ~ N(0, scale), norm weights ~ 1 + 0.5 N(0, 1) (`one_plus`: 0.5 N(0, 1), for norms that scale by
+    1 + w), biases ~ 0.02 N(0, 1); seeded. A norm is any module whose class name says Norm (LayerNorm, RMSNorm,
+    under any attribute name: GPT-2's ln_1, OPT's final_layer_norm)."""
+    norms = {f"{m}.weight" if m else "weight" for m, mod in model.named_modules()
+             if "Norm" in type(mod).__name__ and isinstance(getattr(mod, "weight", None), torch.nn.Parameter)}
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen))
+            if name in norms or name.endswith("norm.weight"):
+                p.copy_((0.0 if one_plus else 1.0) + 0.5 * torch.randn(p.shape, generator=gen))
             elif p.dim() == 1:  # biases
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
             else:

@@ -121,13 +121,16 @@ def load_engine_capture(directory: Path, model_dir: Path | None = None) -> tuple
 
 def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
                      compilation_config: dict[str, Any] | None = None, optimization_level: int | None = None,
-                     progress: Progress = lambda m: None, config_sha256: str = "") -> tuple[Capture, Buffers, float]:
+                     progress: Progress = lambda m: None, config_sha256: str = "",
+                     sample: dict | None = None) -> tuple[Capture, Buffers, float]:
     """Capture the engine in a child process into `directory`; returns the capture, its buffers and the
-    engine's start-up time."""
+    engine's start-up time. `sample` (prompts, max_tokens, seed, temperature, out_dir): the same engine then samples
+    them with log-probs, and scores them in one prefill, into out_dir/engine_samples.json (what `kl` and the patch's
+    measurement read), so a scan with --patch and --kl starts one engine."""
     child.run("graphdiff.capture.engine_process",
               dict(model_dir=str(model_dir), shapes=[s.model_dump() for s in shapes], out=str(directory),
                    compilation_config=compilation_config or {}, optimization_level=optimization_level,
-                   config_sha256=config_sha256), progress)
+                   config_sha256=config_sha256, sample=sample), progress)
     cap, buffers = load_engine_capture(directory, model_dir)
     return cap, buffers, cap.startup_s or 0.0
 
@@ -135,12 +138,28 @@ def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
 def _serve(req: dict, progress: Progress) -> None:
     from graphdiff.capture.vllm import EngineOptions, capture_vllm
 
-    options = EngineOptions(compilation_config=req["compilation_config"], optimization_level=req["optimization_level"])
-    run = capture_vllm(Path(req["model_dir"]), [Shape.model_validate(s) for s in req["shapes"]], options=options,
+    s = req.get("sample") or {}
+    longest = max((len(p) for p in s.get("prompts", [])), default=0) + s.get("max_tokens", 0)
+    options = EngineOptions(compilation_config=req["compilation_config"], optimization_level=req["optimization_level"],
+                            min_model_len=longest, min_seqs=len(s.get("prompts", [])))
+    model_dir = Path(req["model_dir"])
+    run = capture_vllm(model_dir, [Shape.model_validate(s) for s in req["shapes"]], options=options,
                        progress=progress)
     run.capture.config_sha256 = req["config_sha256"]
     run.capture.startup_s = round(run.startup_s, 3)
     save_engine_capture(run.capture, run.buffers, Path(req["out"]))
+    if s:
+        from graphdiff.measure.engine import engine_sample, engine_versions, samples_run, store_samples
+
+        progress(f"sampling {len(s['prompts'])} x {s['max_tokens']} tokens on the same engine (for the gap)")
+        got = engine_sample(run.llm, s["prompts"], max_tokens=s["max_tokens"], seed=s["seed"],
+                            temperature=s["temperature"])
+        level = req["optimization_level"]
+        config = {**req["compilation_config"], **({"optimization_level": level} if level is not None else {})}
+        store_samples(Path(s["out_dir"]), samples_run(model_dir, "compiled", s["prompts"], max_tokens=s["max_tokens"],
+                                                      seed=s["seed"], temperature=s["temperature"],
+                                                      compilation_config=config, versions=engine_versions(),
+                                                      samples=got))
 
 
 if __name__ == "__main__":

@@ -183,6 +183,8 @@ class EngineOptions:
     optimization_level: int | None = None  # as `vllm serve -O N`
     layers: int | None = None  # override num_hidden_layers (hf_overrides)
     debug_dir: Path | None = None  # keep the TORCH_COMPILE_DEBUG dump here
+    min_model_len: int = 0  # room for sampling on the same engine after the capture (prompt + tokens)
+    min_seqs: int = 0
 
 
 def llm_kwargs(model_dir: Path, options: EngineOptions, shapes: list[Shape]) -> dict[str, Any]:
@@ -191,8 +193,11 @@ def llm_kwargs(model_dir: Path, options: EngineOptions, shapes: list[Shape]) -> 
         # A replayed CUDA graph bypasses the Python kernel wrappers: record with plain launches.
         compilation.setdefault("cudagraph_mode", "NONE")
     # No prefix caching: a recorded forward must compute its whole prompt, not a cached prefix's suffix.
+    limits = engine_limits(shapes)
+    limits["max_model_len"] = max(limits["max_model_len"], -(-(options.min_model_len + 1) // 64) * 64)
+    limits["max_num_seqs"] = max(limits["max_num_seqs"], options.min_seqs)
     kwargs: dict[str, Any] = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-                                  enforce_eager=False, enable_prefix_caching=False, **engine_limits(shapes))
+                                  enforce_eager=False, enable_prefix_caching=False, **limits)
     if compilation:
         kwargs["compilation_config"] = compilation
     if options.optimization_level is not None:

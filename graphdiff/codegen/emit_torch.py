@@ -48,6 +48,8 @@ def expression(n: Node) -> str:
     name = op_name(n.target)
     if name in ("_to_copy", "convert_element_type", "alias", "clone", "contiguous"):
         return literal(args[0])  # the value, in FP32; a downcast is a rounding point of the plan
+    if name == "gelu" and set(kwargs) <= {"approximate"}:  # exact (erf) or tanh form, as the model asks
+        return f"F.gelu({literal(args[0])}, approximate={kwargs.get('approximate', 'none')!r})"
     if name in ("view", "reshape", "_unsafe_view", "expand") or any(k not in ("dtype",) for k in kwargs):
         # Concrete sizes would bake the captured batch and sequence length into the code.
         raise Unsupported(f"{n.target} with sizes {args[1:]} {kwargs or ''}".strip())
@@ -60,8 +62,6 @@ def expression(n: Node) -> str:
     if name in ("mean", "sum") and n.target.endswith(("dim", "dim_IntList")):
         keep = args[2] if len(args) > 2 else False
         return f"torch.{name}({literal(args[0])}, {literal(args[1])}, keepdim={keep!r})"
-    if name == "gelu":
-        return f"F.gelu({literal(args[0])})"
     ns, op, overload = n.target.split(".")
     return f"torch.ops.{ns}.{op}.{overload}({', '.join(literal(a) for a in args)})"
 

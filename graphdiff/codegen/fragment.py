@@ -25,6 +25,9 @@ from graphdiff.model import Graph, Node, Region, ScanResult
 from graphdiff.ops import MATMULS, is_heavy, op_name
 
 Target = Literal["module", "function", "carry"]
+# Regions whose engine side is one opaque op: the patch calls a function that computes as the registry says the op
+# does, instead of re-emitting the trainer's fragment (attention, MoE routing and experts).
+OPAQUE_KINDS = ("attention", "router", "expert_combine")
 Rounding = tuple[Literal["always", "unless-aligned", "if-aligned"], str]  # (when, region)
 
 
@@ -203,7 +206,7 @@ def merge(frags: list[Fragment]) -> list[Fragment]:
 def cut_fragments(scan: ScanResult, graph: Graph, regions: list[str] | None = None) -> list[Fragment]:
     """The splice points of `regions` (default all; attention regions are one opaque op, no fragment): cut,
     merged per splice, boundary outputs decided. Generation and verification both cut them here."""
-    wanted = [r for r in scan.regions if (regions is None or r.name in regions) and r.kind != "attention"]
+    wanted = [r for r in scan.regions if (regions is None or r.name in regions) and r.kind not in OPAQUE_KINDS]
     frags = merge([fragment_for(scan, graph, r) for r in wanted])
     decide_outputs(graph, frags)
     return frags

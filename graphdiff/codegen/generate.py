@@ -12,16 +12,19 @@ import hashlib
 import importlib
 import inspect
 import itertools
+import re
 from pathlib import Path
 
 import torch
 
+from graphdiff import moe
 from graphdiff.codegen import emit_torch, emit_triton, inductor_lowering
 from graphdiff.codegen.fragment import Fragment, cut_fragments, region_slug
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import (
     MANIFEST_VERSION,
     Capture,
+    Graph,
     Manifest,
     ManifestRegion,
     ManifestSplice,
@@ -99,6 +102,20 @@ def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, st
     return splice, ["", "", f"# attention: region {r.name}", *ATTENTION_SOURCE.strip("\n").splitlines()]
 
 
+def _module_class(graph: Graph, pattern: str) -> str:
+    """The class of the modules a `layers.*` pattern names, from the trainer graph."""
+    rx = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+    return next((n.module_type for n in graph.nodes if n.module and rx.match(n.module) and n.module_type), "") or ""
+
+
+def _moe_splice(r: Region, graph: Graph) -> ManifestSplice:
+    """A router or experts region: the module's forward replaced by the engine's computation (graphdiff.moe)."""
+    target, fn = ("router", moe.ROUTER_FN) if r.kind == "router" else ("experts", moe.EXPERTS_FN)
+    return ManifestSplice(key=f"{target} {r.module}", target=target, module=r.module,
+                          module_class=_module_class(graph, r.module), regions=[r.name], torch_fn=fn,
+                          triton_problem="the engine's fused MoE computation, run with PyTorch ops")
+
+
 def _bind(frag: Fragment, splice: ManifestSplice, nodes: dict[str, Node]) -> None:
     """Which forward or function argument feeds each input, which returned value each output is."""
     splice.inputs = [f"param:{frag.params[i]}" if i in frag.params else "arg:0" for i in frag.inputs]
@@ -159,6 +176,11 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) ->
         splice, lines = _attention_splice(r, nodes, site_node)
         splices.append(splice)
         body += lines
+    moe_regions = [r for r in wanted if r.kind in ("router", "expert_combine")]
+    splices += [_moe_splice(r, graph) for r in moe_regions]
+    if moe_regions:
+        body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.moe)",
+                 *moe.SOURCE.strip("\n").splitlines()]
     frags = cut_fragments(scan, graph, [r.name for r in wanted])
     status: dict[str, str] = {}
     for frag in frags:

@@ -140,7 +140,7 @@ def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool =
     frags, nodes = fragments(scan_dir, manifest)
     checks: list[Check] = []
     for splice in manifest.splices:
-        if splice.target in ("carry", "attention") or splice.problems:
+        if splice.target in ("carry", "attention", "router", "experts") or splice.problems:
             continue
         frag = frags[splice.key]
         ulp_limit, cause = tolerance(frag, nodes, device)

@@ -200,10 +200,8 @@ def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence
         versions = {}  # no engine here: only a cached run can serve
     missing: list[EngineMode] = []
     for mode in modes:
-        want = EngineSamples(mode=mode, model=str(model_dir.resolve()), weights=weights_fingerprint(model_dir),
-                             seed=seed, temperature=temperature, max_tokens=max_tokens, versions=versions,
-                             compilation_config=compilation_config or {} if mode == "compiled" else {},
-                             samples=[EngineSample(prompt=list(p), tokens=[], logprobs=[]) for p in prompts])
+        want = samples_run(model_dir, mode, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature,
+                           compilation_config=compilation_config, versions=versions)
         # Without vLLM installed, cached samples of any engine version serve; with it, only its own version's.
         hit = next((r for r in cache.runs if r.key() == want.key()
                     and (not versions or r.versions.get("vllm") == versions["vllm"])), None)
@@ -225,6 +223,24 @@ def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence
         if out_dir is not None:
             save_json(cache, out_dir / SAMPLES_FILE)
     return found
+
+
+def samples_run(model_dir: Path, mode: EngineMode, prompts: Sequence[list[int]], *, max_tokens: int, seed: int,
+                temperature: float, compilation_config: dict | None, versions: dict[str, str],
+                samples: Sequence[EngineSample] | None = None) -> EngineSamples:
+    """One engine configuration's samples, keyed by everything that decides them (empty samples: what to look up)."""
+    return EngineSamples(mode=mode, model=str(model_dir.resolve()), weights=weights_fingerprint(model_dir), seed=seed,
+                         temperature=temperature, max_tokens=max_tokens, versions=versions,
+                         compilation_config=compilation_config or {} if mode == "compiled" else {},
+                         samples=list(samples) if samples is not None else
+                         [EngineSample(prompt=list(p), tokens=[], logprobs=[]) for p in prompts])
+
+
+def store_samples(out_dir: Path, run: EngineSamples) -> Path:
+    """Add (or replace) one run in OUT/engine_samples.json, the cache `sample_engine` reads."""
+    cache = _read_cache(out_dir)
+    cache.runs = [r for r in cache.runs if r.key() != run.key()] + [run]
+    return save_json(cache, out_dir / SAMPLES_FILE)
 
 
 def _sample_here(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *, max_tokens: int,

@@ -31,6 +31,7 @@ Imports neither vLLM nor the scanner: only torch, pydantic (the manifest model) 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -355,6 +356,12 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
         elif splice.target == "attention":
             if align & set(splice.regions) and targets:
                 state.undo.append(_use_attention(model, getattr(gen, splice.torch_fn)))
+        elif splice.target in ("router", "experts"):  # the module computes as the engine's MoE does
+            if align & set(splice.regions):
+                for name, mod in targets:
+                    _check_moe_module(mod, name, splice.target)
+                    mod.forward = functools.partial(getattr(gen, splice.torch_fn), mod)
+                    state.undo.append(lambda mod=mod: mod.__dict__.pop("forward", None))
         elif splice.target == "module":
             run = _chooser(gen, splice)
             for _, mod in targets:
@@ -379,6 +386,16 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
     state.undo.append(_saved_fp32_recomputed(model))
     setattr(model, _ATTR, state)
     return model
+
+
+_MOE_ATTRS = {"router": ("weight", "top_k"), "experts": ("gate_up_proj", "down_proj", "act_fn")}
+
+
+def _check_moe_module(mod: torch.nn.Module, name: str, target: str) -> None:
+    missing = [a for a in _MOE_ATTRS[target] if not hasattr(mod, a)]
+    if missing:
+        raise PatchError(f"{name} ({type(mod).__name__}) has no {', '.join(missing)}: the generated MoE {target} "
+                         "cannot run in it; rescan this model")
 
 
 def _use_attention(model: torch.nn.Module, fn: Callable) -> Callable[[], None]:

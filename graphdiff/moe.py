@@ -1,0 +1,205 @@
+"""Mixture-of-experts: the engine's routing and expert combine, the trainer's, and what the patch runs instead.
+
+vLLM CPU (compiled) routes with the top-k of the BF16 router logits and a softmax over those k in FP32 (or, not
+renormalized, their share of all), and keeps the routing weights FP32 (Inductor drops the softmax's BF16 round
+trip); its fused-MoE op (`_C.cpu_fused_moe`) keeps the gate/up GEMM and SiLU in FP32, rounds silu(gate) * up to
+BF16 once, keeps the down GEMM and the weighted sum over the k experts in FP32 and rounds the output once.
+transformers' experts round every GEMM, the activation, each weighted expert output and each partial sum. The
+functions below are that engine computation, written once as the source the generated patch carries (the
+runtime imports nothing of the scanner) and executed here for the scan's numeric check; the registry entry
+(opaque.EXTERNS `_C.cpu_fused_moe`) is tested against the real op with them.
+
+Routing agreement: per layer, the fraction of tokens whose set of chosen experts differs between the engine
+(the top-k indices its router kernel reads) and the trainer (its router's top-k), on the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphdiff.model import Decision, Evidence, Graph, Node, RoutingAgreement, SideState, layer_of
+from graphdiff.ops import CASTS, EXACT, is_heavy, is_low, op_name
+from graphdiff.rounding import is_view
+
+ROUTER_FN, EXPERTS_FN = "moe_router_like_engine", "moe_experts_like_engine"
+SOURCE = f'''
+def {ROUTER_FN}(module, hidden_states):
+    """vLLM CPU's routing: top-k of the BF16 router logits, softmax over those k in FP32 (renormalized; else their
+    share of all), weights kept FP32. Returns what transformers' router returns: (logits, weights, indices)."""
+    hidden_states = hidden_states.reshape(-1, module.weight.shape[1])
+    logits = torch.nn.functional.linear(hidden_states, module.weight)
+    values, indices = torch.topk(logits, module.top_k, dim=-1)
+    if getattr(module, "norm_topk_prob", True):
+        weights = torch.softmax(values.float(), dim=-1)
+    else:
+        weights = (values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).exp()
+    return logits, weights, indices
+
+
+def {EXPERTS_FN}(module, hidden_states, top_k_index, top_k_weights):
+    """vLLM CPU's fused MoE: gate/up GEMM and the activation in FP32, silu(gate) * up rounded once, the down GEMM
+    and the weighted sum over the chosen experts in FP32, the output rounded once."""
+    x = hidden_states.float()
+    out = torch.zeros(x.shape[0], module.down_proj.shape[1], dtype=torch.float32, device=x.device)
+    inter = module.gate_up_proj.shape[1] // 2
+    for e in top_k_index.unique().tolist():
+        tokens, slot = torch.where(top_k_index == e)
+        gate_up = x[tokens] @ module.gate_up_proj[e].float().t()
+        act = (module.act_fn(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden_states.dtype)
+        down = act.float() @ module.down_proj[e].float().t()
+        out.index_add_(0, tokens, down * top_k_weights[tokens, slot, None].float())
+    return out.to(hidden_states.dtype)
+'''
+_scope: dict[str, Any] = {"torch": torch}
+exec(compile(SOURCE, "<graphdiff.moe>", "exec"), _scope)  # noqa: S102 - our own source, the patch's too
+engine_like_router, engine_like_experts = _scope[ROUTER_FN], _scope[EXPERTS_FN]
+_ACTS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "relu": torch.relu}
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act: Any) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.act_fn = gate_up, down, act
+
+
+def experts_modules(graph: Graph) -> dict[str, dict[str, str]]:
+    """Experts modules of the trainer graph, found by their stacked weights: path -> {"gate_up_proj": node,
+    "down_proj": node} (transformers' MoE experts hold [E, 2I, H] and [E, H, I] parameters)."""
+    out: dict[str, dict[str, str]] = {}
+    for node, name in graph.inputs.items():
+        path, _, leaf = name.rpartition(".")
+        if leaf in ("gate_up_proj", "down_proj"):
+            out.setdefault(path, {})[leaf] = node
+    return {p: v for p, v in out.items() if len(v) == 2}
+
+
+def _module_io(graph: Graph, path: str) -> tuple[list[str], str | None]:
+    """A module's activation inputs (first-use order) and its output node."""
+    nodes = graph.node_map()
+    inside = [n for n in graph.nodes if n.op == "call_function" and (n.module or "").startswith(path)]
+    names = {n.name for n in inside}
+    ins = list(dict.fromkeys(i for n in inside for i in n.inputs if i not in names and nodes[i].param is None))
+    users = graph.users()
+    outs = [n.name for n in inside if any(u not in names for u in users.get(n.name, []))]
+    return ins, (outs[-1] if outs else None)
+
+
+def experts_nodes(graph: Graph) -> set[str]:
+    """Every computing node inside the trainer's experts modules."""
+    paths = tuple(p + "." for p in experts_modules(graph))
+    return {n.name for n in graph.nodes if n.op == "call_function" and paths and ((n.module or "") + ".").startswith(
+        paths)}
+
+
+def _down_gemm_inputs(graph: Graph, inside: list[Node], down_proj: str) -> set[str]:
+    """The computed values the down-projection GEMMs read (back through views and casts): the one value inside the
+    fused op the engine stores in BF16."""
+    nodes = graph.node_map()
+    from_weight: set[str] = {down_proj}
+    for n in inside:  # views, selections and casts of the down_proj weight
+        if any(i in from_weight for i in n.inputs) and (is_view(n) or op_name(n.target) in EXACT | CASTS):
+            from_weight.add(n.name)
+    found = set()
+    for n in inside:
+        if is_heavy(n.target) and any(i in from_weight for i in n.inputs):
+            frontier = [i for i in n.inputs if i not in from_weight]
+            while frontier:
+                x = nodes[frontier.pop()]
+                if is_view(x) or op_name(x.target) in EXACT or (op_name(x.target) in CASTS and not is_low(x.dtype)):
+                    frontier += x.inputs
+                else:
+                    found.add(x.name)
+    return found
+
+
+def experts_decisions(graph: Graph, values: dict[str, Any], changed: dict[str, float],
+                      extern_calls: list[tuple[str, str]], ids: dict[str, str]) -> list[Decision]:
+    """Inside each experts module, where the engine runs one fused-MoE op the registry describes: every value the
+    trainer rounds is FP32 in the engine but the activation product (silu(gate) * up, rounded on both sides) and
+    the module's output (rounded once on both). The evidence: the trainer's output against the engine's
+    computation (engine_like_experts) on the trainer's own inputs."""
+    out: list[Decision] = []
+    modules = sorted(experts_modules(graph).items(), key=lambda kv: layer_of(kv[0]) or 0)
+    for i, (path, params) in enumerate(modules):
+        ins, output = _module_io(graph, path)
+        inside = [n for n in graph.nodes if n.op == "call_function" and ((n.module or "") + ".").startswith(path + ".")]
+        acts = [n for n in inside if op_name(n.target) in _ACTS]
+        vals = [values.get(x) for x in ins]
+        hidden = next((v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 2
+                       and v.shape[-1] == values[params["gate_up_proj"]].shape[-1]), None)
+        index = next((v for v in vals if isinstance(v, torch.Tensor) and not v.is_floating_point()), None)
+        weights = next((v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point() and index is not None
+                        and v.shape == index.shape), None)
+        trained = values.get(output) if output else None
+        if hidden is None or index is None or weights is None or not acts or not isinstance(trained, torch.Tensor):
+            continue
+        module = _Experts(values[params["gate_up_proj"]], values[params["down_proj"]],
+                          _ACTS[op_name(acts[0].target)])
+        with torch.no_grad():
+            like = engine_like_experts(module, hidden, index, weights)
+        differs = float((like.reshape(-1) != trained.reshape(-1).to(like.dtype)).float().mean())
+        graph_name, kernel = extern_calls[i] if len(extern_calls) == len(modules) else ("", "")
+        registry = (f"_C.cpu_fused_moe: FP32 inside but the activation product, output rounded once; the trainer's "
+                    f"experts output differs from that computation on {differs:.0%} (tests/test_opaque_ops_engine.py)")
+        product = _down_gemm_inputs(graph, inside, params["down_proj"])
+        for n in inside:
+            v = values.get(n.name)
+            if not isinstance(v, torch.Tensor) or not v.is_floating_point() or is_view(n) or \
+                    op_name(n.target) in EXACT:
+                continue
+            stored = n.name in product or n.name == output  # rounded on both sides: the engine stores these
+            t_rounds = is_low(n.dtype) and changed.get(n.name, 0.0) > 0
+            out.append(Decision(
+                id=ids[n.name], node=n.name, op=n.target, module=n.module, layer=layer_of(n.module),
+                train=SideState(dtype=n.dtype, rounds=is_low(n.dtype), on_grid=t_rounds, changed=changed.get(n.name),
+                                how=f"rounded to {n.dtype} (changes {changed.get(n.name, 0):.0%} of elements)"
+                                if t_rounds else f"kept in {n.dtype}"),
+                engine=SideState(dtype=n.dtype if stored else "float32", rounds=stored, on_grid=stored,
+                                 how="stored in BF16 by the fused MoE op (registry)" if stored
+                                 else "FP32 inside the fused MoE op (registry)"),
+                rule="opaque-registry", site=t_rounds and not stored,
+                evidence=Evidence(engine_graph=graph_name, kernel=kernel, stretch=[path], registry=registry)))
+    return out
+
+
+def routing_agreement(graph: Graph, values: dict[str, Any], engine_ids: dict[int, torch.Tensor],
+                      shape: str) -> list[RoutingAgreement]:
+    """Per layer, the fraction of tokens whose top-k expert set differs between the engine and the trainer."""
+    out = []
+    for n in graph.nodes:
+        if op_name(n.target) != "topk" or layer_of(n.module) not in engine_ids:
+            continue
+        got = values.get(n.name)
+        if not isinstance(got, tuple | list):
+            continue
+        trainer = got[1].reshape(-1, got[1].shape[-1])
+        engine = engine_ids[layer_of(n.module)].reshape(-1, trainer.shape[-1])
+        if engine.shape != trainer.shape:
+            continue
+        differs = (trainer.sort(-1).values != engine.to(trainer.dtype).sort(-1).values).any(-1)
+        out.append(RoutingAgreement(layer=layer_of(n.module), shape=shape, tokens=int(trainer.shape[0]),
+                                    differing=int(differs.sum()), fraction=float(differs.double().mean())))
+    return out
+
+
+def engine_routing(graph: Graph, records: dict[str, dict]) -> dict[int, torch.Tensor]:
+    """The top-k expert indices the engine's router kernels read, per layer: a generated kernel fusing a node that
+    reads item 1 of a topk takes them as its integer [tokens, k] input."""
+    nodes, out = graph.node_map(), {}
+    for k in graph.kernels:
+        rec = records.get(k.id)
+        if k.kind != "generated" or rec is None:
+            continue
+        reads_ids = any(op_name(nodes[i].target) == "getitem" and nodes[i].call[0][1:] == [1]
+                        and op_name(nodes[nodes[i].inputs[0]].target) == "topk"
+                        for n in k.nodes if n in nodes for i in nodes[n].inputs if nodes[i].inputs)
+        layer = next((layer_of(nodes[n].module) for n in k.nodes if layer_of(nodes[n].module) is not None), None)
+        if not reads_ids or layer is None:
+            continue
+        ids = [t for t in rec["in"].values() if isinstance(t, torch.Tensor) and not t.is_floating_point()
+               and t.dim() == 2 and t.dtype in (torch.int64, torch.int32)]
+        if len(ids) == 1:
+            out.setdefault(layer, ids[0])
+    return out
