@@ -218,10 +218,16 @@ def scan_cmd(
         config = parse_json_option(compilation_config, "--compilation-config")
         if manifest is not None and not manifest.exists():
             raise GraphdiffError(f"--manifest {manifest}: no such file")
+        from graphdiff.measure.gate import GATE_PROMPTS, GATE_TOKENS
+        from graphdiff.measure.kl import DEFAULT_MAX_TOKENS
+
+        gap_tokens = DEFAULT_MAX_TOKENS if kl else GATE_TOKENS  # one engine samples for the patch and the gap
+        sample = dict(count=GATE_PROMPTS, prompt_tokens=16, max_tokens=gap_tokens, seed=0, temperature=1.0) \
+            if (patch or kl) and engine_dump is None else None
         with progress("scanning") as update:
             outcome = scan(model, layers=layers, tokens=tokens, shapes=wanted, out=d, progress=update,
                            argv=sys.argv[1:], engine_dump=engine_dump, manifest=manifest, compilation_config=config,
-                           optimization_level=optimization_level)
+                           optimization_level=optimization_level, sample=sample)
         result = outcome.result
         if engine_dump is not None:  # the report draws the engine graph from the scan directory
             from graphdiff.capture.engine_process import save_engine_capture
@@ -231,14 +237,18 @@ def scan_cmd(
         path = d.save_scan(result)
         if patch:
             from graphdiff.codegen import generate
+            from graphdiff.measure.gate import gate_patch
 
-            made = generate(d.root, d.patch_dir, None)
+            generate(d.root, d.patch_dir, None)
+            with progress("measuring the patch region by region") as update:
+                made = gate_patch(d.root, d.patch_dir, max_tokens=gap_tokens, model_dir=outcome.model_dir,
+                                  progress=update)
         if kl:
-            from graphdiff.measure.kl import DEFAULT_MAX_TOKENS, measure, random_prompts
+            from graphdiff.measure.kl import measure, random_prompts
 
             with progress("measuring the log-prob gap") as update:
-                kl_result = measure(outcome.model_dir, random_prompts(outcome.config, 8, 16, 0),
-                                    max_tokens=DEFAULT_MAX_TOKENS, manifest=d.patch_dir / "manifest.json" if patch
+                kl_result = measure(outcome.model_dir, random_prompts(outcome.config, GATE_PROMPTS, 16, 0),
+                                    max_tokens=gap_tokens, manifest=d.patch_dir / "manifest.json" if patch
                                     else None, out_dir=d.root, progress=update,
                                     reproduce="graphdiff " + shlex.join(sys.argv[1:]),
                                     compilation_config=engine_config(config, optimization_level))
@@ -256,14 +266,15 @@ def scan_cmd(
     if report:
         out.print(f"wrote {html}")
     if patch:
+        print_patch(made)
         print_patch_notes(made, d.patch_dir)
 
 
 def print_patch_notes(manifest, where: Path) -> None:  # noqa: ANN001 - Manifest
     done = sum(r.generated for r in manifest.regions)
-    out.print(f"wrote {where / 'manifest.json'} ({done} of {len(manifest.regions)} regions generated)")
-    for note in manifest.notes:
-        out.print(f"[yellow]note:[/] {note}", highlight=False)
+    enabled = sum(r.generated and r.enabled for r in manifest.regions)
+    out.print(f"wrote {where / 'manifest.json'} ({done} of {len(manifest.regions)} regions generated, {enabled} "
+              "enabled)")
 
 
 def default_scan_dir(scan_dir: Path | None) -> Path:
@@ -451,6 +462,10 @@ def patch_cmd(
     verify: bool = typer.Option(False, "--verify", help="check every generated splice against the scan's plan "
                                 "replay and a float64 backward, on --device"),
     device: str = typer.Option("cpu", help="device for --verify (cuda: the Triton kernels on this GPU)"),
+    measure: bool = typer.Option(True, "--measure/--no-measure", help="measure every region on the engine's "
+                                 "samples and leave out any that widens the gap (needs the engine, or samples "
+                                 "cached in SCAN_DIR)"),
+    tokens: int = typer.Option(256, "--measure-tokens", help="tokens per engine sample the regions are measured on"),
 ) -> None:
     """Generate the FP32-preserving patch (PyTorch + Triton code and manifest.json) from a scan."""
     from graphdiff.codegen import generate
@@ -458,21 +473,32 @@ def patch_cmd(
     with user_errors():
         names = [r.strip() for r in regions.split(",") if r.strip()] if regions else None
         manifest = generate(scan_dir, out_dir, names)
+        if measure:
+            from graphdiff.measure.gate import gate_patch
+
+            with progress("measuring the patch region by region") as update:
+                manifest = gate_patch(scan_dir, out_dir, max_tokens=tokens, progress=update)
+    print_patch(manifest)
+    out.print(f"wrote {out_dir / manifest.module_file} and {out_dir / 'manifest.json'}")
+    if verify:
+        verify_patch(scan_dir, out_dir, device)
+
+
+def print_patch(manifest) -> None:  # noqa: ANN001 - Manifest
     t = Table(title=f"patch for {manifest.model} ({manifest.architecture})")
-    for col in ("region", "kind", "splice", "pytorch", "triton"):
+    for col in ("region", "kind", "splice", "pytorch", "triton", "enabled", "k3 with it (1e-4)"):
         t.add_column(col)
     splices = {s.key: s for s in manifest.splices}
     for r in manifest.regions:
         s = next((splices[k] for k in splices if r.name in splices[k].regions), None)
         triton = "-" if s is None else ("yes" if s.triton_fn else (s.triton_problem or "n/a (hook)"))
+        effect = "-" if r.effect is None else f"{r.effect.delta * 1e4:+.2f}" + (
+            f" [{r.effect.ci[0] * 1e4:+.2f}, {r.effect.ci[1] * 1e4:+.2f}]" if r.effect.ci else "")
         t.add_row(r.name, r.kind, "-" if s is None else f"{s.target} {s.key}", "yes" if r.generated else r.reason,
-                  triton)
+                  triton, "yes" if r.generated and r.enabled else "no", effect)
     out.print(t)
     for note in manifest.notes:
         out.print(f"[yellow]note:[/] {note}", highlight=False)
-    out.print(f"wrote {out_dir / manifest.module_file} and {out_dir / 'manifest.json'}")
-    if verify:
-        verify_patch(scan_dir, out_dir, device)
 
 
 def verify_patch(scan_dir: Path, out_dir: Path, device: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -126,10 +125,16 @@ def cut_layers(config: dict, layers: int | None) -> dict:
 
 def _materialize(model_id: str, config: dict, work_dir: Path | None, link_from: Path | None = None) -> Path:
     """Write `config` as a checkpoint directory; with `link_from`, symlink that snapshot's other files."""
-    root = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="graphdiff-"))
-    out = root / model_id.replace("/", "--")
+    text = json.dumps(config, indent=2) + "\n"
+    if work_dir is None:  # one stable directory per config: engine samples cached for it stay valid
+        import hashlib
+
+        key = hashlib.sha256(text.encode()).hexdigest()[:12]
+        work_dir = Path(os.environ.get("GRAPHDIFF_CACHE", Path.home() / ".cache" / "graphdiff")) / "configs" / key
+    out = Path(work_dir) / model_id.replace("/", "--")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if not (out / "config.json").is_file() or (out / "config.json").read_text() != text:
+        (out / "config.json").write_text(text)
     for f in link_from.iterdir() if link_from else ():
         if f.name != "config.json" and not (out / f.name).exists():
             (out / f.name).symlink_to(f.resolve())

@@ -335,8 +335,9 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
          allow_version_mismatch: bool = False, sample: dict | None = None) -> ScanOutcome:
     """Resolve `spec`, run the real engine (in a child process; or take its capture from `engine_dump`) and the
     HF trainer on the same weights and tokens, analyze. The engine capture is written to `out`'s engine dir.
-    `sample` ({"prompts", "max_tokens", "seed", "temperature"}): the same engine samples them afterwards, into
-    `out`/engine_samples.json (the patch's measurement and `kl` read them: one engine start)."""
+    `sample` ({"count", "prompt_tokens", "max_tokens", "seed", "temperature"}): the same engine then samples that
+    many seeded prompts, into `out`/engine_samples.json (the patch's measurement and `kl` read them: one engine
+    start)."""
     import tempfile
 
     from graphdiff.capture.engine_process import capture_isolated, load_engine_capture
@@ -364,10 +365,13 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
         directory = out.engine_dir if out is not None else Path(tempfile.mkdtemp(prefix="graphdiff-engine-"))
         progress("starting the engine in its own process (compile)")
         if sample is not None:
+            from graphdiff.measure.engine import random_prompts
             from graphdiff.measure.kl import check_request
 
-            check_request(config, sample["prompts"], sample["max_tokens"], "k3", False, None)
-            sample = {**sample, "out_dir": str(out.root if out is not None else directory)}
+            prompts = random_prompts(config, sample["count"], sample["prompt_tokens"], sample["seed"])
+            check_request(config, prompts, sample["max_tokens"], "k3", False, None)
+            sample = dict(prompts=prompts, max_tokens=sample["max_tokens"], seed=sample["seed"],
+                          temperature=sample["temperature"], out_dir=str(out.root if out is not None else directory))
         cap, buffers, startup = capture_isolated(resolved.path, shapes, directory, progress=progress,
                                                  compilation_config=compilation_config,
                                                  optimization_level=optimization_level,

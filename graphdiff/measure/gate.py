@@ -92,3 +92,26 @@ def select_regions(base: torch.nn.Module, manifest_path: Path, samples: Sequence
     manifest.notes = notes
     save_json(manifest, manifest_path)
     return manifest
+
+
+GATE_TOKENS = 256  # tokens per sample the patch is measured on when no longer samples are at hand
+GATE_PROMPTS = 8
+
+
+def gate_patch(scan_dir: Path, patch_dir: Path, *, max_tokens: int = GATE_TOKENS, prompts: int = GATE_PROMPTS,
+               model_dir: Path | None = None, progress: Progress = lambda m: None) -> Manifest:
+    """Measure the patch generated from `scan_dir` on the engine's samples (the scan directory's cached samples, else
+    the engine, started as the scan configured it) and leave out the regions that widen the gap."""
+    from graphdiff.capture.hf import load_hf_model
+    from graphdiff.measure.engine import random_prompts, sample_engine
+    from graphdiff.resolve import read_config
+    from graphdiff.scan import prepare_model
+    from graphdiff.scandir import ScanDir
+
+    scan = ScanDir(scan_dir).load_scan()
+    if model_dir is None:
+        model_dir = prepare_model(scan.model, scan.layers_scanned, None, progress)[0].path
+    asked = random_prompts(read_config(model_dir), prompts, 16, 0)
+    samples = sample_engine(model_dir, asked, ["compiled"], max_tokens=max_tokens, out_dir=scan_dir,
+                            progress=progress, compilation_config=scan.compilation_config)["compiled"].samples
+    return select_regions(load_hf_model(model_dir), patch_dir / "manifest.json", samples, progress)

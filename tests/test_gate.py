@@ -1,0 +1,72 @@
+"""The shipped patch never widens the gap: each generated region is measured on engine samples and a region that
+widens it is left out (graphdiff.measure.gate), on the real runtime with the patch of the recorded tiny Qwen3 scan.
+The 'engine' here is the trainer itself with chosen regions applied, so which region widens the gap is known."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from graphdiff.capture.hf import load_hf_model
+from graphdiff.codegen import generate
+from graphdiff.measure.gate import select_regions
+from graphdiff.measure.kl import train_logprobs, trainer
+from graphdiff.model import EngineSample
+from graphdiff.runtime import load_manifest
+from graphdiff.tiny import make_tiny
+from tests.conftest import FIXTURES
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gate")
+    manifest = generate(FIXTURES / "scans" / "tiny-qwen3", root / "patch")
+    model = make_tiny("qwen3", root / "qwen3", layers=2)  # the scanned tiny:qwen3 (seed 0)
+    return root, load_hf_model(model), [r.name for r in manifest.regions if r.generated]
+
+
+def _engine(base, manifest: Path, regions: list[str]) -> list[EngineSample]:
+    """Samples whose 'engine' log-probs are the trainer's with `regions` applied."""
+    seqs = [EngineSample(prompt=[5, 9, 100, 7], tokens=[42, 7, 300, 2, 11, 900], logprobs=[]),
+            EngineSample(prompt=[1, 2], tokens=[8, 1500, 3, 77, 6, 5], logprobs=[])]
+    with trainer(base, "eager", manifest if regions else None, regions) as model:
+        for s, lp in zip(seqs, train_logprobs(model, seqs)):
+            s.logprobs = lp.tolist()
+    return seqs
+
+
+def _copy(root: Path, name: str) -> Path:
+    shutil.copytree(root / "patch", root / name)
+    return root / name / "manifest.json"
+
+
+def test_a_region_the_engine_does_not_have_is_left_out(setup):
+    root, base, regions = setup
+    widening = "model.layers.*.mlp.act_fn#gated_act"
+    path = _copy(root, "one-out")
+    samples = _engine(base, path, [r for r in regions if r != widening])
+    manifest = select_regions(base, path, samples)
+    enabled = {r.name for r in manifest.regions if r.enabled}
+    assert enabled == set(regions) - {widening}
+    left = next(r for r in manifest.regions if r.name == widening)
+    assert left.effect.delta > 0 and left.effect.ci[0] <= left.effect.delta <= left.effect.ci[1]
+    assert any(f"{widening} left out" in n for n in manifest.notes)
+    assert load_manifest(path).regions == manifest.regions  # written back
+
+
+def test_a_patch_that_cannot_narrow_the_gap_ships_nothing(setup):
+    root, base, regions = setup
+    path = _copy(root, "none")
+    manifest = select_regions(base, path, _engine(base, path, []))  # the engine rounds as HF eager does
+    assert not any(r.enabled for r in manifest.regions)
+    assert any("left out" in n or "none enabled" in n for n in manifest.notes)
+
+
+def test_when_every_region_narrows_the_gap_every_one_ships(setup):
+    root, base, regions = setup
+    path = _copy(root, "all")
+    manifest = select_regions(base, path, _engine(base, path, regions))
+    assert {r.name for r in manifest.regions if r.enabled} == set(regions)
+    assert all(r.effect.delta <= 0 for r in manifest.regions if r.effect)
