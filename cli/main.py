@@ -71,6 +71,8 @@ def make_tiny_cmd(
     out_dir: Path | None = typer.Option(None, "--out", help="directory to write config.json + model.safetensors"),
     layers: int = typer.Option(2, help="number of decoder layers"),
     seed: int = typer.Option(0, help="random seed (same seed, same weights)"),
+    hidden: int | None = typer.Option(None, help="hidden size (a multiple of 64; heads of 64, MLP 8/3 wider; "
+                                      "default 256)"),
     list_archs: bool = typer.Option(False, "--list", help="list the architectures (config classes) and exit"),
 ) -> None:
     """Write a seeded random-weight HF checkpoint small enough for tests."""
@@ -87,9 +89,9 @@ def make_tiny_cmd(
     with user_errors():
         if arch is None or out_dir is None:
             raise GraphdiffError("give ARCH and --out DIR (`graphdiff make-tiny --list` lists the architectures)")
-        path = make_tiny(arch, out_dir, layers=layers, seed=seed)
+        path = make_tiny(arch, out_dir, layers=layers, seed=seed, hidden=hidden)
     size = sum(p.stat().st_size for p in path.iterdir()) / 2**20
-    out.print(f"wrote tiny {arch} ({layers} layers, {size:.1f} MiB) to {path}")
+    out.print(f"wrote tiny {arch} ({layers} layers{f', hidden {hidden}' if hidden else ''}, {size:.1f} MiB) to {path}")
 
 
 @app.command()
@@ -331,6 +333,10 @@ def replay_cmd(
     out.print(f"predicted rounding model (FP32 in registers, rounded at stores"
               f"{', and at ' + ', '.join(r.explicit) if r.explicit else ''}): {r.predicted:.2%} of {r.elements} "
               f"low-precision elements bit-identical; naive round-after-every-op: {r.naive:.2%}")
+    if r.reduction_lanes:
+        aten = (f"; in ATen's order {r.aten_order[0]:.4%} and {r.aten_order[1]:.2g}" if r.aten_order else "")
+        out.print(f"row sums in the kernel's order ({r.reduction_lanes} lanes, then a halving tree): FP32 stores "
+                  f"within {r.fp32_error:.2g} (relative){aten}")
 
 
 @app.command("check")
@@ -420,7 +426,18 @@ def print_scan(result, scan_dir: Path) -> None:  # noqa: ANN001 - ScanResult
         out.print(f"[yellow]note:[/] {note}")
     if result.sites:
         out.print(f"explain a site: graphdiff explain {shlex.quote(result.sites[0].id)} {shlex.quote(str(scan_dir))}")
+    out.print(departure_line(result.departure, result.shapes[0].label if result.shapes else ""), highlight=False)
     out.print(f"reproduce: {result.reproduce}")
+
+
+def departure_line(d, shape: str) -> str:  # noqa: ANN001 - Departure | None
+    """Where the trainer's values first differ from the engine's (the next thing to look at once no site is left)."""
+    if d is None:
+        return f"every matched value is bit-identical to the engine's at {shape}"
+    where = f" from row {d.first_row}" if d.first_row is not None else " (sorted values; layouts differ)"
+    return (f"first departure from the engine at {shape}: layer {d.layer} {d.node} ({d.op.removeprefix('aten.')}, "
+            f"{d.source or d.module}): {d.differing:.3%} of elements differ{where}; engine {d.engine_node} in "
+            f"{d.kernel.split(':')[0] or '?'}; the {d.equal_before} matched values before it are bit-identical")
 
 
 def print_summary(cap, show_kernels: bool = True) -> None:  # noqa: ANN001 - Capture
@@ -606,16 +623,22 @@ def print_kl(result) -> None:  # noqa: ANN001 - KLResult
         p.add_column("engine / trainer")
         for b in rows[0].position:
             p.add_column(f"{b.start}-{b.stop - 1}", justify="right")
-        for m in rows:
+        sub = result.engine_attention
+        for m in [*rows, *([sub] if sub else [])]:
             who = "floor" if m.trainer_mode == "engine-prefill" else f"{m.engine_mode} / {m.trainer_mode}" + (
-                f" + {patched(m)}" if m.regions else "")
+                f" + {patched(m)}" if m.regions else "") + (", engine's attention op" if m is sub else "")
             p.add_row(who, *(f"{b.rms:.4f} ({b.bitexact_fraction:.0%})" for b in m.position))
         plain = next((m for m in result.measurements if m.regions is None and m.trainer_mode == "eager"), None)
         fixed = next((m for m in result.measurements if m.regions and m.trainer_mode == "eager"), None)
-        if plain and fixed:
-            p.add_row("patched / unpatched rms", *(f"{b.rms / a.rms:.2f}" if a.rms else "-"
-                                                   for a, b in zip(plain.position, fixed.position)))
+        for label, m in (("patched / unpatched rms", fixed), ("... with the engine's attention op", sub)):
+            if plain and m:
+                p.add_row(label, *(f"{b.rms / a.rms:.2f}" if a.rms else "-"
+                                   for a, b in zip(plain.position, m.position)))
+        for src in result.sources:
+            p.add_row(f"share of the patched ms: {src.name}", *(f"{x:.0%}" for x in src.share))
         out.print(p)
+    if result.sources_note:
+        out.print(f"[yellow]note:[/] {result.sources_note}")
     a = result.attribution
     if a is not None:
         s = Table(title=f"Shapley attribution of the {a.metric} reduction ({a.method}; {a.tokens} tokens, "

@@ -90,6 +90,9 @@ class OneReplay:
     per_output: dict[str, tuple[str, str, float, float]]  # buffer -> (node, dtype, predicted, naive)
     explicit: list[str]
     error: str
+    fp32_error: float = 0.0  # largest relative error of its FP32 stores
+    reduction_lanes: int = 0  # row sums replayed in the kernel's order (0: ATen's)
+    aten_order: tuple[float, float] | None = None  # (bit-exact, FP32 error) with ATen's sum order instead
 
 
 def replay_one(scan_dir: Path, kernel_id: str, shape: str | None = None) -> OneReplay:
@@ -125,7 +128,7 @@ def replay_one(scan_dir: Path, kernel_id: str, shape: str | None = None) -> OneR
     per = {b: (n, str(record["out"][b].dtype).removeprefix("torch."), *rep.per_output.get(b, (float("nan"),) * 2))
            for b, n in rep.outputs.items() if b in record["out"] and nodes.get(n) is not None}
     return OneReplay(kernel, shape, rep.predicted_bitexact, rep.naive_bitexact, rep.elements, per, rep.explicit,
-                     rep.error)
+                     rep.error, rep.fp32_max_rel_error, rep.reduction_lanes, rep.aten_order)
 
 
 def _evidence_at(scan: ScanResult, shape: str) -> list[KernelEvidence]:

@@ -21,7 +21,8 @@ import torch
 from graphdiff.kernel_reload import SUFFIX, reload_variant, reloaded_stores
 from graphdiff.model import Graph, Kernel, Node
 from graphdiff.ops import VIEWS, is_low, op_name
-from graphdiff.replay import LOW, bits_equal_fraction, run_fragment, to_dtype
+from graphdiff.reduction_order import cpp_sum_lanes, is_row_reduction
+from graphdiff.replay import LOW, SUM, bits_equal_fraction, run_fragment, to_dtype
 
 MAX_PERMUTATIONS = 120
 FP32_ORDER_TOLERANCE = 1e-5  # FP32 stores agreeing within this (relative) differ only in summation order
@@ -44,6 +45,8 @@ class KernelReplay:
     error: str = ""
     per_output: dict[str, tuple[float, float]] = field(default_factory=dict)  # low-precision store -> (pred, naive)
     note: str = ""
+    reduction_lanes: int = 0  # its row sums replayed in the kernel's order (reduction_order); 0: ATen's
+    aten_order: tuple[float, float] | None = None  # (bit-exact, FP32 error) with ATen's sum order instead
 
 
 class Declared:
@@ -136,13 +139,19 @@ def closeness(pred: torch.Tensor, real: torch.Tensor) -> float:
 
 
 def fp32_error(run_vals: dict[str, Any], outputs: dict[str, str], record: Record) -> float:
+    """Largest relative error over the FP32 stores; a store of a mean may hold its row sum (Inductor's mean
+    stores the sum and divides where it is read), whichever the store is closer to."""
     worst = 0.0
     for buf, node in outputs.items():
-        real, pred = record["out"].get(buf), run_vals.get(node)
-        if isinstance(real, torch.Tensor) and isinstance(pred, torch.Tensor) and real.dtype == torch.float32 \
-                and pred.numel() == real.numel():
-            diff = (pred.double().reshape(-1) - real.double().reshape(-1)).abs()
-            worst = max(worst, float((diff / real.double().reshape(-1).abs().clamp_min(1e-30)).max()))
+        real = record["out"].get(buf)
+        if not isinstance(real, torch.Tensor) or real.dtype != torch.float32:
+            continue
+        errors = []
+        for pred in (run_vals.get(node), run_vals.get(node + SUM)):
+            if isinstance(pred, torch.Tensor) and pred.numel() == real.numel():
+                diff = (pred.double().reshape(-1) - real.double().reshape(-1)).abs()
+                errors.append(float((diff / real.double().reshape(-1).abs().clamp_min(1e-30)).max()))
+        worst = max(worst, min(errors, default=0.0))
     return worst
 
 
@@ -220,10 +229,11 @@ class _Plan:
     syms: dict[str, int]
     cpp: bool
     compute: torch.dtype
+    ordered: dict[str, int] = field(default_factory=dict)  # row reductions summed in the kernel's order
 
     def run(self, inputs: dict[str, Any], extra: frozenset[str] | set[str] = frozenset()) -> Any:
         return run_fragment(self.frag, inputs, self.declared, "fp32", self.syms, rounded=self.rounded | set(extra),
-                            compute=self.compute, inductor_math=self.cpp)
+                            compute=self.compute, inductor_math=self.cpp, ordered=self.ordered)
 
 
 class _WithAdded:
@@ -273,7 +283,7 @@ def _reloaded(k: Kernel, plan: _Plan, inputs: dict[str, Any], outputs: dict[str,
     frag, rounded = reload_variant(plan.frag, stored)
     added = {n.name: n.dtype for n in frag if n.name.endswith(SUFFIX)}
     variant = _Plan(frag, _WithAdded(plan.declared, added), plan.rounded | rounded, plan.syms, plan.cpp,
-                    plan.compute)
+                    plan.compute, plan.ordered)
     run = variant.run(inputs)
     if not run.ok or score(run.values, outputs, record)[0] <= predicted:
         return None
@@ -322,7 +332,9 @@ def replay_kernel(graph: Graph, k: Kernel, record: Record, known: dict[str, str]
         return copied, {}
     frag, external = kernel_fragment(graph, k, owned)
     syms = bind_symbols(graph, record)
-    plan = _Plan(frag, Declared(graph), frozenset(), syms, 'extern "C"' in (k.code or ""), compute)
+    lanes = cpp_sum_lanes(k.code or "")
+    ordered = {n.name: lanes for n in frag if lanes and is_row_reduction(n, graph.node_map())}
+    plan = _Plan(frag, Declared(graph), frozenset(), syms, 'extern "C"' in (k.code or ""), compute, ordered)
     binding = _bind(graph, k, record, known, frag, external, syms)
     best, error = _best_assignment(graph, binding, plan, external, record)
     if best is None:
@@ -335,6 +347,10 @@ def replay_kernel(graph: Graph, k: Kernel, record: Record, known: dict[str, str]
         plan, predicted, values = found
         note = "a store re-loaded by the kernel's later loop nest is read rounded there"
     predicted, explicit, values = _explicit_conversions(plan, ext_inputs, outputs, record, predicted, values)
+    aten = _aten_order(plan, ext_inputs, outputs, record, explicit) if plan.ordered else None
+    if aten is not None and (aten[0], -aten[1]) > (predicted, -fp32_error(values, outputs, record)):
+        plan.ordered, (predicted, _, values) = {}, aten  # the kernel does not sum as its code was read: ATen's order
+        aten = None
     values = {n: v for n, v in values.items() if not n.endswith(SUFFIX)}
     naive_run = run_fragment(frag, ext_inputs, Declared(graph), "eager", syms)
     naive = score(naive_run.values, outputs, record)[0] if naive_run.ok else 0.0
@@ -346,4 +362,15 @@ def replay_kernel(graph: Graph, k: Kernel, record: Record, known: dict[str, str]
                         score(naive_run.values, {buf: node}, record)[0] if naive_run.ok else 0.0)
                   for buf, node in outputs.items() if getattr(record["out"].get(buf), "dtype", None) in LOW}
     return KernelReplay(k.id, predicted, naive, elements, fp32, outputs, explicit, per_output=per_output,
-                        note=note), values
+                        note=note, reduction_lanes=lanes if plan.ordered else 0,
+                        aten_order=aten[:2] if aten is not None else None), values
+
+
+def _aten_order(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,
+                explicit: list[str]) -> tuple[float, float, dict[str, Any]] | None:
+    """(bit-exact, FP32 error, values) of the same replay with ATen's sum order: the evidence for the order."""
+    aten = _Plan(plan.frag, plan.declared, plan.rounded, plan.syms, plan.cpp, plan.compute)
+    run = aten.run(inputs, set(explicit))
+    if not run.ok:
+        return None
+    return score(run.values, outputs, record)[0], fp32_error(run.values, outputs, record), run.values

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, PrivateAttr
 
 from graphdiff.errors import GraphdiffError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 M = TypeVar("M", bound=BaseModel)
 
 Side = Literal["train", "engine"]
@@ -296,6 +296,9 @@ class Region(BaseModel):
     shapes: list[str] = Field(default_factory=list)  # shapes where it has sites (all recorded: shape-independent)
     shape_dependent: bool = False  # its sites are not the same at every recorded shape
     proven: bool = True  # every site proven
+    # HF module -> the lanes its engine kernel sums rows in (KernelEvidence.reduction_lanes, at every shape); the
+    # patch sums the region's rows in that order
+    reduction_lanes: dict[str, int] = Field(default_factory=dict)
 
 
 class RoutingAgreement(BaseModel):
@@ -320,6 +323,29 @@ class KernelEvidence(BaseModel):
     outputs: dict[str, str] = Field(default_factory=dict)  # stored buffer -> the FX node it holds (as replayed)
     per_output: dict[str, tuple[float, float]] = Field(default_factory=dict)  # low-precision store -> (pred, naive)
     note: str = ""  # how it was checked, where not by re-running its fragment ("a copy: ...")
+    # Its row sums replayed in the order its code sums (graphdiff.reduction_order: lanes, then a halving tree);
+    # 0: ATen's order. With the lanes, the same replay in ATen's order (the evidence for the order).
+    reduction_lanes: int = 0
+    aten_order_bitexact: float | None = None
+    aten_order_fp32_error: float | None = None
+
+
+class Departure(BaseModel):
+    """The first matched trainer value (graph order) that is not bit-identical to its engine value, both in one
+    dtype, on the scan's tokens: everything upstream of it is equal (graphdiff.departure)."""
+
+    node: str
+    op: str
+    module: str | None = None
+    layer: int | None = None
+    dtype: str = ""
+    engine_node: str
+    engine_graph: str = ""
+    kernel: str = ""  # the engine kernel (or extern) computing it
+    differing: float  # fraction of its elements that differ
+    first_row: int | None = None  # first differing row (token) of the trainer's value; None: layouts differ
+    equal_before: int  # matched values before it that are bit-identical
+    source: str = ""  # the trainer's source line
 
 
 class ScanResult(BaseModel):
@@ -354,6 +380,7 @@ class ScanResult(BaseModel):
     # ordinary outputs ("contrast: ...") of the same trainer graph.
     nonuniformity: dict[str, float] = Field(default_factory=dict)
     routing: list[RoutingAgreement] = Field(default_factory=list)  # MoE models: engine vs trainer expert choice
+    departure: Departure | None = None  # where the trainer's values first differ from the engine's (first shape)
 
 
 # --- log-prob gap measurement (`graphdiff kl`) -------------------------------------------------------
@@ -431,6 +458,16 @@ class KLMeasurement(BaseModel):
     label: str = ""  # what is compared, where it is not engine decode vs trainer (the floor)
 
 
+class GapSource(BaseModel):
+    """One named part of the patched gap, per position bucket: the mean square of diff it accounts for (the
+    buckets of KLResult's measurements). Measured by substitution, not fitted."""
+
+    name: Literal["attention order", "engine floor", "rest"]
+    what: str  # how it is measured
+    ms: list[float]  # per bucket, in diff^2 (rms^2 of the bucket); the parts add up to the patched ms
+    share: list[float]  # ms / patched ms per bucket (0 where the patched ms is 0)
+
+
 class ShapleyValue(BaseModel):
     region: str
     value: float  # gap reduction attributed to the region (same units as the metric)
@@ -483,6 +520,11 @@ class KLResult(BaseModel):
     compilation_config: dict[str, object] = Field(default_factory=dict)  # the compiled engine's, as asked
     attribution: Attribution | None = None
     manifest: str | None = None
+    # The patched trainer with the engine's own attention op (graphdiff.measure.engine_attention) and the patched
+    # gap split into named sources by it; sources_note says why not, where they could not be measured
+    engine_attention: KLMeasurement | None = None
+    sources: list[GapSource] = Field(default_factory=list)
+    sources_note: str = ""
     timings: dict[str, float] = Field(default_factory=dict)
     reproduce: str = ""
     notes: list[str] = Field(default_factory=list)
@@ -514,7 +556,7 @@ class CheckResult(BaseModel):
 
 # --- patch manifest (`graphdiff patch`) ----------------------------------------------------------------
 
-MANIFEST_VERSION = 3
+MANIFEST_VERSION = 4
 
 
 class ManifestSplice(BaseModel):
@@ -535,6 +577,9 @@ class ManifestSplice(BaseModel):
     triton_fn: str = ""  # "" when no Triton kernel could be generated (see triton_problem)
     triton_problem: str = ""
     problems: list[str] = Field(default_factory=list)  # non-empty: not generated, the reasons
+    # HF module -> the lanes its engine kernel sums rows in (Region.reduction_lanes); the runtime passes each
+    # module's to the generated function, which sums the aligned regions' rows in that order
+    reduction_lanes: dict[str, int] = Field(default_factory=dict)
 
 
 class RegionEffect(BaseModel):

@@ -22,8 +22,10 @@ import torch.fx
 from graphdiff.inductor_math import INDUCTOR_MATH, inductor_unary
 from graphdiff.model import Node
 from graphdiff.ops import DATA_MOVEMENT, op_name
+from graphdiff.reduction_order import ordered_mean, ordered_sum
 
 LOW = (torch.bfloat16, torch.float16)
+SUM = "#sum"  # values[mean + SUM]: a mean's row sum (what a kernel that computes the mean stores)
 
 
 def resolve_target(name: str) -> Any:
@@ -89,9 +91,10 @@ class RoundingInterpreter(torch.fx.Interpreter):
 
     def __init__(self, gm: torch.fx.GraphModule, declared: dict[str, str | None], plan: str,
                  rounded: set[str] | frozenset[str] = frozenset(), compute: torch.dtype = torch.float32,
-                 inductor_math: bool = False) -> None:
+                 inductor_math: bool = False, ordered: dict[str, int] | None = None) -> None:
         super().__init__(gm)
         self.inductor_math = inductor_math  # transcendental ops as Inductor's C++ kernels compute them
+        self.ordered = ordered or {}  # row reductions (node -> lanes) summed in an engine kernel's order
         self.declared = declared  # node -> its dtype in the captured graph
         self.plan = plan
         self.rounded = rounded
@@ -104,6 +107,13 @@ class RoundingInterpreter(torch.fx.Interpreter):
         if isinstance(x, torch.dtype) and x.is_floating_point:
             return self.compute  # dtype arguments (casts, allocations) compute in FP32 too
         return x
+
+    def _sum(self, name: str, args: tuple) -> torch.Tensor:
+        """A mean's row sum in the same order: Inductor stores the sum and divides where it is read."""
+        keep = bool(args[2]) if len(args) > 2 else False
+        if name in self.ordered:
+            return ordered_sum(args[0], args[1], keep, self.ordered[name])
+        return torch.sum(args[0], args[1], keepdim=keep)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op != "call_function" or self.plan == "eager":
@@ -118,8 +128,13 @@ class RoundingInterpreter(torch.fx.Interpreter):
             if self.inductor_math and name in INDUCTOR_MATH and len(args) == 1 and not kwargs \
                     and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
                 out = inductor_unary(name, args[0])
+            elif n.name in self.ordered and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
+                fn = ordered_mean if name == "mean" else ordered_sum
+                out = fn(args[0], args[1], bool(args[2]) if len(args) > 2 else False, self.ordered[n.name])
             else:
                 out = n.target(*args, **kwargs)
+            if name == "mean" and self.plan == "fp32" and isinstance(args[0], torch.Tensor):
+                self.values[n.name + SUM] = self._sum(n.name, args)
             low = to_dtype(self.declared.get(n.name))
             if n.name in self.rounded and isinstance(out, torch.Tensor) and low in LOW:
                 out = out.to(low).to(self.compute)
@@ -149,12 +164,13 @@ class FragmentRun:
 
 def run_fragment(nodes: list[Node], inputs: dict[str, Any], declared: dict[str, str | None], plan: str,
                  syms: dict[str, int], rounded: set[str] | frozenset[str] = frozenset(),
-                 compute: torch.dtype = torch.float32, inductor_math: bool = False) -> FragmentRun:
+                 compute: torch.dtype = torch.float32, inductor_math: bool = False,
+                 ordered: dict[str, int] | None = None) -> FragmentRun:
     """Execute `nodes` on `inputs` (external values by name) under `plan`."""
     names = list(inputs)
     try:
         gm = fragment_graph(nodes, names, syms)
-        interp = RoundingInterpreter(gm, declared, plan, rounded, compute, inductor_math)
+        interp = RoundingInterpreter(gm, declared, plan, rounded, compute, inductor_math, ordered)
         args = []
         for name in names:
             v = inputs[name]

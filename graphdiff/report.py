@@ -148,7 +148,10 @@ def short_path(file: str) -> str:
 
 
 KL_RUN = ("prompts", "max_tokens", "temperature", "seed", "method")  # how the gap was measured
-KL_SKIP = {"schema_version", "kind", "model", "architecture", "engine", "versions", "timings", "reproduce", "notes"}
+KL_SKIP = {"schema_version", "kind", "model", "architecture", "engine", "versions", "timings", "reproduce", "notes",
+           "floor", "engine_attention", "sources", "sources_note", "bucket"}  # position_view shows those
+SERIES = (("unpatched", "#d93025"), ("patched", "#1a73e8"), ("patched, the engine's attention op", "#188038"),
+          ("floor: engine decode vs its prefill", "#5f6368"))
 
 
 def _num(v: object) -> bool:
@@ -163,10 +166,11 @@ def kl_view(kl: dict | None) -> dict:
     meas = kl.pop("measurements", None)
     if isinstance(meas, list) and all(isinstance(m, dict) and "k1" in m for m in meas):
         view["measurements"] = meas
-        for m in meas[:4]:
+        for m in meas[:4]:  # k3 with its standard error: >= 0 per token, stable where k1 is mostly noise
             what = "unpatched" if m.get("regions") is None else f"{len(m['regions'])} regions patched"
-            view["cards"].append((f"KL k1 · {m.get('engine_mode')} engine vs {m.get('trainer_mode')} trainer, {what}",
-                                  m["k1"]))
+            se = f" ± {m['k3_se']:.2g}" if _num(m.get("k3_se")) else ""
+            view["cards"].append((f"KL (k3 ± se) · {m.get('engine_mode')} engine vs {m.get('trainer_mode')} "
+                                  f"trainer, {what}", f"{m.get('k3', 0.0):.3g}{se}"))
     elif meas is not None:
         kl["measurements"] = meas
     att = kl.pop("attribution", None)
@@ -197,6 +201,39 @@ def kl_view(kl: dict | None) -> dict:
             view["rest"][key] = value
     view["rest"] = json.dumps(view["rest"], indent=1) if view["rest"] else ""
     return view
+
+
+def position_view(kl: dict | None) -> dict | None:
+    """The gap by continuation position: RMS and bit-identical fraction per bucket for the unpatched and patched
+    trainer, the patched one with the engine's attention op, and the engine's own floor; the sources table."""
+    if not kl or not isinstance(kl.get("measurements"), list):
+        return None
+    meas = [m for m in kl["measurements"] if m.get("engine_mode") == "compiled" and m.get("trainer_mode") == "eager"]
+    plain = next((m for m in meas if m.get("regions") is None), None)
+    fixed = next((m for m in meas if m.get("regions")), None)
+    rows = [m for m in (plain, fixed, kl.get("engine_attention"), kl.get("floor"))]
+    named = [(label, color, m) for (label, color), m in zip(SERIES, rows) if m and m.get("position")]
+    if not named:
+        return None
+    width = kl.get("bucket", 128)
+
+    def series(key: str) -> list:
+        return [(label, color, [(b["start"], b[key]) for b in m["position"]]) for label, color, m in named]
+
+    buckets = [f"{b['start']}–{b['stop'] - 1}" for b in named[0][2]["position"]]
+    table = [(label, [f"{b['rms']:.4f} ({b['bitexact_fraction']:.0%})" for b in m["position"]])
+             for label, _, m in named]
+    for label, m in (("patched / unpatched", fixed), ("with the engine's attention op / unpatched",
+                                                      kl.get("engine_attention"))):
+        if plain and m:
+            table.append((label, [f"{b['rms'] / a['rms']:.2f}" if a["rms"] else "–"
+                                  for a, b in zip(plain["position"], m["position"])]))
+    for src in kl.get("sources") or []:
+        table.append((f"share of the patched ms: {src['name']}", [f"{x:.0%}" for x in src["share"]]))
+    x_label = f"continuation position (bucket start; {width} tokens per bucket)"
+    return {"buckets": buckets, "table": table, "note": kl.get("sources_note", ""),
+            "rms": rg.line_chart(series("rms"), "RMS of logp_engine − logp_train", x_label, "{:.3f}"),
+            "exact": rg.line_chart(series("bitexact_fraction"), "bit-identical fraction", x_label, "{:.0%}", 1.0)}
 
 
 _KERNEL = re.compile(r"\b(?:cpp|triton)_\w{36,}")
@@ -277,6 +314,7 @@ def html_context(scan: ScanResult, train: Capture | None, engine: Capture | None
                    "engine": sum(s.rounded_on == "engine" for s in scan.sites)},
         "replay_min": min((r.predicted_bitexact for r in ok), default=None),
         "naive_max": max((r.naive_bitexact for r in ok), default=None),
+        "position": position_view(scan.kl),
         "kl": kl, "kl_charts": [(k, rg.bar_chart(v, "#1a73e8" if k == "shapley" else "#5f6368", region_slugs, errors),
                                  note) for k, v, errors, note in kl["charts"]],
         "has_captures": bool(train or engine), "has_dot": rg.dot_binary() is not None,

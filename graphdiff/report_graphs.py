@@ -349,3 +349,47 @@ def meter(frac: float, color: str) -> Markup:
     w = max(0.0, min(1.0, frac)) * 120
     return Markup(f'<svg class="meter" width="120" height="10" viewBox="0 0 120 10"><rect width="120" height="10" '
                   f'rx="2" fill="#e8eaed"/><rect width="{w:.1f}" height="10" rx="2" fill="{color}"/></svg>')
+
+
+def line_chart(series: list[tuple[str, str, list[tuple[float, float]]]], y_label: str, x_label: str,
+               y_format: str = "{:.3g}", y_max: float | None = None, width: int = 760, height: int = 240) -> Markup:
+    """Lines over a shared x axis as inline SVG: `series` is (label, color, [(x, y), ...]); a legend below."""
+    left, right, top, bottom = 64, 16, 10, 40
+    points = [p for _, _, ps in series for p in ps]
+    if not points:
+        return Markup("")
+    x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
+    y1 = y_max if y_max is not None else max(p[1] for p in points) or 1.0
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def sx(x: float) -> float:
+        return left + plot_w * ((x - x0) / (x1 - x0) if x1 > x0 else 0.5)
+
+    def sy(y: float) -> float:
+        return top + plot_h * (1 - min(max(y, 0.0), y1) / y1)
+
+    legend_h = 18 * ((len(series) + 2) // 3)
+    parts = [f'<svg class="chart" viewBox="0 0 {width} {height + legend_h}" width="{width}" role="img">',
+             f'<line x1="{left}" x2="{left}" y1="{top}" y2="{top + plot_h}" class="axis"/>',
+             f'<line x1="{left}" x2="{left + plot_w}" y1="{top + plot_h}" y2="{top + plot_h}" class="axis"/>']
+    for i in range(5):
+        y = y1 * i / 4
+        parts.append(f'<text x="{left - 6}" y="{sy(y) + 4:.1f}" text-anchor="end" class="val">'
+                     f'{Markup.escape(y_format.format(y))}</text>')
+    for x in sorted({p[0] for p in points}):
+        parts.append(f'<text x="{sx(x):.1f}" y="{top + plot_h + 14}" text-anchor="middle" class="val">{x:g}</text>')
+    parts.append(f'<text x="{left + plot_w / 2:.0f}" y="{top + plot_h + 30}" text-anchor="middle">'
+                 f'{Markup.escape(x_label)}</text>')
+    parts.append(f'<text x="12" y="{top + plot_h / 2:.0f}" transform="rotate(-90 12 {top + plot_h / 2:.0f})" '
+                 f'text-anchor="middle">{Markup.escape(y_label)}</text>')
+    for i, (label, color, ps) in enumerate(series):
+        path = " ".join(f"{'M' if j == 0 else 'L'}{sx(x):.1f} {sy(y):.1f}" for j, (x, y) in enumerate(ps))
+        dots = "".join(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}">'
+                       f'<title>{Markup.escape(label)} @ {x:g}: {Markup.escape(y_format.format(y))}</title></circle>'
+                       for x, y in ps)
+        parts.append(f'<path d="{path}" fill="none" stroke="{color}" stroke-width="2"/>{dots}')
+        lx, ly = left + (i % 3) * (plot_w / 3), height + 18 * (i // 3) + 4
+        parts.append(f'<rect x="{lx:.0f}" y="{ly - 9}" width="12" height="4" fill="{color}"/>'
+                     f'<text x="{lx + 18:.0f}" y="{ly - 3}">{Markup.escape(label)}</text>')
+    parts.append("</svg>")
+    return Markup("".join(parts))

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from graphdiff.departure import first_departure
 from graphdiff.errors import GraphdiffError
 from graphdiff.match import Match, match_values
 from graphdiff.measure.site_uniformity import site_nonuniformity
@@ -92,7 +93,10 @@ def _evidence(er: EngineRounding, shape: str) -> list[KernelEvidence]:
                            naive_bitexact=round(r.naive_bitexact, 6), elements=r.elements,
                            fp32_max_rel_error=r.fp32_max_rel_error, explicit_roundings=r.explicit, error=r.error,
                            note=r.note, outputs=r.outputs, per_output={b: (round(p, 6), round(n, 6))
-                                                          for b, (p, n) in r.per_output.items()})
+                                                          for b, (p, n) in r.per_output.items()},
+                           reduction_lanes=r.reduction_lanes,
+                           aten_order_bitexact=round(r.aten_order[0], 6) if r.aten_order else None,
+                           aten_order_fp32_error=r.aten_order[1] if r.aten_order else None)
             for r in er.replays]
 
 
@@ -216,13 +220,33 @@ def _sites_and_regions(plan: list[Decision], tgraph: Graph, engine_cap: Capture,
     return sites, regions
 
 
-def _mark_regions(regions: list, sites: list[Site], labels: list[str]) -> None:
+def _mark_regions(regions: list, sites: list[Site], labels: list[str], replay: list[KernelEvidence]) -> None:
     by_id = {s.id: s for s in sites}
+    lanes = kernel_lanes(replay)
     for r in regions:
         members = [by_id[i] for i in r.sites]
         r.shapes = [label for label in labels if any(label in s.shapes for s in members)]
         r.shape_dependent = any(s.shapes != labels for s in members)
         r.proven = all(s.proven for s in members)
+        r.reduction_lanes = module_lanes(members, lanes)
+
+
+def kernel_lanes(replay: list[KernelEvidence]) -> dict[str, int]:
+    """Kernel -> the lanes its rows are summed in, where every shape's replay read the same order from its code
+    and no replay did better in ATen's order."""
+    seen: dict[str, set[int]] = {}
+    for e in replay:
+        seen.setdefault(e.kernel, set()).add(e.reduction_lanes)
+    return {k: next(iter(v)) for k, v in seen.items() if len(v) == 1 and next(iter(v)) > 0}
+
+
+def module_lanes(members: list[Site], lanes: dict[str, int]) -> dict[str, int]:
+    """HF module -> its sites' engine kernel's lanes, for modules whose sites all sit in kernels of one order."""
+    found: dict[str, set[int]] = {}
+    for s in members:
+        if s.train.module and s.engine is not None:
+            found.setdefault(s.train.module, set()).add(lanes.get(s.engine.kernel or "", 0))
+    return {m: next(iter(v)) for m, v in sorted(found.items()) if len(v) == 1 and next(iter(v)) > 0}
 
 
 def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: str, layers_total: int,
@@ -253,7 +277,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     timings["shapes_s"] = time.perf_counter() - t
     sites, regions = _sites_and_regions(plan, tgraph, engine_cap, labels)
     not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs)
-    _mark_regions(regions, sites, labels)
+    _mark_regions(regions, sites, labels, replay)
     routing = [a for g in engine_cap.graphs if labels[0] in g.shapes or not g.shapes
                for a in routing_agreement(tgraph, train.values, engine_routing(g, buffers.get(labels[0], {})),
                                           labels[0])]
@@ -261,6 +285,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     uniformity = (site_nonuniformity(tgraph, train.gm, train.values, sites, engine_values, train.fp32)
                   if train.gm else {})
     timings["nonuniformity_s"] = time.perf_counter() - t
+    departure = first_departure(tgraph, train.values, matched, engine_cap.graphs, engine_values)
     used = {m.engine for ms, _ in matched.values() for m in ms}
     unmatched_all = set.intersection(*(set(u) for _, u in matched.values())) if matched else set()
     return ScanResult(
@@ -277,6 +302,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         not_replayed=not_replayed, unexplained=unexplained, unregistered_externs=unregistered,
         timings={"analysis_s": round(time.perf_counter() - t0, 3), **{k: round(v, 3) for k, v in timings.items()}},
         reproduce=reproduce, notes=notes, nonuniformity=uniformity, routing=sorted(routing, key=lambda a: a.layer),
+        departure=departure,
     )
 
 

@@ -27,13 +27,25 @@ def _per_layer(overrides: dict, layers: int) -> dict:
     return out
 
 
-def make_tiny(arch: str, out: Path, layers: int = 2, seed: int = 0) -> Path:
-    """Write config.json + model.safetensors for a tiny `arch` model into `out`."""
+def widened(overrides: dict, hidden: int) -> dict:
+    """The recipe at another hidden size: heads of 64 (a third of them for K/V), the MLP 8/3 wider (multiple of
+    64); only the fields the recipe sets change."""
+    if hidden < 64 or hidden % 64:
+        raise GraphdiffError(f"--hidden {hidden}: give a positive multiple of 64")
+    heads = hidden // 64
+    sizes = dict(hidden_size=hidden, n_embd=hidden, d_model=hidden, intermediate_size=-(-hidden * 8 // 3 // 64) * 64,
+                 num_attention_heads=heads, n_head=heads, num_key_value_heads=max(1, heads // 3))
+    return {**overrides, **{k: v for k, v in sizes.items() if k in overrides}}
+
+
+def make_tiny(arch: str, out: Path, layers: int = 2, seed: int = 0, hidden: int | None = None) -> Path:
+    """Write config.json + model.safetensors for a tiny `arch` model into `out` (`hidden`: another width)."""
     import transformers
 
     if arch not in ARCHS:
         raise GraphdiffError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
     config_cls, overrides = ARCHS[arch]
+    overrides = widened(overrides, hidden) if hidden is not None else overrides
     config = getattr(transformers, config_cls)(**_per_layer(overrides, layers), num_hidden_layers=layers)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

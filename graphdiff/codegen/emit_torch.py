@@ -10,6 +10,7 @@ from __future__ import annotations
 from graphdiff.codegen.fragment import Fragment, rounding
 from graphdiff.model import Node
 from graphdiff.ops import is_low, op_name
+from graphdiff.reduction_order import MEAN_FN, SOURCE, SUM_FN
 
 BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 UNARY = {"rsqrt": "torch.rsqrt", "sqrt": "torch.sqrt", "exp": "torch.exp", "sigmoid": "torch.sigmoid",
@@ -70,11 +71,20 @@ def flag(region_index: dict[str, int], region: str) -> str:
     return f"a{region_index[region]}"
 
 
+def ordered_expression(n: Node, flag_var: str) -> str:
+    """A row sum/mean in the engine kernel's order (`lanes`, passed per module) when its region is aligned."""
+    args = n.call[0]
+    keep = args[2] if len(args) > 2 else False
+    fn = MEAN_FN if op_name(n.target) == "mean" else SUM_FN
+    return f"{fn}({literal(args[0])}, {literal(args[1])}, {keep!r}, lanes) if {flag_var} and lanes else {expression(n)}"
+
+
 def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node]) -> list[str]:
-    """`def fn_name(i0, ..., align) -> tuple`: the fragment under the plan set by `align`."""
+    """`def fn_name(i0, ..., align, lanes) -> tuple`: the fragment under the plan set by `align`; `lanes` is the
+    module's engine kernel's row-sum order (0: ATen's)."""
     index = {r: i for i, r in enumerate(frag.regions)}
     params = ", ".join(f"x{i}" for i in range(len(frag.inputs)))
-    lines = [f"def {fn_name}({params}, align: frozenset[str]) -> tuple[torch.Tensor, ...]:"]
+    lines = [f"def {fn_name}({params}, align: frozenset[str], lanes: int = 0) -> tuple[torch.Tensor, ...]:"]
     for region, i in index.items():
         sites = sorted(n for n, r in frag.sites.items() if r == region)
         lines.append(f"    a{i} = {region!r} in align  # aligned: {', '.join(sites)} stay FP32")
@@ -82,7 +92,8 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node]) 
         lines.append(f"    {var(name)} = _f32(x{i})  # {name}: {nodes_by_name[name].dtype}")
     for n in frag.nodes:
         code = (n.source.code if n.source else "")[:70]
-        lines.append(f"    {var(n.name)} = {expression(n)}  # {n.target}: {code}")
+        expr = ordered_expression(n, flag(index, frag.ordered[n.name])) if n.name in frag.ordered else expression(n)
+        lines.append(f"    {var(n.name)} = {expr}  # {n.target}: {code}")
         when = rounding(frag, n.name)
         dtype = DTYPES.get(n.dtype or "", "torch.bfloat16")  # an engine-only rounding of an FP32 trainer value
         if when is not None and when[0] == "unless-aligned":
@@ -114,4 +125,4 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Store in `dtype` (round to nearest even) and go on computing in FP32."""
     return x.to(dtype).float()
-'''
+''' + SOURCE

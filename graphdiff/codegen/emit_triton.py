@@ -119,7 +119,9 @@ def _emit(frag: Fragment, slug: str, nodes: dict[str, Node]) -> list[str]:
     index = {r: i for i, r in enumerate(frag.regions)}
     flags = [f"A{i}" for i in range(len(index))]
     lines: list[str] = []
-    wrapper = [f"def triton_{slug}({', '.join(f'x{i}' for i in range(len(frag.inputs)))}, align: frozenset[str]):",
+    # `lanes` (a CPU engine's row-sum order) is the PyTorch path's: the kernels sum as Inductor's Triton reductions
+    wrapper = [f"def triton_{slug}({', '.join(f'x{i}' for i in range(len(frag.inputs)))}, align: frozenset[str], "
+               "lanes: int = 0):",
                '    """Same as the PyTorch function, as Triton kernels (the prologue stays in PyTorch)."""']
     for i, name in enumerate(frag.inputs):
         wrapper.append(f"    {v(name)} = x{i}")
@@ -156,7 +158,7 @@ def _emit(frag: Fragment, slug: str, nodes: dict[str, Node]) -> list[str]:
     if prologue:  # its data movement makes new FP32 tensors the kernels would keep: keep the inputs instead
         params = ", ".join(f"x{i}" for i in range(len(frag.inputs)))
         wrapper[0] = wrapper[0].replace(f"def triton_{slug}(", f"def _triton_{slug}_body(")
-        wrapper += ["", f"def triton_{slug}({params}, align: frozenset[str]):",
+        wrapper += ["", f"def triton_{slug}({params}, align: frozenset[str], lanes: int = 0):",
                     '    """Same as the PyTorch function, as Triton kernels, keeping only the inputs for backward."""',
                     f"    return _inputs_only(_triton_{slug}_body, {params}, align=align)"]
     return ["    " + ln if ln else "" for ln in [*lines, *wrapper]]

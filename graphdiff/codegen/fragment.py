@@ -23,6 +23,7 @@ from typing import Literal
 
 from graphdiff.model import Graph, Node, Region, ScanResult
 from graphdiff.ops import MATMULS, is_heavy, op_name
+from graphdiff.reduction_order import is_row_reduction
 
 Target = Literal["module", "function", "carry"]
 # Regions whose engine side is one opaque op: the patch calls a function that computes as the registry says the op
@@ -54,6 +55,10 @@ class Fragment:
     rounds: set[str] = field(default_factory=set)  # nodes HF eager rounds (from the scan's plan)
     keep_fp32: dict[str, bool] = field(default_factory=dict)  # output -> may leave the fragment in FP32
     regions: list[str] = field(default_factory=list)
+    # row sums/means the engine sums in its own order when their region is aligned (node -> region), and that
+    # order's lanes per HF module (Region.reduction_lanes; the runtime passes each module's)
+    ordered: dict[str, str] = field(default_factory=dict)
+    lanes: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     compiled: object = None  # the emitted PyTorch function, once emitted (codegen uses it to verify bindings)
@@ -172,6 +177,9 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region) -> Fragment:
     trainer_rounds = {d.node for d in scan.plan if d.train.rounds}
     frag.rounds = {n.name for n in frag.nodes if n.name in trainer_rounds}
     frag.regions = [region.name]
+    if region.reduction_lanes and frag.target != "carry":
+        frag.ordered = {n.name: region.name for n in frag.nodes if is_row_reduction(n, nodes)}
+        frag.lanes = dict(region.reduction_lanes) if frag.ordered else {}
     if frag.target == "module":
         for i in frag.inputs:
             param = nodes[i].param
@@ -198,6 +206,8 @@ def merge(frags: list[Fragment]) -> list[Fragment]:
             g.sites.update(f.sites)
             g.engine_sites.update(f.engine_sites)
             g.regions += f.regions
+            g.ordered.update({n: r for n, r in f.ordered.items() if n not in g.ordered})
+            g.lanes.update({m: n for m, n in f.lanes.items() if m not in g.lanes})
         else:
             by_key.setdefault(f.key, f)
     return list(by_key.values())
@@ -230,6 +240,12 @@ def rounding_points(frag: Fragment, align: frozenset[str]) -> set[str]:
         if r is not None and (r[0] == "always" or (r[0] == "unless-aligned") != (r[1] in align)):
             out.add(n.name)
     return out
+
+
+def ordered_points(frag: Fragment, align: frozenset[str], lanes: int) -> dict[str, int]:
+    """The row reductions the generated code sums in the engine's order (node -> lanes) when the regions in
+    `align` are aligned and the module's kernel sums in `lanes` lanes (0: none)."""
+    return {n: lanes for n, r in frag.ordered.items() if r in align} if lanes else {}
 
 
 def decide_outputs(graph: Graph, frags: list[Fragment]) -> None:

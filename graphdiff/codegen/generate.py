@@ -133,7 +133,7 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node]) -> tuple[ManifestSplice
     """One splice point: its PyTorch function (bound against HF's own code) and, where possible, its Triton kernels."""
     slug = region_slug(frag.key.rsplit(".", 1)[-1] if frag.target == "function" else frag.key)
     splice = ManifestSplice(key=frag.key, target=frag.target, module=frag.module, module_class=frag.module_class,
-                            function=frag.function, regions=frag.regions)
+                            function=frag.function, regions=frag.regions, reduction_lanes=frag.lanes)
     body: list[str] = []
     if frag.target == "carry" and not frag.problems:
         splice.torch_fn = "carry_fp32"

@@ -25,7 +25,7 @@ import torch
 
 from graphdiff.codegen import emit_triton
 from graphdiff.codegen.emit_torch import Unsupported
-from graphdiff.codegen.fragment import Fragment, cut_fragments, rounding_points
+from graphdiff.codegen.fragment import Fragment, cut_fragments, ordered_points, rounding_points
 from graphdiff.codegen.generate import load_scan_dir
 from graphdiff.model import Manifest, Node
 from graphdiff.replay import RoundingInterpreter, fragment_graph
@@ -57,6 +57,7 @@ class Check:
     ok: bool
     ulp_limit: int = 0  # the FP32 allowance of this check
     cause: str = ""  # why it is not 0 (the functions the two paths compute differently)
+    lanes: int = 0  # the row-sum order checked (a module's engine kernel's lanes; 0: ATen's)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -107,14 +108,15 @@ def tolerance(frag: Fragment, nodes: dict[str, Node], device: str) -> tuple[int,
 
 
 def replay(frag: Fragment, nodes: dict[str, Node], xs: list[torch.Tensor], align: frozenset[str],
-           compute: torch.dtype = torch.float32, plan: bool = True) -> list[torch.Tensor]:
-    """The fragment's outputs under the plan (fragment.rounding_points: what the generated code must do), FP32
-    (or `compute`) everywhere else."""
+           compute: torch.dtype = torch.float32, plan: bool = True, lanes: int = 0) -> list[torch.Tensor]:
+    """The fragment's outputs under the plan (fragment.rounding_points and, in a module whose engine kernel sums
+    in `lanes` lanes, ordered_points: what the generated code must do), FP32 (or `compute`) everywhere else."""
     rounded = rounding_points(frag, align) if plan else set()
     gm = fragment_graph(frag.nodes, frag.inputs, {})
     # an engine-only rounding of an FP32 trainer value rounds to BF16 (the engine's store)
     declared = {n.name: n.dtype if n.name not in frag.engine_sites else "bfloat16" for n in frag.nodes}
-    interp = RoundingInterpreter(gm, declared, "fp32", rounded, compute)
+    interp = RoundingInterpreter(gm, declared, "fp32", rounded, compute,
+                                 ordered=ordered_points(frag, align, lanes) if plan else None)
     interp.run(*xs)
     return [interp.values[o] for o in frag.outputs]
 
@@ -144,7 +146,10 @@ def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool =
             continue
         frag = frags[splice.key]
         ulp_limit, cause = tolerance(frag, nodes, device)
-        for align in (frozenset(), frozenset(splice.regions)):
+        # no region aligned; its regions aligned, in each row-sum order its modules' engine kernels use
+        runs = [(frozenset(), 0)] + [(frozenset(splice.regions), n)
+                                     for n in sorted({0, *splice.reduction_lanes.values()})]
+        for align, lanes in runs:
             xs = [x.requires_grad_() for x in probes(frag, nodes, seed=1, device=device)]
             x64 = [x.detach().double().requires_grad_() for x in xs]
             exact = replay(frag, nodes, x64, align, compute=torch.float64, plan=False)
@@ -152,14 +157,15 @@ def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool =
                        .to(device) for o in exact]
             g64 = torch.autograd.grad(sum((o * w).sum() for o, w in zip(exact, weights)), x64, allow_unused=True)
 
-            with torch.no_grad():  # the plan replay reduces as ATen does, as the PyTorch path does by default
-                ref = replay(frag, nodes, [x.detach() for x in xs], align)
-            ours = getattr(gen, splice.torch_fn)(*xs, align=align)
+            with torch.no_grad():  # the plan replay reduces as the PyTorch path does: ATen's order, or `lanes`
+                ref = replay(frag, nodes, [x.detach() for x in xs], align, lanes=lanes)
+            ours = getattr(gen, splice.torch_fn)(*xs, align=align, lanes=lanes)
             same = all(torch.equal(o.float(), r.float()) for o, r in zip(ours, ref))
             err = _grad_error(list(ours), xs, g64, weights)
             checks.append(Check(splice.key, "torch", bool(align), same,
-                                max(_ulp(o, r) for o, r in zip(ours, ref)), err, same and err < GRAD_RTOL))
-            if not (triton and splice.triton_fn):
+                                max(_ulp(o, r) for o, r in zip(ours, ref)), err, same and err < GRAD_RTOL,
+                                lanes=lanes))
+            if not (triton and splice.triton_fn) or lanes:  # on exact-sum probes every order sums alike
                 continue
             xt = probes(frag, nodes, seed=3, device=device, exact_sums=True)
             with torch.no_grad():

@@ -31,6 +31,7 @@ from graphdiff.model import (
     Attribution,
     EngineMode,
     EngineSample,
+    GapSource,
     KLMeasurement,
     KLResult,
     PositionBin,
@@ -260,6 +261,44 @@ def _attribution(base: torch.nn.Module, manifest: Path, names: list[str], run: S
                           f"(max |dlogp| {off:.3g})"] if off else [])
 
 
+def gap_sources(patched: KLMeasurement, substituted: KLMeasurement, floor_m: KLMeasurement | None) -> list[GapSource]:
+    """The patched gap per bucket as attention order (what the engine's attention op removes), the engine's own
+    floor (its decode vs its prefill), and the rest (what remains beyond the floor with the engine's op)."""
+    total = [b.rms ** 2 for b in patched.position]
+    sub = [b.rms ** 2 for b in substituted.position]
+    fl = [b.rms ** 2 for b in floor_m.position] if floor_m is not None else [0.0] * len(total)
+    parts = [("attention order", "patched trainer minus the same with the engine's attention op (ms)",
+              [t - a for t, a in zip(total, sub)]),
+             ("engine floor", "the engine's decode vs its own prefill scoring (ms)", fl),
+             ("rest", "patched trainer with the engine's attention op, minus the floor (ms)",
+              [a - f for a, f in zip(sub, fl)])]
+    return [GapSource(name=n, what=w, ms=ms, share=[m / t if t else 0.0 for m, t in zip(ms, total)])
+            for n, w, ms in parts]
+
+
+def _sources(model_dir: Path, manifest: Path, patched: list[str], run: Sequence[EngineSample],
+             measurements: list[KLMeasurement], floor_m: KLMeasurement | None,
+             progress: Progress) -> tuple[KLMeasurement | None, list[GapSource], str]:
+    """The attention-order diagnostic, where the patch aligns attention's rounding (else its order is not the
+    only difference left there) and the engine's op can run here."""
+    from graphdiff.measure.engine_attention import patched_logprobs
+
+    kinds = {r.name: r.kind for r in runtime.load_manifest(manifest).regions}
+    if not any(kinds.get(r) == "attention" for r in patched):
+        return None, [], "no attention region is patched: attention's accumulation order is not separated"
+    fixed = next((m for m in measurements if m.regions and m.engine_mode == "compiled" and m.trainer_mode == "eager"),
+                 None)
+    if fixed is None:
+        return None, [], ""
+    try:
+        lps = patched_logprobs(model_dir, manifest, patched, run, progress)
+    except GraphdiffError as e:
+        return None, [], f"attention order not measured: {e}"
+    sub = gap_metrics(engine_logprobs(run), lps, engine_mode="compiled", trainer_mode="eager", regions=patched,
+                      label="patched trainer with the engine's attention op (diagnostic)")
+    return sub, gap_sources(fixed, sub, floor_m), ""
+
+
 def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = DEFAULT_MAX_TOKENS, seed: int = 0,
             temperature: float = 1.0, modes: bool = False, manifest: Path | None = None,
             regions: Sequence[str] | None = None, attribute: bool = False, metric: str = "k3", bootstrap: int = 1000,
@@ -300,12 +339,17 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
         assert manifest is not None and patched is not None
         attribution, notes = _attribution(base, manifest, patched, samples["compiled"].samples, metric, bootstrap,
                                           seed, progress)
+    floor_m = floor(samples["compiled"].samples)
+    substituted, sources, sources_note = (_sources(model_dir, manifest, patched, samples["compiled"].samples,
+                                                   measurements, floor_m, progress)
+                                          if manifest is not None and patched else (None, [], ""))
     first = samples[engine_modes[0]]
     return KLResult(
         model=str(model_dir), architecture=architecture(config), seed=seed, temperature=temperature,
         max_tokens=max_tokens, prompts=len(prompts), method=METHOD.format(temperature=temperature, seed=seed),
         versions={**first.versions, "transformers": transformers.__version__, "graphdiff": graphdiff.__version__},
-        measurements=measurements, floor=floor(samples["compiled"].samples), bucket=BUCKET,
+        measurements=measurements, floor=floor_m, bucket=BUCKET, engine_attention=substituted, sources=sources,
+        sources_note=sources_note,
         compilation_config=dict(compilation_config or {}), attribution=attribution,
         manifest=str(manifest) if manifest else None,
         timings={"engine_s": round(t_engine - t0, 3), "trainer_s": round(time.perf_counter() - t_engine, 3)},

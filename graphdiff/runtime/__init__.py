@@ -173,21 +173,21 @@ def _chooser(gen: ModuleType, splice: ManifestSplice) -> Callable[..., tuple]:
     ref = getattr(gen, splice.torch_fn)
     kernel = getattr(gen, splice.triton_fn) if splice.triton_fn else None
 
-    def compute(inputs: list[torch.Tensor], align: frozenset[str]) -> tuple:
+    def compute(inputs: list[torch.Tensor], align: frozenset[str], lanes: int = 0) -> tuple:
         if kernel is not None and _use_triton(inputs):
-            return kernel(*inputs, align=align)  # its backward kernel recomputes from the saved inputs
+            return kernel(*inputs, align=align, lanes=lanes)  # its backward kernel recomputes from the saved inputs
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
             # the PyTorch path keeps only its inputs too: its FP32 intermediates are recomputed in the backward
             # (same ops, same values)
-            return torch.utils.checkpoint.checkpoint(ref, *inputs, align=align, use_reentrant=False)
-        return ref(*inputs, align=align)
+            return torch.utils.checkpoint.checkpoint(ref, *inputs, align=align, lanes=lanes, use_reentrant=False)
+        return ref(*inputs, align=align, lanes=lanes)
 
-    def run(inputs: list[torch.Tensor], align: frozenset[str]) -> tuple:
-        outs = compute(inputs, align)
+    def run(inputs: list[torch.Tensor], align: frozenset[str], lanes: int = 0) -> tuple:
+        outs = compute(inputs, align, lanes)
         if torch.is_grad_enabled():
             for j, o in enumerate(outs):
                 if isinstance(o, torch.Tensor) and o.dtype == torch.float32 and o.requires_grad:
-                    o._graphdiff_recompute = _Recompute(compute, inputs, align, j)
+                    o._graphdiff_recompute = _Recompute(compute, inputs, align, j, lanes)
         return outs
 
     return run
@@ -197,8 +197,9 @@ class _Recompute:
     """How an FP32 output of a splice is recomputed when a later op saves it for the backward (instead of keeping
     the FP32 activation): from the splice's inputs, which its own backward keeps anyway."""
 
-    def __init__(self, compute: Callable, inputs: list[torch.Tensor], align: frozenset[str], index: int) -> None:
-        self.compute, self.inputs, self.align, self.index = compute, inputs, align, index
+    def __init__(self, compute: Callable, inputs: list[torch.Tensor], align: frozenset[str], index: int,
+                 lanes: int = 0) -> None:
+        self.compute, self.inputs, self.align, self.index, self.lanes = compute, inputs, align, index, lanes
         self.versions = [t._version if isinstance(t, torch.Tensor) else None for t in inputs]
 
     def __call__(self) -> torch.Tensor:
@@ -206,7 +207,7 @@ class _Recompute:
             raise RuntimeError("graphdiff: an input of a patched module was modified in place after the forward; "
                                "its FP32 output cannot be recomputed for the backward")
         with torch.no_grad():
-            return self.compute(self.inputs, self.align)[self.index]
+            return self.compute(self.inputs, self.align, self.lanes)[self.index]
 
 
 def _outer_saved_tensors_hooks() -> tuple[Callable | None, Callable | None]:
@@ -254,13 +255,14 @@ def _saved_fp32_recomputed(model: torch.nn.Module) -> Callable[[], None]:
     return undo
 
 
-def _module_forward(mod: torch.nn.Module, splice: ManifestSplice, run: Callable, align: frozenset[str]) -> Callable:
+def _module_forward(mod: torch.nn.Module, splice: ManifestSplice, run: Callable, align: frozenset[str],
+                    lanes: int = 0) -> Callable:
     first = next(iter(inspect.signature(mod.forward).parameters))
 
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
         x = args[0] if args else kwargs[first]
         inputs = [x if s.startswith("arg:") else getattr(mod, s.removeprefix("param:")) for s in splice.inputs]
-        return run(inputs, align)[0]
+        return run(inputs, align, lanes)[0]
 
     return forward
 
@@ -364,8 +366,8 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
                     state.undo.append(lambda mod=mod: mod.__dict__.pop("forward", None))
         elif splice.target == "module":
             run = _chooser(gen, splice)
-            for _, mod in targets:
-                mod.forward = _module_forward(mod, splice, run, align)
+            for name, mod in targets:  # each module sums its rows as its engine kernel does
+                mod.forward = _module_forward(mod, splice, run, align, splice.reduction_lanes.get(name, 0))
                 state.undo.append(lambda mod=mod: mod.__dict__.pop("forward", None))
         elif targets:  # function: only when this model has the modules that call it
             key = splice.function

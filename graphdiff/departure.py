@@ -1,0 +1,59 @@
+"""Where the trainer's values first part from the engine's, on the scan's tokens.
+
+A scan of the patched trainer (`scan --manifest`) that finds no site says the two sides round in the same
+places; their values can still differ, from a summation order (attention's, a reduction the patch does not
+order) or a kernel the model does not explain. The first matched value, in the trainer's graph order, that is
+not bit-identical to its engine counterpart (both held in the same dtype) is where a user looks: everything
+upstream of it is equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphdiff.match import Match
+from graphdiff.model import Departure, Graph, layer_of
+
+LAYOUT_GUESS = 0.5  # more differing elements than this while the sorted values agree: the layouts differ
+
+
+def differing(t: torch.Tensor, e: torch.Tensor) -> tuple[float, int | None]:
+    """(fraction of elements that differ, first differing row of the trainer's value) for two values of one
+    dtype; layouts that differ (a transpose) are compared by their sorted values, without a row."""
+    a, b = t.detach().reshape(-1), e.detach().reshape(-1)
+    ne = a != b
+    frac = float(ne.float().mean())
+    if frac > LAYOUT_GUESS:
+        sa, sb = a.sort().values, b.sort().values
+        return float((sa != sb).float().mean()), None
+    if not frac:
+        return 0.0, None
+    rows = t.reshape(-1, t.shape[-1]) if t.dim() > 1 else t.reshape(1, -1)
+    row = int(ne.reshape(rows.shape).any(-1).nonzero()[0, 0])
+    return frac, row
+
+
+def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[list[Match], list[str]]],
+                    engine_graphs: list[Graph], engine_values: dict) -> Departure | None:
+    """The first matched trainer value (graph order) not bit-identical to its engine value; None if all are."""
+    kernel_of = {n.name: (n.kernel or "", g.name) for g in engine_graphs for n in g.nodes}
+    pairs = sorted(((m, g) for g, (ms, _) in matched.items() for m in ms), key=lambda p: tgraph.position(p[0].train))
+    nodes = tgraph.node_map()
+    equal = 0
+    for m, _ in pairs:
+        t, e = train_values.get(m.train), engine_values.get(m.engine)
+        if not (isinstance(t, torch.Tensor) and isinstance(e, torch.Tensor)) or t.numel() != e.numel() \
+                or t.dtype != e.dtype:
+            continue
+        frac, row = differing(t, e)
+        if not frac:
+            equal += 1
+            continue
+        n = nodes[m.train]
+        kernel, graph = kernel_of.get(m.engine, ("", ""))
+        return Departure(node=m.train, op=n.target, module=n.module, layer=layer_of(n.module), dtype=str(n.dtype),
+                         engine_node=m.engine, engine_graph=graph, kernel=kernel, differing=frac, first_row=row,
+                         equal_before=equal,
+                         source=f"{n.source.file.rsplit('/', 1)[-1]}:{n.source.line} {n.source.code}"
+                         if n.source else "")
+    return None

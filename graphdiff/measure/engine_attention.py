@@ -1,0 +1,116 @@
+"""How much of the patched gap is attention's accumulation order: the patched trainer with the engine's own
+attention op in place of its sdpa.
+
+The patch makes the trainer's attention round where the engine's does (FP32 inside, the output rounded once),
+but the two kernels still sum in different orders, and that difference grows with the number of keys. Running
+the patched trainer once more with vLLM's CPU attention kernel (`cpu_attention_with_kv_cache` on the BF16 q/k/v,
+every query of the sequence at once, as the engine's prefill) measures that part instead of guessing it: the
+gap that goes away is the attention order's (`kl.json` `sources`).
+
+vLLM is imported only in a child process (graphdiff.child): the trainer's process never loads it. Needs vLLM's
+CPU build (its `cpu_attention_with_kv_cache` op); elsewhere the diagnostic is reported as unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphdiff import child
+from graphdiff.errors import GraphdiffError
+from graphdiff.model import EngineSample
+
+Progress = Callable[[str], None]
+BLOCK = 128  # KV-cache block size of vLLM's CPU backend
+NAME = "graphdiff_engine_attention"
+
+
+def unsupported(module: torch.nn.Module) -> str:
+    """Why this attention layer cannot run on the engine's op here ("" if it can)."""
+    if getattr(module, "sliding_window", None):
+        return "sliding-window attention"
+    if not getattr(module, "is_causal", True):
+        return "non-causal attention"
+    return ""
+
+
+def engine_attention_fn() -> Callable[..., tuple[torch.Tensor, None]]:
+    """A transformers attention function computing as vLLM's CPU attention op does (batch 1, causal)."""
+    import vllm._custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float | None = None, softcap: float | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+        b, h, s, d = query.shape
+        why = unsupported(module) or ("batched input" if b != 1 else "")
+        if why:
+            raise GraphdiffError(f"the engine's attention op cannot stand in here: {why}")
+        kh = key.shape[1]
+        q, k, v = (t[0].transpose(0, 1).to(torch.bfloat16).contiguous() for t in (query, key, value))  # [S, H, D]
+        isa = _get_attn_isa(torch.bfloat16, BLOCK, d, "auto")
+        blocks = -(-s // BLOCK)
+        cache = torch.zeros(blocks, kh, 2 * BLOCK, d, dtype=torch.bfloat16)
+        k_cache, v_cache = cache.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, torch.arange(s), isa)
+        starts = torch.tensor([0, s], dtype=torch.int32)
+        lens = torch.tensor([s], dtype=torch.int32)
+        meta = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1, num_heads=h, num_kv_heads=kh, head_dim=d, seq_lens=lens, dtype=torch.bfloat16,
+            query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
+        out = torch.zeros(s, h, d, dtype=torch.bfloat16)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=k_cache, value_cache=v_cache, output=out, query_start_loc=starts, seq_lens=lens,
+            scale=scaling if scaling is not None else d ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=float(softcap or 0.0),
+            scheduler_metadata=meta, s_aux=None)
+        return out[None].to(query.dtype), None
+
+    return attention
+
+
+def _use_engine_attention(model: torch.nn.Module) -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, engine_attention_fn())
+    model.config._attn_implementation = NAME
+
+
+def _child(req: dict, progress: Progress) -> None:
+    from graphdiff import runtime
+    from graphdiff.capture.hf import load_hf_model
+    from graphdiff.measure.kl import train_logprobs
+
+    model = runtime.apply(load_hf_model(Path(req["model_dir"])), Path(req["manifest"]), regions=req["regions"])
+    layers = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "scaling")]
+    why = next((w for m in layers if (w := unsupported(m))), "")
+    if why:
+        raise GraphdiffError(f"the engine's attention op cannot stand in for this model's: {why}")
+    _use_engine_attention(model)
+    samples = [EngineSample.model_validate(s) for s in json.loads(Path(req["samples"]).read_text())]
+    progress(f"patched trainer with the engine's attention op: {len(samples)} sequences")
+    lps = train_logprobs(model, samples)
+    Path(req["result"]).write_text(json.dumps([lp.tolist() for lp in lps]))
+
+
+def patched_logprobs(model_dir: Path, manifest: Path, regions: Sequence[str], samples: Sequence[EngineSample],
+                     progress: Progress = lambda m: None) -> list[torch.Tensor]:
+    """The patched trainer's log-probs of `samples` with the engine's attention op, in a child process.
+    Raises GraphdiffError (one line) where the op is unavailable or cannot stand in."""
+    with tempfile.TemporaryDirectory(prefix="graphdiff-attn-") as tmp:
+        path, result = Path(tmp) / "samples.json", Path(tmp) / "logprobs.json"
+        path.write_text(json.dumps([s.model_dump() for s in samples]))
+        child.run("graphdiff.measure.engine_attention",
+                  dict(model_dir=str(model_dir), manifest=str(manifest), regions=list(regions), samples=str(path),
+                       result=str(result)), progress)
+        return [torch.tensor(x, dtype=torch.float32) for x in json.loads(result.read_text())]
+
+
+if __name__ == "__main__":
+    sys.exit(child.serve(_child))

@@ -1,0 +1,95 @@
+"""The order in which an engine kernel sums a row, read from its code, and that order in PyTorch.
+
+FP32 addition is not associative, so a row sum computed in another order differs in its last bits, and a
+value rounded to BF16 after it (a norm's output) flips where it sits near a tie: not a rounding location, but
+the same kind of one-sided difference. Inductor's C++ kernels (`at::vec`) sum a row in `lanes` lane-wise
+partial sums (`VectorizedN<float,N>` accumulators, one chunk of `lanes` elements after another; a masked tail
+adds zeros), then combine the lanes by halving (`vec_reduce_all`: the two vectors of a VectorizedN, then the
+shuffle tree i+8, i+4, i+2, i+1). ATen's `sum` and `mean` use their own (cascade) order. On the recorded
+norm kernels of a CPU engine the emulation below equals the kernel's stored FP32 sums on every row (the scan's
+replay evidence: `KernelEvidence.reduction_lanes`, `aten_order_bitexact`).
+
+`SOURCE` is exec'd here and copied into generated patches, so the patch and the scan's replay run one code.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from graphdiff.model import Node
+
+SUM_FN, MEAN_FN = "_ordered_sum", "_ordered_mean"
+
+SOURCE = f'''
+def {SUM_FN}(x: torch.Tensor, dims, keepdim: bool, lanes: int) -> torch.Tensor:
+    """Sum over the last dim as an engine kernel does: `lanes` partial sums over consecutive chunks (a short
+    last chunk padded with zeros, which adds exactly), then the lanes halved pairwise down to one."""
+    d = x.shape[-1]
+    pad = -d % lanes
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    chunks = x.reshape(*x.shape[:-1], -1, lanes)
+    acc = chunks[..., 0, :]
+    for i in range(1, chunks.shape[-2]):
+        acc = acc + chunks[..., i, :]
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc if keepdim else acc[..., 0]
+
+
+def {MEAN_FN}(x: torch.Tensor, dims, keepdim: bool, lanes: int) -> torch.Tensor:
+    return {SUM_FN}(x, dims, keepdim, lanes) / x.shape[-1]
+'''
+
+_scope: dict = {"torch": torch}
+exec(compile(SOURCE, "<graphdiff.reduction_order>", "exec"), _scope)  # noqa: S102 - our own source, the patch's too
+ordered_sum = _scope[SUM_FN]
+ordered_mean = _scope[MEAN_FN]
+
+# An accumulator of a vectorized sum: `at::vec::VectorizedN<float,2> tmp_acc0_vec = ...(0);` (or Vectorized<float>)
+_ACC = re.compile(r"at::vec::Vectorized(?:N<float,\s*(\d+)>|<float>)\s+(tmp_acc\d+)_vec\s*=")
+_STEP = re.compile(r"for\s*\([^;]*;[^;]*;\s*\w+\s*\+=\s*static_cast<int64_t>\((\d+)L?\)\)")
+
+
+def _is_sum(code: str, acc: str) -> bool:
+    """The accumulator adds (a plain or masked-tail sum), and no scalar loop adds into its scalar twin: a scalar
+    tail would sum in another order."""
+    vec = re.escape(acc + "_vec")
+    adds = re.search(rf"{vec}\s*=\s*(?:{vec}\s*\+|sum_masked_reduce\(\s*{vec})", code)
+    scalar_tail = re.search(rf"\b{re.escape(acc)}\s*=\s*{re.escape(acc)}\s*\+(?!\s*at::vec::vec_reduce_all)", code)
+    return adds is not None and scalar_tail is None and "vec_reduce_all" in code
+
+
+def cpp_sum_lanes(code: str) -> int:
+    """The lane count of the row sums an Inductor C++ kernel computes (0: none, or not one recognized form).
+
+    The lanes are the step of the loop the accumulator is declared before (elements per vectorized iteration);
+    every sum accumulator of the kernel must agree."""
+    if 'extern "C"' not in code:
+        return 0
+    lanes: set[int] = set()
+    for m in _ACC.finditer(code):
+        if not _is_sum(code, m.group(2)):
+            continue
+        step = _STEP.search(code, m.end())
+        if step is None:
+            return 0
+        lanes.add(int(step.group(1)))
+    if len(lanes) != 1:
+        return 0
+    (n,) = lanes
+    return n if n & (n - 1) == 0 else 0  # the halving tree needs a power of two
+
+
+def is_row_reduction(node: Node, nodes: dict[str, Node]) -> bool:
+    """`aten.sum.dim_IntList` / `aten.mean.dim` over its input's last dim only (what the emulation covers)."""
+    args = node.call[0]
+    if not node.target.endswith((".sum.dim_IntList", ".mean.dim")) or len(args) < 2 or not node.inputs:
+        return False
+    source = nodes.get(node.inputs[0])
+    ndim = len(source.shape) if source is not None and source.shape else None
+    dims = args[1]
+    return ndim is not None and isinstance(dims, list) and len(dims) == 1 and dims[0] in (-1, ndim - 1)
