@@ -201,7 +201,7 @@ def load_capture(path: Path) -> Capture:
 
 # --- scan results --------------------------------------------------------------------------------
 
-REGION_KINDS = ("rope", "qk_norm", "attention", "gated_act", "residual_norm", "norm_weight", "other")
+REGION_KINDS = ("rope", "qk_norm", "attention", "gated_act", "residual_norm", "norm_weight", "allreduce", "other")
 
 
 class SideRef(BaseModel):
@@ -369,12 +369,14 @@ class EngineSamples(BaseModel):
     max_tokens: int
     versions: dict[str, str] = Field(default_factory=dict)
     compilation_config: dict[str, object] = Field(default_factory=dict)  # as given (compiled mode)
+    tensor_parallel_size: int = 1  # the engine's ranks (their partial products are rounded before the all-reduce)
     samples: list[EngineSample]
 
     def key(self) -> tuple:
         """What decides the samples, the engine's version aside (compared separately: it may be absent)."""
         return (self.engine, self.mode, self.model, self.weights, self.seed, self.temperature, self.max_tokens,
-                json.dumps(self.compilation_config, sort_keys=True), tuple(tuple(s.prompt) for s in self.samples))
+                json.dumps(self.compilation_config, sort_keys=True), self.tensor_parallel_size,
+                tuple(tuple(s.prompt) for s in self.samples))
 
 
 class EngineSamplesFile(BaseModel):
@@ -471,11 +473,12 @@ MANIFEST_VERSION = 2
 
 
 class ManifestSplice(BaseModel):
-    """One place the runtime changes the HF model: a module forward, a module-level function, a carry hook, or
-    the attention function (registered with transformers' AttentionInterface)."""
+    """One place the runtime changes the HF model: a module forward, a module-level function, a carry hook, the
+    attention function (registered with transformers' AttentionInterface), or an nn.Linear computed as a
+    tensor-parallel engine's ranks compute it (`linear`: K split over `shards` ranks)."""
 
     key: str  # module pattern (`model.layers.*.self_attn.q_norm`) or dotted function path
-    target: Literal["module", "function", "carry", "attention"]
+    target: Literal["module", "function", "carry", "attention", "linear"]
     module: str  # HF module path pattern, layers collapsed as `layers.*`
     module_class: str = ""
     function: str = ""  # dotted path of the replaced function (target "function")
@@ -488,6 +491,7 @@ class ManifestSplice(BaseModel):
     triton_fn: str = ""  # "" when no Triton kernel could be generated (see triton_problem)
     triton_problem: str = ""
     problems: list[str] = Field(default_factory=list)  # non-empty: not generated, the reasons
+    shards: int = 1  # target "linear": the engine's tensor-parallel ranks the matmul's K is split over
 
 
 class ManifestRegion(BaseModel):

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from graphdiff import tensor_parallel as tp
 from graphdiff.errors import GraphdiffError
-from graphdiff.match import Match, match_values
+from graphdiff.match import Match
 from graphdiff.measure.site_uniformity import site_nonuniformity
 from graphdiff.model import Capture, Decision, Graph, KernelEvidence, ScanResult, Shape, Site
 from graphdiff.opaque import attention_decisions, extern_rule
@@ -171,7 +172,7 @@ def _reference_decisions(engine_cap: Capture, buffers: Buffers, train: TrainSide
         timings["replay_s"] = timings.get("replay_s", 0.0) + time.perf_counter() - t
         replay += _evidence(er, ref)
         t = time.perf_counter()
-        matches, unmatched = match_values(tgraph, train.values, egraph, er.values)
+        matches, unmatched = tp.match_values(tgraph, train.values, egraph, er.values, tp.tp_size(engine_cap))
         timings["match_s"] = timings.get("match_s", 0.0) + time.perf_counter() - t
         matched[egraph.name] = (matches, unmatched)
         per_graph.append(decide(tgraph, train.values, train.changed, egraph, er, matches, unmatched))
@@ -201,8 +202,8 @@ def _sites_and_regions(plan: list[Decision], tgraph: Graph, engine_cap: Capture,
     where = _site_shapes(plan)
     for s in sites:
         s.shapes = [label for label in labels if label in where.get(s.id, [])]
-    kinds = {d.id: ("attention", "inside the engine's opaque attention op (registry)") if is_attention(d.op)
-             else classify(tgraph, d.node) for d in site_decisions}
+    kinds = {d.id: tp.region_kind(d) or (("attention", "inside the engine's opaque attention op (registry)")
+                                         if is_attention(d.op) else classify(tgraph, d.node)) for d in site_decisions}
     regions = group_regions(sites, kinds)
     by_id = {s.id: s for s in sites}
     for d in plan:  # codegen reads a site's region from the plan
@@ -232,8 +233,8 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     timings: dict[str, float] = {}
     per_graph, matched, replay, engine_values = _reference_decisions(engine_cap, buffers, train, labels[0], timings)
     t = time.perf_counter()
-    attn, attn_notes = attention_decisions(engine_cap.attention, tgraph, train.gm, train.values, engine_cap.graphs,
-                                           stable_ids(tgraph))
+    attn, attn_notes = attention_decisions(engine_cap.attention, tgraph, train.gm, train.values,
+                                           tp.primary_graphs(engine_cap.graphs), stable_ids(tgraph))
     notes += attn_notes
     others: dict[str, list[Decision]] = {}
     for label in labels[1:]:
@@ -241,6 +242,9 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         replay += more
         others[label] = merge_decisions(tgraph, [*graphs_here, [a.model_copy(deep=True) for a in attn]])
     plan = _merge_shapes(merge_decisions(tgraph, [*per_graph, attn]), others, labels[0])
+    tp_replay, tp_notes = tp.after_merge(plan, per_graph, engine_cap, buffers, tgraph, train.values, labels[0])
+    replay += tp_replay
+    notes += tp_notes
     timings["shapes_s"] = time.perf_counter() - t
     sites, regions = _sites_and_regions(plan, tgraph, engine_cap, labels)
     not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs)
@@ -298,7 +302,7 @@ def check_same_weights(engine_cap: Capture, buffers: Buffers, train: TrainSide) 
                 for buf, t in (rec or {}).get("in", {}).items():
                     name = g.inputs.get(buf, "")
                     ref = by_name.get(name) if "." in name else None  # weights only, not the token ids
-                    if isinstance(ref, torch.Tensor) and isinstance(t, torch.Tensor) and not torch.equal(ref, t):
+                    if isinstance(ref, torch.Tensor) and isinstance(t, torch.Tensor) and not tp.same_weight(ref, t):
                         raise GraphdiffError(f"the engine capture ran other weights than {train.capture.model} "
                                              f"({name} differs); scan the checkpoint the engine ran")
 
@@ -319,7 +323,8 @@ class ScanOutcome:
 def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list[Shape] | None = None,
          out: ScanDir | None = None, work_dir: Path | None = None, progress: Progress = lambda m: None,
          argv: list[str] | None = None, engine_dump: Path | None = None, manifest: Path | None = None,
-         compilation_config: dict | None = None, optimization_level: int | None = None) -> ScanOutcome:
+         compilation_config: dict | None = None, optimization_level: int | None = None,
+         tensor_parallel_size: int = 1) -> ScanOutcome:
     """Resolve `spec`, run the real engine (in a child process; or take its capture from `engine_dump`) and the
     HF trainer on the same weights and tokens, analyze. The engine capture is written to `out`'s engine dir."""
     import tempfile
@@ -351,7 +356,8 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
         cap, buffers, startup = capture_isolated(resolved.path, shapes, directory, progress=progress,
                                                  compilation_config=compilation_config,
                                                  optimization_level=optimization_level,
-                                                 config_sha256=config_sha256(config))
+                                                 config_sha256=config_sha256(config),
+                                                 tensor_parallel_size=tensor_parallel_size)
     t_engine = time.perf_counter()
     progress("tracing the trainer's eager forward")
     train = run_train_side(resolved.path, cap.prompt_tokens, manifest)

@@ -56,7 +56,9 @@ def save_engine_capture(cap: Capture, buffers: Buffers, directory: Path) -> Path
             ins = {}
             for buf, t in rec["in"].items():
                 big = isinstance(t, torch.Tensor) and t.numel() * t.element_size() > INLINE_WEIGHT_BYTES
-                if buf in weights and big:
+                # a tensor-parallel rank's shard is smaller than the checkpoint tensor: kept inline
+                if buf in weights and big and len(stored[weights[buf]]) == t.dim() \
+                        and all(a <= b for a, b in zip(stored[weights[buf]], t.shape)):
                     ins[buf] = {"weight": weights[buf], "shape": list(t.shape), "dtype": str(t.dtype)}
                 else:
                     ins[buf] = t
@@ -121,13 +123,14 @@ def load_engine_capture(directory: Path, model_dir: Path | None = None) -> tuple
 
 def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
                      compilation_config: dict[str, Any] | None = None, optimization_level: int | None = None,
-                     progress: Progress = lambda m: None, config_sha256: str = "") -> tuple[Capture, Buffers, float]:
+                     progress: Progress = lambda m: None, config_sha256: str = "",
+                     tensor_parallel_size: int = 1) -> tuple[Capture, Buffers, float]:
     """Capture the engine in a child process into `directory`; returns the capture, its buffers and the
     engine's start-up time."""
     child.run("graphdiff.capture.engine_process",
               dict(model_dir=str(model_dir), shapes=[s.model_dump() for s in shapes], out=str(directory),
                    compilation_config=compilation_config or {}, optimization_level=optimization_level,
-                   config_sha256=config_sha256), progress)
+                   config_sha256=config_sha256, tensor_parallel_size=tensor_parallel_size), progress)
     cap, buffers = load_engine_capture(directory, model_dir)
     return cap, buffers, cap.startup_s or 0.0
 
@@ -135,7 +138,8 @@ def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
 def _serve(req: dict, progress: Progress) -> None:
     from graphdiff.capture.vllm import EngineOptions, capture_vllm
 
-    options = EngineOptions(compilation_config=req["compilation_config"], optimization_level=req["optimization_level"])
+    options = EngineOptions(compilation_config=req["compilation_config"], optimization_level=req["optimization_level"],
+                            tensor_parallel_size=req.get("tensor_parallel_size", 1))
     run = capture_vllm(Path(req["model_dir"]), [Shape.model_validate(s) for s in req["shapes"]], options=options,
                        progress=progress)
     run.capture.config_sha256 = req["config_sha256"]

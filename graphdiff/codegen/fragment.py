@@ -203,7 +203,8 @@ def merge(frags: list[Fragment]) -> list[Fragment]:
 def cut_fragments(scan: ScanResult, graph: Graph, regions: list[str] | None = None) -> list[Fragment]:
     """The splice points of `regions` (default all; attention regions are one opaque op, no fragment): cut,
     merged per splice, boundary outputs decided. Generation and verification both cut them here."""
-    wanted = [r for r in scan.regions if (regions is None or r.name in regions) and r.kind != "attention"]
+    wanted = [r for r in scan.regions if (regions is None or r.name in regions)
+              and r.kind not in ("attention", "allreduce")]  # one opaque op each: no fragment
     frags = merge([fragment_for(scan, graph, r) for r in wanted])
     decide_outputs(graph, frags)
     return frags

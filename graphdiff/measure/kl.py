@@ -186,7 +186,8 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int, s
             temperature: float = 1.0, modes: bool = False, manifest: Path | None = None,
             regions: Sequence[str] | None = None, attribute: bool = False, metric: str = "k3", bootstrap: int = 1000,
             out_dir: Path | None = None, isolate: bool = True, progress: Progress = lambda m: None,
-            reproduce: str = "", compilation_config: dict | None = None) -> KLResult:
+            reproduce: str = "", compilation_config: dict | None = None,
+            tensor_parallel_size: int = 1) -> KLResult:
     """Engine samples (compiled; with `modes` also eager) x trainer (eager; with `modes` also compiled),
     each trainer also patched by `manifest` when given; with `attribute`, Shapley over the regions.
 
@@ -222,9 +223,10 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int, s
     trainer_modes: list[TrainerMode] = ["eager", "compiled"] if modes else ["eager"]
     samples = sample_engine(model_dir, prompts, engine_modes, max_tokens=max_tokens, seed=seed,
                             temperature=temperature, out_dir=out_dir, isolate=isolate, progress=progress,
-                            compilation_config=compilation_config)
+                            compilation_config=compilation_config, tensor_parallel_size=tensor_parallel_size)
     t_engine = time.perf_counter()
-    measurements, notes = [], []
+    measurements = []
+    notes = [f"engine: tensor_parallel_size {tensor_parallel_size}"] if tensor_parallel_size > 1 else []
     for tmode in trainer_modes:
         for patch in [None, patched_label] if manifest is not None else [None]:
             label = f"trainer {tmode}" + (f" + {'+'.join(patch)}" if patch else "")
