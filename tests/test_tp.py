@@ -160,3 +160,55 @@ def test_rank_names_kernel_ids_binding_and_shard_weights() -> None:
         omp_bind(2, {0})
     w = torch.arange(24.0).reshape(6, 4)
     assert same_weight(w, w.clone()) and same_weight(w, w[3:]) and not same_weight(w, w[3:] + 1)
+
+
+TP2 = Path(__file__).resolve().parent.parent / "fixtures" / "captures" / "tiny-qwen3-tp2"
+
+
+@pytest.fixture(scope="module")
+def tp2_scan(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """The recorded TP=2 capture of tiny Qwen3 (both ranks, with their all-reduce calls) analysed as
+    `scan --engine-dump` does, into a scan directory."""
+    from graphdiff.capture.engine_process import save_engine_capture
+    from graphdiff.scan import scan
+    from graphdiff.scandir import ScanDir
+
+    d = ScanDir(tmp_path_factory.mktemp("scan-tp2"))
+    outcome = scan(str(tiny_models["qwen3"]), engine_dump=TP2, out=d)
+    save_engine_capture(outcome.engine, outcome.buffers, d.engine_dir)
+    d.save_train(outcome.train.capture)
+    d.save_scan(outcome.result)
+    return d.root, outcome.result
+
+
+def test_recorded_tp2_capture_replays_every_kernel_of_both_ranks(tp2_scan) -> None:
+    _, result = tp2_scan
+    kernels = {r.kernel: r for r in result.replay}
+    ranks = {0: [k for k in kernels if ":r1." not in k and not k.startswith("torch.ops")],
+             1: [k for k in kernels if ":r1." in k and not k.startswith("torch.ops")]}
+    assert ranks[0] and len(ranks[0]) == len(ranks[1])
+    assert all(kernels[k].predicted_bitexact >= 0.999 for r in ranks.values() for k in r)
+    assert not result.not_replayed and not result.unexplained and not result.unregistered_externs
+    assert any("rank 1 decides" in n and "differs" not in n for n in result.notes), result.notes
+
+
+def test_recorded_tp2_capture_has_the_allreduce_sites_and_the_tp1_sites(tp2_scan) -> None:
+    _, result = tp2_scan
+    regions = {r.name: r for r in result.regions}
+    for name in ("model.layers.*.self_attn.o_proj#allreduce", "model.layers.*.mlp.down_proj#allreduce"):
+        assert regions[name].kind == "allreduce" and regions[name].rounded_on == ["engine"] and regions[name].proven
+    allreduce = [s for s in result.sites if s.kind == "allreduce"]
+    assert len(allreduce) == 4 and all(0.2 < s.changed_fraction < 0.6 for s in allreduce)
+    checks = [r for r in result.replay if r.kernel.startswith("torch.ops._C.shm_allreduce")]
+    assert len(checks) == 8 and all(r.predicted_bitexact == 1.0 and r.naive_bitexact < 0.9 for r in checks)
+    tp1 = json.loads((QWEN3 / "scan.json").read_text())  # the TP=1 scan of the same model and prompt
+    assert {s.id for s in result.sites if s.kind != "allreduce"} == {s["id"] for s in tp1["sites"]}
+
+
+def test_generated_split_k_linear_equals_the_recorded_allreduce_outputs(tp2_scan, tmp_path: Path) -> None:
+    from graphdiff.codegen.verify import verify
+
+    scan_dir, _ = tp2_scan
+    generate(scan_dir, tmp_path / "patch")
+    checks = [c for c in verify(scan_dir, tmp_path / "patch", triton=False) if "recorded all-reduce" in c.splice]
+    assert len(checks) == 4 and all(c.identical and c.ok for c in checks), checks

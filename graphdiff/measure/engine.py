@@ -211,7 +211,7 @@ def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence
         sample = _sample_subprocess if isolate else _sample_here
         fresh = sample(model_dir, prompts, missing, max_tokens=max_tokens, seed=seed, temperature=temperature,
                        progress=progress, compilation_config=compilation_config or {},
-                       tensor_parallel_size=tensor_parallel_size)
+                       **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}))
         for mode in missing:
             found[mode].samples = fresh[mode]
             cache.runs = [r for r in cache.runs if r.key() != found[mode].key()] + [found[mode]]
@@ -256,10 +256,10 @@ def _sample_subprocess(model_dir: Path, prompts: Sequence[list[int]], modes: Seq
 
 
 def _child(req: dict, progress: Progress) -> None:
+    tp = req.get("tensor_parallel_size", 1)
     out = _sample_here(Path(req["model_dir"]), req["prompts"], req["modes"], max_tokens=req["max_tokens"],
                        seed=req["seed"], temperature=req["temperature"], progress=progress,
-                       compilation_config=req["compilation_config"],
-                       tensor_parallel_size=req.get("tensor_parallel_size", 1))
+                       compilation_config=req["compilation_config"], **({"tensor_parallel_size": tp} if tp > 1 else {}))
     Path(req["result"]).write_text(json.dumps({mode: [s.model_dump() for s in samples]
                                                for mode, samples in out.items()}))
 

@@ -223,7 +223,8 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int, s
     trainer_modes: list[TrainerMode] = ["eager", "compiled"] if modes else ["eager"]
     samples = sample_engine(model_dir, prompts, engine_modes, max_tokens=max_tokens, seed=seed,
                             temperature=temperature, out_dir=out_dir, isolate=isolate, progress=progress,
-                            compilation_config=compilation_config, tensor_parallel_size=tensor_parallel_size)
+                            compilation_config=compilation_config,
+                            **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}))
     t_engine = time.perf_counter()
     measurements = []
     notes = [f"engine: tensor_parallel_size {tensor_parallel_size}"] if tensor_parallel_size > 1 else []
