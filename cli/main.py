@@ -109,6 +109,8 @@ def capture(
                                                   help="the engine's -O level (0-3), as for `vllm serve`"),
     keep_dump: bool = typer.Option(False, help="keep the TORCH_COMPILE_DEBUG dump in OUT/inductor-debug"),
     kernels: bool = typer.Option(True, help="print one line per kernel"),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="the engine's tensor-parallel "
+                                             "ranks, as for `vllm serve` (each rank captured in its worker)"),
 ) -> None:
     """Capture one side's graph and write OUT/capture.json."""
     from graphdiff.scandir import ScanDir
@@ -142,7 +144,8 @@ def capture(
 
                 config = parse_json_option(compilation_config, "--compilation-config")
                 options = EngineOptions(compilation_config=config, optimization_level=optimization_level,
-                                        layers=layers, debug_dir=out_dir / "inductor-debug" if keep_dump else None)
+                                        layers=layers, debug_dir=out_dir / "inductor-debug" if keep_dump else None,
+                                        tensor_parallel_size=check_tp(tensor_parallel_size))
                 with progress("starting vLLM") as update:
                     run = capture_vllm(resolved.path, wanted, options=options, progress=update)
                 cap = run.capture
@@ -151,6 +154,12 @@ def capture(
                 path = save_engine_capture(cap, run.buffers, out_dir)
     print_summary(cap, kernels)
     out.print(f"wrote {path}")
+
+
+def check_tp(size: int) -> int:
+    if size < 1:
+        raise GraphdiffError(f"--tensor-parallel-size {size}: must be at least 1")
+    return size
 
 
 def engine_config(config: dict, optimization_level: int | None) -> dict:
@@ -203,6 +212,8 @@ def scan_cmd(
                             "patched vs unpatched) into scan.json `kl` and OUT/kl.json"),
     manifest: Path | None = typer.Option(None, "--manifest", help="scan the trainer patched by this manifest: "
                                          "the sites are what the patch leaves"),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="the engine's tensor-parallel "
+                                             "ranks, as for `vllm serve` (each rank captured in its worker)"),
 ) -> None:
     """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
     from graphdiff.scan import scan
@@ -229,7 +240,8 @@ def scan_cmd(
         with progress("scanning") as update:
             outcome = scan(model, layers=layers, tokens=tokens, shapes=wanted, out=d, progress=update,
                            argv=sys.argv[1:], engine_dump=engine_dump, manifest=manifest, compilation_config=config,
-                           optimization_level=optimization_level, sample=sample)
+                           optimization_level=optimization_level, sample=sample,
+                           tensor_parallel_size=check_tp(tensor_parallel_size))
         result = outcome.result
         if engine_dump is not None:  # the report draws the engine graph from the scan directory
             from graphdiff.capture.engine_process import save_engine_capture
@@ -253,7 +265,8 @@ def scan_cmd(
                                     max_tokens=gap_tokens, manifest=d.patch_dir / "manifest.json" if patch
                                     else None, out_dir=d.root, progress=update,
                                     reproduce="graphdiff " + shlex.join(sys.argv[1:]),
-                                    compilation_config=engine_config(config, optimization_level))
+                                    compilation_config=engine_config(config, optimization_level),
+                                    tensor_parallel_size=tensor_parallel_size)
             save_json(kl_result, d.kl_json)
             result.kl = kl_result.model_dump(mode="json")
             path = d.save_scan(result)
@@ -569,6 +582,8 @@ def kl_cmd(
                                                   help="the compiled engine's config, JSON as for `vllm serve`"),
     optimization_level: int | None = typer.Option(None, "--optimization-level", "-O", help="the engine's -O"),
     out_dir: Path | None = typer.Option(None, "--out", help="output directory (default kl/<model>)"),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="the engine's tensor-parallel "
+                                             "ranks, as for `vllm serve`"),
 ) -> None:
     """Measure the engine-vs-trainer log-prob gap on engine samples; write OUT/kl.json."""
     from graphdiff.measure.kl import SAMPLES_FILE, measure, random_prompts, read_prompts
@@ -592,7 +607,8 @@ def kl_cmd(
             result = measure(resolved.path, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature,
                              modes=modes, manifest=manifest, regions=names, attribute=attribute, metric=metric,
                              bootstrap=bootstrap, out_dir=out_dir, progress=update,
-                             reproduce="graphdiff " + shlex.join(sys.argv[1:]), compilation_config=config)
+                             reproduce="graphdiff " + shlex.join(sys.argv[1:]), compilation_config=config,
+                             tensor_parallel_size=check_tp(tensor_parallel_size))
         path = save_json(result, out_dir / "kl.json")
     print_kl(result)
     out.print(f"wrote {path} (engine samples cached in {out_dir / SAMPLES_FILE})")

@@ -202,7 +202,7 @@ def load_capture(path: Path) -> Capture:
 # --- scan results --------------------------------------------------------------------------------
 
 REGION_KINDS = ("rope", "qk_norm", "attention", "router", "expert_combine", "gated_act", "embedding_scale",
-                "residual_scale", "residual_norm", "norm_weight", "logit_scale", "other")
+                "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "other")
 
 
 class SideRef(BaseModel):
@@ -411,12 +411,14 @@ class EngineSamples(BaseModel):
     max_tokens: int
     versions: dict[str, str] = Field(default_factory=dict)
     compilation_config: dict[str, object] = Field(default_factory=dict)  # as given (compiled mode)
+    tensor_parallel_size: int = 1  # the engine's ranks (their partial products are rounded before the all-reduce)
     samples: list[EngineSample]
 
     def key(self) -> tuple:
         """What decides the samples, the engine's version aside (compared separately: it may be absent)."""
         return (self.engine, self.mode, self.model, self.weights, self.seed, self.temperature, self.max_tokens,
-                json.dumps(self.compilation_config, sort_keys=True), tuple(tuple(s.prompt) for s in self.samples))
+                json.dumps(self.compilation_config, sort_keys=True), self.tensor_parallel_size,
+                tuple(tuple(s.prompt) for s in self.samples))
 
 
 class EngineSamplesFile(BaseModel):
@@ -560,11 +562,12 @@ MANIFEST_VERSION = 4
 
 
 class ManifestSplice(BaseModel):
-    """One place the runtime changes the HF model: a module forward, a module-level function, a carry hook, or
-    the attention function (registered with transformers' AttentionInterface)."""
+    """One place the runtime changes the HF model: a module forward, a module-level function, a carry hook, the
+    attention function (registered with transformers' AttentionInterface), or an nn.Linear computed as a
+    tensor-parallel engine's ranks compute it (`linear`: K split over `shards` ranks)."""
 
     key: str  # module pattern (`model.layers.*.self_attn.q_norm`) or dotted function path
-    target: Literal["module", "function", "carry", "attention", "router", "experts"]
+    target: Literal["module", "function", "carry", "attention", "router", "experts", "linear"]
     module: str  # HF module path pattern, layers collapsed as `layers.*`
     module_class: str = ""
     function: str = ""  # dotted path of the replaced function (target "function")
@@ -580,6 +583,7 @@ class ManifestSplice(BaseModel):
     # HF module -> the lanes its engine kernel sums rows in (Region.reduction_lanes); the runtime passes each
     # module's to the generated function, which sums the aligned regions' rows in that order
     reduction_lanes: dict[str, int] = Field(default_factory=dict)
+    shards: int = 1  # target "linear": the engine's tensor-parallel ranks the matmul's K is split over
 
 
 class RegionEffect(BaseModel):

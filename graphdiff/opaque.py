@@ -79,7 +79,8 @@ EXTERNS = (
                "rounded once",
                f"equals moe.engine_like_experts on the same inputs on 100% of outputs ({_TESTED})"),
     ExternRule("_C.shm_allreduce", "allreduce", True, "sums the ranks' BF16 partials in FP32, rounds once",
-               "tensor-parallel CPU all-reduce: output = bf16(FP32 sum of the BF16 inputs), measured at TP=2"),
+               "vLLM CPU's tensor-parallel all-reduce: output = bf16(FP32 sum of the ranks' BF16 inputs), checked on "
+               "every call a TP scan records (scan.json replay) and in tests/test_tp_engine.py"),
 )
 
 

@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
+from graphdiff import tensor_parallel as tp
 from graphdiff.departure import first_departure
 from graphdiff.errors import GraphdiffError
-from graphdiff.match import Match, match_values
+from graphdiff.match import Match
 from graphdiff.measure.site_uniformity import site_nonuniformity
 from graphdiff.model import Capture, Decision, Graph, KernelEvidence, ScanResult, Shape, Site
 from graphdiff.moe import engine_routing, experts_decisions, experts_nodes, routing_agreement
@@ -178,7 +179,7 @@ def _reference_decisions(engine_cap: Capture, buffers: Buffers, train: TrainSide
         timings["replay_s"] = timings.get("replay_s", 0.0) + time.perf_counter() - t
         replay += _evidence(er, ref)
         t = time.perf_counter()
-        matches, unmatched = match_values(tgraph, train.values, egraph, er.values)
+        matches, unmatched = tp.match_values(tgraph, train.values, egraph, er.values, tp.tp_size(engine_cap))
         timings["match_s"] = timings.get("match_s", 0.0) + time.perf_counter() - t
         matched[egraph.name] = (matches, unmatched)
         per_graph.append(decide(tgraph, train.values, train.changed, egraph, er, matches, unmatched))
@@ -209,8 +210,9 @@ def _sites_and_regions(plan: list[Decision], tgraph: Graph, engine_cap: Capture,
     for s in sites:
         s.shapes = [label for label in labels if label in where.get(s.id, [])]
     experts = experts_nodes(tgraph)
-    kinds = {d.id: ("attention", "inside the engine's opaque attention op (registry)") if is_attention(d.op)
-             else classify(tgraph, d.node, experts) for d in site_decisions}
+    kinds = {d.id: tp.region_kind(d) or (("attention", "inside the engine's opaque attention op (registry)")
+                                         if is_attention(d.op) else classify(tgraph, d.node, experts))
+             for d in site_decisions}
     owner = {d.id: d.evidence.stretch[0] for d in site_decisions if d.rule == "opaque-registry" and d.node in experts}
     regions = group_regions(sites, kinds, owner)
     by_id = {s.id: s for s in sites}
@@ -262,8 +264,8 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     per_graph, matched, replay, engine_values = _reference_decisions(engine_cap, buffers, train, labels[0], timings)
     t = time.perf_counter()
     ids = stable_ids(tgraph)
-    attn, attn_notes = attention_decisions(engine_cap.attention, tgraph, train.gm, train.values, engine_cap.graphs,
-                                           ids)
+    attn, attn_notes = attention_decisions(engine_cap.attention, tgraph, train.gm, train.values,
+                                           tp.primary_graphs(engine_cap.graphs), ids)
     notes += attn_notes
     moe_calls = [(g.name, k.id) for g in engine_cap.graphs for k in g.kernels
                  if k.kind == "extern" and (r := extern_rule(k.name)) is not None and r.kind == "moe"]
@@ -274,6 +276,9 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         replay += more
         others[label] = merge_decisions(tgraph, [*graphs_here, [a.model_copy(deep=True) for a in attn]])
     plan = _merge_shapes(merge_decisions(tgraph, [*per_graph, attn]), others, labels[0])
+    tp_replay, tp_notes = tp.after_merge(plan, per_graph, engine_cap, buffers, tgraph, train.values, labels[0])
+    replay += tp_replay
+    notes += tp_notes
     timings["shapes_s"] = time.perf_counter() - t
     sites, regions = _sites_and_regions(plan, tgraph, engine_cap, labels)
     not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs)
@@ -336,7 +341,7 @@ def check_same_weights(engine_cap: Capture, buffers: Buffers, train: TrainSide) 
                 for buf, t in (rec or {}).get("in", {}).items():
                     name = g.inputs.get(buf, "")
                     ref = by_name.get(name) if "." in name else None  # weights only, not the token ids
-                    if isinstance(ref, torch.Tensor) and isinstance(t, torch.Tensor) and not torch.equal(ref, t):
+                    if isinstance(ref, torch.Tensor) and isinstance(t, torch.Tensor) and not tp.same_weight(ref, t):
                         raise GraphdiffError(f"the engine capture ran other weights than {train.capture.model} "
                                              f"({name} differs); scan the checkpoint the engine ran")
 
@@ -358,7 +363,8 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
          out: ScanDir | None = None, work_dir: Path | None = None, progress: Progress = lambda m: None,
          argv: list[str] | None = None, engine_dump: Path | None = None, manifest: Path | None = None,
          compilation_config: dict | None = None, optimization_level: int | None = None,
-         allow_version_mismatch: bool = False, sample: dict | None = None) -> ScanOutcome:
+         allow_version_mismatch: bool = False, sample: dict | None = None,
+         tensor_parallel_size: int = 1) -> ScanOutcome:
     """Resolve `spec`, run the real engine (in a child process; or take its capture from `engine_dump`) and the
     HF trainer on the same weights and tokens, analyze. The engine capture is written to `out`'s engine dir.
     `sample` ({"count", "prompt_tokens", "max_tokens", "seed", "temperature"}): the same engine then samples that
@@ -401,7 +407,8 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
         cap, buffers, startup = capture_isolated(resolved.path, shapes, directory, progress=progress,
                                                  compilation_config=compilation_config,
                                                  optimization_level=optimization_level,
-                                                 config_sha256=config_sha256(config), sample=sample)
+                                                 config_sha256=config_sha256(config), sample=sample,
+                                                 tensor_parallel_size=tensor_parallel_size)
     t_engine = time.perf_counter()
     progress("tracing the trainer's eager forward")
     train = run_train_side(resolved.path, cap.prompt_tokens, manifest, allow_version_mismatch)

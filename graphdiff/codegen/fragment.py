@@ -28,7 +28,7 @@ from graphdiff.reduction_order import is_row_reduction
 Target = Literal["module", "function", "carry"]
 # Regions whose engine side is one opaque op: the patch calls a function that computes as the registry says the op
 # does, instead of re-emitting the trainer's fragment (attention, MoE routing and experts).
-OPAQUE_KINDS = ("attention", "router", "expert_combine")
+OPAQUE_KINDS = ("attention", "router", "expert_combine", "allreduce")
 Rounding = tuple[Literal["always", "unless-aligned", "if-aligned"], str]  # (when, region)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from graphdiff import moe
-from graphdiff.codegen import emit_torch, emit_triton, inductor_lowering
+from graphdiff.codegen import emit_torch, emit_triton, inductor_lowering, tp_linear
 from graphdiff.codegen.fragment import Fragment, cut_fragments, region_slug
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import (
@@ -181,8 +181,14 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) ->
     if moe_regions:
         body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.moe)",
                  *moe.SOURCE.strip("\n").splitlines()]
-    frags = cut_fragments(scan, graph, [r.name for r in wanted])
     status: dict[str, str] = {}
+    for r in (r for r in wanted if r.kind == "allreduce"):
+        splice, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config))
+        splices.append(splice)
+        if not splice.problems and not any(s.target == "linear" and not s.problems for s in splices[:-1]):
+            body += lines  # one function serves every linear splice
+        status[r.name] = "; ".join(splice.problems)
+    frags = cut_fragments(scan, graph, [r.name for r in wanted])
     for frag in frags:
         splice, lines = _emit_splice(frag, nodes)
         splices.append(splice)

@@ -142,6 +142,11 @@ def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool =
     frags, nodes = fragments(scan_dir, manifest)
     checks: list[Check] = []
     for splice in manifest.splices:
+        if splice.target == "linear" and not splice.problems:  # tensor parallelism: vs the recorded all-reduces
+            from graphdiff.codegen.tp_linear import verify_splice
+
+            checks += verify_splice(scan_dir, gen, splice, device)
+            continue
         if splice.target in ("carry", "attention", "router", "experts") or splice.problems:
             continue
         frag = frags[splice.key]

@@ -95,18 +95,22 @@ def weights_fingerprint(model_dir: Path) -> str:
 
 # --- engine side ---------------------------------------------------------------------------------------------
 
-def _engine_process_state(work: Path) -> contextlib.AbstractContextManager:
+def _engine_process_state(work: Path, tensor_parallel_size: int = 1) -> contextlib.AbstractContextManager:
     """The in-process engine's environment; afterwards the trainer's own threads and environment back
     (vLLM's CPU worker may bind OpenMP threads: the trainer must run as it would without an engine)."""
     from graphdiff.capture.vllm import engine_env, engine_process_state
 
     env = engine_env(work)
     env.pop("INDUCTOR_PROVENANCE", None)  # only the scanner needs kernel provenance
+    if tensor_parallel_size > 1:  # worker processes, one per rank (graphdiff.capture.tp)
+        from graphdiff.capture.tp import WORKER_ENV, tp_env
+
+        env.update({k: v for k, v in tp_env(tensor_parallel_size).items() if k != WORKER_ENV})
     return engine_process_state(env)
 
 
 def start_engine(model_dir: Path, *, eager: bool, max_model_len: int, max_num_seqs: int, seed: int = 0,
-                 compilation_config: dict | None = None) -> Any:
+                 compilation_config: dict | None = None, tensor_parallel_size: int = 1) -> Any:
     """A vLLM engine in this process: compiled (vLLM's default compile config, or `compilation_config` as
     `vllm serve` takes it, an "optimization_level" key being its -O level) or enforce_eager."""
     try:
@@ -123,6 +127,10 @@ def start_engine(model_dir: Path, *, eager: bool, max_model_len: int, max_num_se
     if not eager:
         kwargs.update({"compilation_config": config} if config else {},
                       **({"optimization_level": level} if level is not None else {}))
+    if tensor_parallel_size > 1:
+        from graphdiff.capture.tp import tp_kwargs
+
+        kwargs.update(tp_kwargs(tensor_parallel_size, capture=False))
     return start_llm(model_dir, kwargs, [])
 
 
@@ -184,8 +192,8 @@ def engine_versions() -> dict[str, str]:
 
 def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *, max_tokens: int,
                   seed: int = 0, temperature: float = 1.0, out_dir: Path | None = None, isolate: bool = True,
-                  progress: Progress = lambda m: None,
-                  compilation_config: dict | None = None) -> dict[EngineMode, EngineSamples]:
+                  progress: Progress = lambda m: None, compilation_config: dict | None = None,
+                  tensor_parallel_size: int = 1) -> dict[EngineMode, EngineSamples]:
     """Samples of each engine mode: from OUT/engine_samples.json when the key matches, else from the engine.
 
     isolate=True runs the engine(s) in a child process. An in-process engine can be torn down and another
@@ -201,7 +209,8 @@ def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence
     missing: list[EngineMode] = []
     for mode in modes:
         want = samples_run(model_dir, mode, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature,
-                           compilation_config=compilation_config, versions=versions)
+                           compilation_config=compilation_config, versions=versions,
+                           tensor_parallel_size=tensor_parallel_size)
         # Without vLLM installed, cached samples of any engine version serve; with it, only its own version's.
         hit = next((r for r in cache.runs if r.key() == want.key()
                     and (not versions or r.versions.get("vllm") == versions["vllm"])), None)
@@ -216,7 +225,8 @@ def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence
                                  "(or measure with engine samples cached in OUT/engine_samples.json)")
         sample = _sample_subprocess if isolate else _sample_here
         fresh = sample(model_dir, prompts, missing, max_tokens=max_tokens, seed=seed, temperature=temperature,
-                       progress=progress, compilation_config=compilation_config or {})
+                       progress=progress, compilation_config=compilation_config or {},
+                       **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}))
         for mode in missing:
             found[mode].samples = fresh[mode]
             cache.runs = [r for r in cache.runs if r.key() != found[mode].key()] + [found[mode]]
@@ -227,11 +237,12 @@ def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence
 
 def samples_run(model_dir: Path, mode: EngineMode, prompts: Sequence[list[int]], *, max_tokens: int, seed: int,
                 temperature: float, compilation_config: dict | None, versions: dict[str, str],
-                samples: Sequence[EngineSample] | None = None) -> EngineSamples:
+                samples: Sequence[EngineSample] | None = None, tensor_parallel_size: int = 1) -> EngineSamples:
     """One engine configuration's samples, keyed by everything that decides them (empty samples: what to look up)."""
     return EngineSamples(mode=mode, model=str(model_dir.resolve()), weights=weights_fingerprint(model_dir), seed=seed,
                          temperature=temperature, max_tokens=max_tokens, versions=versions,
                          compilation_config=compilation_config or {} if mode == "compiled" else {},
+                         tensor_parallel_size=tensor_parallel_size,
                          samples=list(samples) if samples is not None else
                          [EngineSample(prompt=list(p), tokens=[], logprobs=[]) for p in prompts])
 
@@ -244,17 +255,18 @@ def store_samples(out_dir: Path, run: EngineSamples) -> Path:
 
 
 def _sample_here(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *, max_tokens: int,
-                 seed: int, temperature: float, progress: Progress,
-                 compilation_config: dict) -> dict[EngineMode, list[EngineSample]]:
+                 seed: int, temperature: float, progress: Progress, compilation_config: dict,
+                 tensor_parallel_size: int = 1) -> dict[EngineMode, list[EngineSample]]:
     """Each mode's engine in this process, one after the other, torn down in between."""
     out = {}
     for mode in modes:
         progress(f"starting vLLM ({mode}{', compiling with Inductor' if mode == 'compiled' else ''})")
         t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="graphdiff-kl-") as work, _engine_process_state(Path(work)):
+        with tempfile.TemporaryDirectory(prefix="graphdiff-kl-") as work, \
+                _engine_process_state(Path(work), tensor_parallel_size):
             llm = start_engine(model_dir, eager=mode == "eager", seed=seed, max_num_seqs=min(len(prompts), 256),
                                max_model_len=_round_up(max(map(len, prompts)) + max_tokens, 64),
-                               compilation_config=compilation_config)
+                               compilation_config=compilation_config, tensor_parallel_size=tensor_parallel_size)
             progress(f"engine {mode} ready in {time.perf_counter() - t0:.0f}s; sampling {len(prompts)} x "
                      f"{max_tokens} tokens")
             out[mode] = engine_sample(llm, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature)
@@ -264,22 +276,24 @@ def _sample_here(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[
 
 def _sample_subprocess(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *,
                        max_tokens: int, seed: int, temperature: float, progress: Progress,
-                       compilation_config: dict) -> dict[EngineMode, list[EngineSample]]:
+                       compilation_config: dict, tensor_parallel_size: int = 1) -> dict[EngineMode, list[EngineSample]]:
     """`_sample_here` in `python -m graphdiff.measure.engine REQUEST` (graphdiff.child)."""
     with tempfile.TemporaryDirectory(prefix="graphdiff-kl-") as tmp:
         result = Path(tmp) / "samples.json"
         child.run("graphdiff.measure.engine", dict(model_dir=str(model_dir), prompts=list(map(list, prompts)),
                                                    modes=list(modes), max_tokens=max_tokens, seed=seed,
                                                    temperature=temperature, result=str(result),
-                                                   compilation_config=compilation_config), progress)
+                                                   compilation_config=compilation_config,
+                                                   tensor_parallel_size=tensor_parallel_size), progress)
         data = json.loads(result.read_text())
     return {mode: [EngineSample.model_validate(s) for s in data[mode]] for mode in modes}
 
 
 def _child(req: dict, progress: Progress) -> None:
+    tp = req.get("tensor_parallel_size", 1)
     out = _sample_here(Path(req["model_dir"]), req["prompts"], req["modes"], max_tokens=req["max_tokens"],
                        seed=req["seed"], temperature=req["temperature"], progress=progress,
-                       compilation_config=req["compilation_config"])
+                       compilation_config=req["compilation_config"], **({"tensor_parallel_size": tp} if tp > 1 else {}))
     Path(req["result"]).write_text(json.dumps({mode: [s.model_dump() for s in samples]
                                                for mode, samples in out.items()}))
 

@@ -303,7 +303,8 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
             temperature: float = 1.0, modes: bool = False, manifest: Path | None = None,
             regions: Sequence[str] | None = None, attribute: bool = False, metric: str = "k3", bootstrap: int = 1000,
             out_dir: Path | None = None, isolate: bool = True, progress: Progress = lambda m: None,
-            reproduce: str = "", compilation_config: dict | None = None) -> KLResult:
+            reproduce: str = "", compilation_config: dict | None = None,
+            tensor_parallel_size: int = 1) -> KLResult:
     """Engine samples (compiled; with `modes` also eager) x trainer (eager; with `modes` also compiled),
     each trainer also patched by `manifest` when given; the engine's own floor; with `attribute`, Shapley over
     the regions.
@@ -331,14 +332,17 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
     trainer_modes: list[TrainerMode] = ["eager", "compiled"] if modes else ["eager"]
     samples = sample_engine(model_dir, prompts, engine_modes, max_tokens=max_tokens, seed=seed,
                             temperature=temperature, out_dir=out_dir, isolate=isolate, progress=progress,
-                            compilation_config=compilation_config)
+                            compilation_config=compilation_config,
+                            **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}))
     t_engine = time.perf_counter()
     measurements = _trainer_measurements(base, samples, trainer_modes, manifest, regions, patched, progress)
-    attribution, notes = None, []
+    attribution = None
+    notes = [f"engine: tensor_parallel_size {tensor_parallel_size}"] if tensor_parallel_size > 1 else []
     if attribute:
         assert manifest is not None and patched is not None
-        attribution, notes = _attribution(base, manifest, patched, samples["compiled"].samples, metric, bootstrap,
-                                          seed, progress)
+        attribution, more = _attribution(base, manifest, patched, samples["compiled"].samples, metric, bootstrap,
+                                         seed, progress)
+        notes += more
     floor_m = floor(samples["compiled"].samples)
     substituted, sources, sources_note = (_sources(model_dir, manifest, patched, samples["compiled"].samples,
                                                    measurements, floor_m, progress)

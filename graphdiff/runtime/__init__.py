@@ -17,6 +17,10 @@ How the generated code is spliced in (no per-model code; everything comes from t
 - attention splice (an engine whose attention keeps the softmax probabilities FP32, graphdiff.opaque): the
   generated attention function is registered with transformers' AttentionInterface and set as the model's
   attention implementation (HF's sdpa on FP32-upcast q/k/v, output rounded once);
+- linear splices (a tensor-parallel engine's row-parallel matmuls, `allreduce` regions): the nn.Linear's forward
+  computes the partial products over the manifest's `shards` parts of its input dimension, each rounded to the
+  weight dtype, summed in FP32 and rounded once (the generated `linear_split_k`), as the engine's ranks and its
+  all-reduce do;
 - every nn.Linear rounds a floating input to its weight dtype: the engine stores every matmul input in
   low precision, and an FP32 value the patch produced must be rounded exactly there.
 Memory: a splice keeps only its inputs for the backward (the Triton backward kernel recomputes the forward; the
@@ -364,6 +368,10 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
                     _check_moe_module(mod, name, splice.target)
                     mod.forward = functools.partial(getattr(gen, splice.torch_fn), mod)
                     state.undo.append(lambda mod=mod: mod.__dict__.pop("forward", None))
+        elif splice.target == "linear":
+            if align & set(splice.regions):
+                for name, mod in targets:
+                    state.undo.append(_split_k(mod, name, getattr(gen, splice.torch_fn), splice.shards))
         elif splice.target == "module":
             run = _chooser(gen, splice)
             for name, mod in targets:  # each module sums its rows as its engine kernel does
@@ -398,6 +406,15 @@ def _check_moe_module(mod: torch.nn.Module, name: str, target: str) -> None:
     if missing:
         raise PatchError(f"{name} ({type(mod).__name__}) has no {', '.join(missing)}: the generated MoE {target} "
                          "cannot run in it; rescan this model")
+
+
+def _split_k(mod: torch.nn.Module, name: str, fn: Callable, shards: int) -> Callable[[], None]:
+    """The module's forward as `fn(mod, x, shards)` (a tensor-parallel engine's split-K matmul); returns the undo."""
+    if getattr(mod, "in_features", 0) % shards:
+        raise PatchError(f"{name}: in_features {mod.in_features} is not divisible by the patch's {shards} "
+                         "tensor-parallel shards")
+    mod.forward = lambda x: fn(mod, x, shards)
+    return lambda: mod.__dict__.pop("forward", None)
 
 
 def _use_attention(model: torch.nn.Module, fn: Callable) -> Callable[[], None]:

@@ -1,0 +1,210 @@
+"""The capture inside vLLM's tensor-parallel worker processes (imported only there, by vLLM).
+
+With `tensor_parallel_size` > 1 every rank compiles its own graph in its own worker process, so the capture has
+to happen there. vLLM offers two hooks: `worker_extension_cls` (a class whose methods are mixed into every worker,
+resolved in `WorkerWrapperBase.init_worker` before the worker builds, loads and compiles the model) and
+`LLM.collective_rpc` (call a worker method on every rank). Importing this module therefore installs graphdiff's
+Inductor hooks in each worker before its compile (an import side effect, only where the driver asked for it:
+`GRAPHDIFF_TP_WORKER=1`), and the driver (graphdiff.capture.tp) arms, collects and saves through RPCs.
+
+Tensors do not travel back over collective_rpc (its msgpack transport turns nested tensors into lists and
+memoryviews): each rank writes its graphs and buffers to files, and the RPC returns their paths.
+
+Besides the generated kernels' buffers, each rank records the calls of the extern ops a tensor-parallel forward
+adds rounding in (`EXTERN_OPS`: the all-reduce and the matmuls that write what it reduces), at the first recorded
+shape: each all-reduce's BF16 partial (its input), its output, and the input of the matmul that wrote the
+partial. The analysis checks the registry's description of the all-reduce on them (graphdiff.tensor_parallel).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphdiff.capture.assemble import build_graph
+from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
+from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, weight_inputs
+from graphdiff.capture.tp import BUFFERS_FILE, GRAPHS_FILE, META_FILE, VLLM_COMPILE_ENV, WORKER_ENV, rank_kernel_ids
+from graphdiff.model import Graph
+
+EXTERN_OPS = ("_C.shm_allreduce", "_C.onednn_mm")
+
+HOOKS: Any = None
+_INSTALLED: Any = None  # the hooks' context manager: kept referenced, else collecting it would uninstall them
+if os.environ.get(WORKER_ENV) == "1":  # in a vLLM worker started by graphdiff (never in the driver)
+    _INSTALLED = inductor_hooks()
+    HOOKS = _INSTALLED.__enter__()  # stays installed for the worker's lifetime (the worker is ours alone)
+    if os.environ.get(VLLM_COMPILE_ENV) == "1":
+        from graphdiff.capture.vllm_cpu import register_cuda_only_placeholders
+
+        register_cuda_only_placeholders()
+
+
+class ExternRecorder:
+    """Records calls of chosen extern ops (`torch.ops.<ns>.<op>.default`) while armed: tensor arguments before
+    (cloned) and after the call (an in-place all-reduce, a matmul's out= buffer). Inductor's wrapper calls externs
+    through the op namespace at call time (`torch.ops._C.shm_allreduce.default(0, buf0)`), so replacing the
+    namespace's packet attribute is enough; `remove` restores it. Installed only after the compile: Dynamo must
+    trace the real packets."""
+
+    def __init__(self, ops: tuple[str, ...]) -> None:
+        self.calls: dict[str, list[dict]] = {op: [] for op in ops}
+        self.armed = False
+        self._saved = []
+        for full in ops:
+            ns, op = full.split(".")
+            space = getattr(torch.ops, ns)
+            packet = getattr(space, op, None)
+            if packet is None:
+                continue
+            self._saved.append((space, op, packet))
+            setattr(space, op, _Packet(packet, full, self))
+
+    def remove(self) -> None:
+        for space, op, packet in self._saved:
+            setattr(space, op, packet)
+
+
+class _Packet:
+    def __init__(self, inner: Any, name: str, recorder: ExternRecorder) -> None:
+        self._inner, self._name, self._rec = inner, name, recorder
+
+    def __getattr__(self, attr: str) -> Any:
+        overload = getattr(self._inner, attr)
+        if attr != "default":
+            return overload
+        rec, name = self._rec, self._name
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not rec.armed:
+                return overload(*args, **kwargs)
+            before = [a.detach().clone() if isinstance(a, torch.Tensor) else None for a in args]
+            result = overload(*args, **kwargs)
+            after = [a.detach().clone() if isinstance(a, torch.Tensor) else None for a in args]
+            rec.calls[name].append({"before": before, "after": after})
+            return result
+
+        return call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner(*args, **kwargs)
+
+
+def _node_arg(node_call: list, index: int) -> str | None:
+    args = node_call[0] if node_call else []
+    a = args[index] if len(args) > index else None
+    return a.get("node") if isinstance(a, dict) else None
+
+
+def extern_records(graphs: list[Graph], calls: dict[str, list[dict]]) -> tuple[dict[str, dict], list[str]]:
+    """Kernel id of each all-reduce -> its record: {"in": {}, "out": {}, "scalars": {}, "extern": {...}} with the
+    BF16 partial it reduced, its output, and the matmul that wrote the partial (kernel id, its input). Calls are
+    matched to the graphs' extern kernels in execution order (the wrapper is straight-line code; calls after the
+    graphs', e.g. the LM head's matmul, are not the graphs')."""
+    kernels = [(g, k) for g in graphs for k in g.kernels if k.kind == "extern"]
+    reduces = [(g, k) for g, k in kernels if "shm_allreduce" in k.name]
+    mms = [(g, k) for g, k in kernels if "onednn_mm" in k.name]
+    ar_calls, mm_calls = calls.get("_C.shm_allreduce", []), calls.get("_C.onednn_mm", [])
+    if len(ar_calls) < len(reduces) or len(mm_calls) < len(mms):
+        return {}, [f"recorded {len(ar_calls)} all-reduce and {len(mm_calls)} matmul calls for {len(reduces)} and "
+                    f"{len(mms)} in the graphs: the all-reduce inputs are not checked"]
+    mm_call = {k.id: c for (g, k), c in zip(mms, mm_calls)}
+    order = {k.id: i for i, (g, k) in enumerate(kernels)}
+    out: dict[str, dict] = {}
+    for (g, k), c in zip(reduces, ar_calls):
+        nodes = g.node_map()
+        buf = _node_arg(nodes[k.nodes[0]].call, 1) if k.nodes else None
+        writer = [m for gm, m in mms if gm is g and order[m.id] < order[k.id] and m.nodes
+                  and _node_arg(nodes[m.nodes[0]].call, 0) == buf]
+        ext: dict[str, Any] = {"buffer": buf, "partial": c["before"][1], "reduced": c["after"][1]}
+        if writer:
+            mc = mm_call[writer[-1].id]
+            ext.update(matmul=writer[-1].id, matmul_input=mc["before"][1])
+        out[k.id] = {"in": {}, "out": {}, "scalars": {}, "extern": ext}
+    return out, []
+
+
+class GraphdiffWorkerExtension:
+    """Mixed into every vLLM worker (`worker_extension_cls`); the driver calls these through collective_rpc."""
+
+    def graphdiff_graphs(self) -> dict[str, Any]:
+        """This rank's compiled model graphs (named and numbered for the rank) and a recorder on each."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from graphdiff.capture.vllm import _is_model_graph, input_names, unique_kernel_ids
+
+        if HOOKS is None:
+            raise RuntimeError(f"graphdiff's Inductor hooks are not installed in this worker ({WORKER_ENV} unset)")
+        rank = get_tensor_model_parallel_rank()
+        model = self.model_runner.get_model()
+        graphs, recorders = [], []
+        for comp in (c for c in HOOKS.compiled if c.module is not None):
+            names, root = input_names(comp.placeholders, model)
+            if not _is_model_graph(names):
+                continue
+            graph = build_graph(comp, names, root, len(graphs))
+            original = [k.id for k in graph.kernels]
+            unique_kernel_ids(graph, len(graphs))
+            rank_kernel_ids(graph, rank)
+            ids = {a: k.id for a, k in zip(original, graph.kernels) if a != k.id}
+            src = Path(comp.module.__file__).read_text()
+            defs = parse_kernel_defs(src)
+            recorders.append(BufferRecorder(comp.module, parse_kernel_calls(src, defs), defs, weight_inputs(graph),
+                                            ids))
+            graphs.append(graph)
+        self._graphdiff = {"rank": rank, "graphs": graphs, "recorders": recorders, "buffers": {}, "notes": [],
+                           "externs": None}
+        return {"rank": rank, "graphs": len(graphs), "compilations": len(HOOKS.compiled)}
+
+    def graphdiff_arm(self, record_externs: bool) -> None:
+        state = self._graphdiff
+        for r in state["recorders"]:
+            r.reset()
+            r.armed = True
+        if record_externs:
+            state["externs"] = ExternRecorder(EXTERN_OPS)
+            state["externs"].armed = True
+
+    def graphdiff_keep(self, label: str, steps: int) -> list[str]:
+        """Disarm; keep the forward that is the shape (a decode step: the last of `steps`)."""
+        state = self._graphdiff
+        buffers = state["buffers"].setdefault(label, {})
+        notes = []
+        for graph, r in zip(state["graphs"], state["recorders"]):
+            r.armed = False
+            if len(r.forwards) < steps:
+                notes.append(f"{graph.name} ran {len(r.forwards)} complete forward(s) at {label}, expected {steps}: "
+                             "its kernels are not replayed there")
+                continue
+            buffers.update(r.forwards[steps - 1])
+            graph.shapes.append(label)
+            r.reset()
+        ext = state["externs"]
+        if ext is not None:
+            ext.armed = False
+            ext.remove()
+            state["externs"] = None
+            records, more = extern_records(state["graphs"], ext.calls)
+            buffers.update(records)
+            notes += more
+        state["notes"] += notes
+        return notes
+
+    def graphdiff_save(self, out_dir: str) -> dict[str, Any]:
+        """Write this rank's graphs (JSON), buffers (torch.save) and facts (JSON) under out_dir/rank<R>/."""
+        from graphdiff.capture.vllm import attention_info, packed_params
+
+        state = self._graphdiff
+        out = Path(out_dir) / f"rank{state['rank']}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / GRAPHS_FILE).write_text(json.dumps([g.model_dump(mode="json") for g in state["graphs"]]))
+        torch.save(state["buffers"], out / BUFFERS_FILE)
+        model = self.model_runner.get_model()
+        meta = {"rank": state["rank"], "packed": [p.model_dump(mode="json") for p in packed_params(model)],
+                "attention": attention_info(model), "notes": state["notes"]}
+        (out / META_FILE).write_text(json.dumps(meta))
+        return {"rank": state["rank"], "dir": str(out)}

@@ -1,0 +1,99 @@
+"""The patch for an `allreduce` region: the trainer's row-parallel nn.Linear computed the way a tensor-parallel
+engine computes it.
+
+The engine splits the matmul's K (input) dimension over its ranks: rank r multiplies its K/shards columns of the
+input by its shard of the weight, its GEMM accumulates in FP32 and stores the partial product in BF16, and the
+all-reduce sums the BF16 partials in FP32 and rounds once more (graphdiff.tensor_parallel). The generated function
+does exactly that with the trainer's own weight:
+
+    y = bf16( sum_r fp32( bf16( x[..., K_r] @ W[:, K_r].T ) ) )      (bias, if any, in rank 0's partial, as vLLM)
+
+The trainer's GEMM computes each partial (torch's own matmul on BF16 inputs: FP32 accumulation, one rounding);
+for two ranks the FP32 sum of two partials is exact in any order; for more it is summed in rank order. The splice
+is the module's forward (target `linear`); the manifest records the shard count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from graphdiff.model import ManifestSplice, Node, Region
+
+SPLIT_K_FN = "linear_split_k"
+SPLIT_K_SOURCE = f'''
+def {SPLIT_K_FN}(module: torch.nn.Module, x: torch.Tensor, shards: int) -> torch.Tensor:
+    """nn.Linear as a tensor-parallel engine with `shards` ranks computes it: K split into `shards` equal parts,
+    each partial product rounded to the output dtype, the partials summed in FP32 (rank order), rounded once."""
+    weight, bias = module.weight, module.bias
+    k = weight.shape[1]
+    if k % shards:
+        raise ValueError(f"graphdiff: in_features {{k}} is not divisible by {{shards}} tensor-parallel shards")
+    step = k // shards
+    total = None
+    for r in range(shards):
+        part = F.linear(x[..., r * step:(r + 1) * step], weight[:, r * step:(r + 1) * step],
+                        bias if r == 0 else None).float()
+        total = part if total is None else total + part
+    return total.to(weight.dtype)
+'''
+
+
+def shards_of(scan_config: dict) -> int:
+    return int(scan_config.get("tensor_parallel_size", 1) or 1)
+
+
+def allreduce_splice(region: Region, nodes: dict[str, Node], site_node: dict[str, str],
+                     shards: int) -> tuple[ManifestSplice, list[str]]:
+    """The splice of an allreduce region (its sites are the outputs of one module's matmul in every layer)."""
+    owner = next((nodes[site_node[i]].module_type for i in region.sites if site_node.get(i) in nodes), "") or ""
+    splice = ManifestSplice(key=region.module, target="linear", module=region.module, module_class=owner,
+                            regions=[region.name], torch_fn=SPLIT_K_FN, shards=shards,
+                            triton_problem="torch matmuls on K shards (no elementwise kernel to generate)")
+    if owner != "Linear":
+        splice.problems.append(f"the region's matmul is computed by {owner or 'an unknown module'}, not nn.Linear")
+    if shards < 2:
+        splice.problems.append("the scan's engine ran one rank (tensor_parallel_size 1): no partial products")
+    lines = ["", "", "# linear splices (allreduce regions): the K dimension split over the engine's ranks",
+             *SPLIT_K_SOURCE.strip("\n").splitlines()]
+    return splice, lines
+
+
+def verify_splice(scan_dir: Path, gen: Any, splice: ManifestSplice, device: str = "cpu") -> list:
+    """The generated split-K linear against the engine's own all-reduce outputs recorded by the scan (every rank's
+    matmul input concatenated along K is the trainer's input; the weight from the checkpoint): bit for bit."""
+    from graphdiff.capture.engine_process import _checkpoint_tensor
+    from graphdiff.codegen.verify import Check
+    from graphdiff.runtime import _pattern
+    from graphdiff.scandir import ScanDir
+    from graphdiff.tensor_parallel import allreduces, rank_of
+
+    d = ScanDir(scan_dir)
+    if not d.engine_capture.is_file():
+        return []
+    cap, buffers = d.load_engine()
+    records = buffers.get(cap.shapes[0].label if cap.shapes else next(iter(buffers), ""), {})
+    ranks: dict[int, list] = {}
+    for g in cap.graphs:
+        ranks.setdefault(rank_of(g), []).extend(allreduces(g))
+    nodes = {g.name: g.node_map() for g in cap.graphs}
+    pattern, fn = _pattern(splice.module), getattr(gen, splice.torch_fn)
+    checks = []
+    for group in zip(*(ranks[r] for r in sorted(ranks))):
+        module = nodes[group[0].graph][group[0].buffer].module or ""
+        recs = [(records.get(a.kernel) or {}).get("extern") for a in group]
+        if not group[0].matmul or not pattern.match(module) or not all(r and "matmul_input" in r for r in recs):
+            continue
+        weight = _checkpoint_tensor(Path(cap.model), f"{module}.weight")
+        if weight is None or len(recs) != splice.shards:
+            continue
+        x = torch.cat([r["matmul_input"] for r in recs], dim=-1).to(device)
+        ours = fn(SimpleNamespace(weight=weight.to(device), bias=None), x, splice.shards).cpu()
+        same = torch.equal(ours, recs[0]["reduced"])
+        diff = (ours.float() - recs[0]["reduced"].float()).abs().max()
+        checks.append(Check(f"{splice.key} ({module}, recorded all-reduce)", "torch", True, same,
+                            float(diff / torch.finfo(torch.bfloat16).eps), 0.0, same))
+    return checks

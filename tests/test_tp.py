@@ -1,0 +1,214 @@
+"""Tensor parallelism without an engine: the split-K linear emulation, its splice, shard matching, rank naming."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphdiff import runtime
+from graphdiff.capture.tp import omp_bind, rank_kernel_ids
+from graphdiff.codegen import generate
+from graphdiff.codegen.tp_linear import SPLIT_K_FN, SPLIT_K_SOURCE
+from graphdiff.model import Decision, Evidence, Graph, Kernel, Node, Region, SideRef, SideState, Site
+from graphdiff.tensor_parallel import match_shards, rank_of, same_weight
+
+QWEN3 = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3"
+
+
+def split_k() -> object:
+    scope: dict = {"torch": torch, "F": F}
+    exec(SPLIT_K_SOURCE, scope)  # noqa: S102 - the generated function's own source
+    return scope[SPLIT_K_FN]
+
+
+def exact_probe(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """BF16 values k/8, |k| <= 16: every product and every partial sum below is exact in FP32 and in float64."""
+    return (torch.randint(-16, 17, shape, generator=gen).double() / 8).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_split_k_linear_rounds_each_rank_partial_then_their_fp32_sum(shards: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(exact_probe((48, 64), gen))
+    x = exact_probe((3, 5, 64), gen)
+    got = split_k()(lin, x, shards)
+    # reference in float64 (exact here): each rank's partial product rounded once to BF16, summed, rounded again
+    step = 64 // shards
+    partials = [(x[..., r * step:(r + 1) * step].double() @ lin.weight[:, r * step:(r + 1) * step].double().T)
+                .to(torch.bfloat16).double() for r in range(shards)]
+    want = sum(partials).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    one = (x.double() @ lin.weight.double().T).to(torch.bfloat16)  # one GEMM: one rounding
+    if shards == 1:
+        assert torch.equal(got, F.linear(x, lin.weight)) and torch.equal(got, one)
+    else:
+        assert (got != one).any(), "the probe must make the partials' rounding visible"
+    x.requires_grad_(True)
+    split_k()(lin, x, shards).float().sum().backward()  # differentiable: a training step can run through it
+    assert torch.isfinite(x.grad).all()
+
+
+def test_split_k_linear_bias_goes_into_rank_0_partial_and_refuses_uneven_shards() -> None:
+    gen = torch.Generator().manual_seed(1)
+    lin = torch.nn.Linear(64, 16, bias=True, dtype=torch.bfloat16)
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    p0 = F.linear(x[:, :32], lin.weight[:, :32], lin.bias).float()
+    p1 = F.linear(x[:, 32:], lin.weight[:, 32:]).float()
+    assert torch.equal(split_k()(lin, x, 2), (p0 + p1).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="not divisible"):
+        split_k()(lin, x, 3)
+
+
+def _with_allreduce_region(src: Path, dst: Path) -> list[str]:
+    """A copy of a TP=1 scan with the o_proj matmuls decided as allreduce sites of a TP=2 engine (what
+    tensor_parallel.allreduce_plan writes), so that codegen and the runtime run without an engine."""
+    shutil.copytree(src, dst)
+    scan = json.loads((dst / "scan.json").read_text())
+    train = Graph.model_validate(json.loads((dst / "train.capture.json").read_text())["graphs"][0])
+    mms = [n for n in train.nodes if n.target.startswith("aten.mm") and (n.module or "").endswith("self_attn.o_proj")]
+    assert mms
+    name = "model.layers.*.self_attn.o_proj#allreduce"
+    for n in mms:
+        d = Decision(id=f"{n.module}/linear.py:125/mm.0", node=n.name, op=n.target, module=n.module,
+                     train=SideState(dtype="float32"), engine=SideState(dtype="bfloat16", rounds=True, on_grid=True),
+                     rule="opaque-registry", site=True, region=name, kind="allreduce",
+                     evidence=Evidence(kernel="torch.ops._C.shm_allreduce.default:9"))
+        scan["plan"].append(d.model_dump(mode="json"))
+        scan["sites"].append(Site(id=d.id, region=name, kind="allreduce", layer=int(n.module.split(".")[2]),
+                                  rounded_on="engine", train=SideRef(node=n.name, op=n.target, module=n.module),
+                                  matched=False, confidence=1.0, changed_fraction=0.37, evidence="").model_dump())
+    scan["regions"].append(Region(name=name, kind="allreduce", module="model.layers.*.self_attn.o_proj",
+                                  layers=sorted({int(n.module.split(".")[2]) for n in mms}),
+                                  sites=[f"{n.module}/linear.py:125/mm.0" for n in mms],
+                                  rounded_on=["engine"]).model_dump())
+    scan["engine_config"]["tensor_parallel_size"] = 2
+    (dst / "scan.json").write_text(json.dumps(scan))
+    return [n.module for n in mms]
+
+
+def test_allreduce_region_patches_the_linear_as_split_k(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    from graphdiff.capture.hf import load_hf_model
+
+    modules = _with_allreduce_region(QWEN3, tmp_path / "scan")
+    manifest = generate(tmp_path / "scan", tmp_path / "patch")
+    splice = next(s for s in manifest.splices if s.target == "linear")
+    assert splice.shards == 2 and splice.module_class == "Linear" and not splice.problems
+    assert (tmp_path / "patch" / "graphdiff_patch.py").read_text().count(f"def {SPLIT_K_FN}(") == 1
+    model = load_hf_model(tiny_models["qwen3"])
+    seen: dict[str, tuple] = {}
+    hooks = [m.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(name, (args[0], out)))
+             for name, m in model.named_modules() if name in modules]
+    ids = torch.tensor([[17, 912, 33, 1500, 7, 256, 1024, 3, 88, 640, 1999, 5, 42, 9, 77, 1200]])
+    region = "model.layers.*.self_attn.o_proj#allreduce"
+    runtime.apply(model, tmp_path / "patch" / "manifest.json", regions=[region])
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    assert set(seen) == set(modules)
+    for name, (x, out) in seen.items():
+        weight = model.get_submodule(name).weight
+        want = (F.linear(x[..., :128], weight[:, :128]).float() + F.linear(x[..., 128:], weight[:, 128:]).float())
+        assert torch.equal(out, want.to(torch.bfloat16)), name
+        assert not torch.equal(out, F.linear(x, weight)), name
+    runtime.apply(model, tmp_path / "patch" / "manifest.json", regions=[])  # not aligned: HF's own linear
+    seen.clear()
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for name, (x, out) in seen.items():
+        assert torch.equal(out, F.linear(x, model.get_submodule(name).weight)), name
+    runtime.remove(model)
+    for h in hooks:
+        h.remove()
+
+
+def _node(name: str, shape: list[int], module: str, target: str = "aten.mul.Tensor") -> Node:
+    return Node(name=name, op="call_function", target=target, dtype="bfloat16", shape=shape, module=module)
+
+
+def test_a_rank_shard_matches_its_part_of_the_trainer_value() -> None:
+    gen = torch.Generator().manual_seed(2)
+    full = torch.randn(1, 16, 4, 64, generator=gen).to(torch.bfloat16)  # [batch, seq, heads, dim]
+    mod = "model.layers.0.self_attn.q_norm"
+    train = Graph(name="train", nodes=[_node("q", [1, 16, 4, 64], mod)])
+    for rank in (0, 1):
+        shard = full.reshape(16, 4, 64)[:, rank * 2:(rank + 1) * 2]  # the engine's [tokens, heads / tp, dim]
+        other = full.reshape(16, 4, 64)[:, (1 - rank) * 2:(2 - rank) * 2]
+        engine = Graph(name=f"rank{rank}/engine_graph_0" if rank else "engine_graph_0",
+                       nodes=[_node("mine", [16, 2, 64], mod), _node("theirs", [16, 2, 64], mod + "x")])
+        found = match_shards(train, {"q": full}, engine, {"mine": shard.float(), "theirs": other.float()}, ["q"],
+                             2, rank_of(engine))
+        assert [(m.train, m.engine, m.distance) for m in found] == [("q", "mine", 0.0)], rank
+        assert f"part {rank} of 2 along dim 2" in found[0].evidence
+
+
+def test_rank_names_kernel_ids_binding_and_shard_weights() -> None:
+    g = Graph(name="engine_graph_0", nodes=[Node(name="a", op="call_function", target="x", kernel="k:3")],
+              kernels=[Kernel(id="k:3", name="k", kind="generated", nodes=["a"])])
+    assert rank_kernel_ids(g.model_copy(deep=True), 0) == {}
+    renamed = g.model_copy(deep=True)
+    assert rank_kernel_ids(renamed, 1) == {"k:3": "k:r1.3"}
+    assert renamed.name == "rank1/engine_graph_0" and renamed.nodes[0].kernel == "k:r1.3"
+    assert rank_of(renamed) == 1 and rank_of(g) == 0 and rank_of("engine_graph_2") == 0
+    assert omp_bind(2, {0, 1}) == "0|1" and omp_bind(2, {4, 5, 6, 7}) == "4,5|6,7"
+    with pytest.raises(Exception, match="at least 2 CPU cores"):
+        omp_bind(2, {0})
+    w = torch.arange(24.0).reshape(6, 4)
+    assert same_weight(w, w.clone()) and same_weight(w, w[3:]) and not same_weight(w, w[3:] + 1)
+
+
+TP2 = Path(__file__).resolve().parent.parent / "fixtures" / "captures" / "tiny-qwen3-tp2"
+
+
+@pytest.fixture(scope="module")
+def tp2_scan(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """The recorded TP=2 capture of tiny Qwen3 (both ranks, with their all-reduce calls) analysed as
+    `scan --engine-dump` does, into a scan directory."""
+    from graphdiff.capture.engine_process import save_engine_capture
+    from graphdiff.scan import scan
+    from graphdiff.scandir import ScanDir
+
+    d = ScanDir(tmp_path_factory.mktemp("scan-tp2"))
+    outcome = scan(str(tiny_models["qwen3"]), engine_dump=TP2, out=d)
+    save_engine_capture(outcome.engine, outcome.buffers, d.engine_dir)
+    d.save_train(outcome.train.capture)
+    d.save_scan(outcome.result)
+    return d.root, outcome.result
+
+
+def test_recorded_tp2_capture_replays_every_kernel_of_both_ranks(tp2_scan) -> None:
+    _, result = tp2_scan
+    kernels = {r.kernel: r for r in result.replay}
+    ranks = {0: [k for k in kernels if ":r1." not in k and not k.startswith("torch.ops")],
+             1: [k for k in kernels if ":r1." in k and not k.startswith("torch.ops")]}
+    assert ranks[0] and len(ranks[0]) == len(ranks[1])
+    assert all(kernels[k].predicted_bitexact >= 0.999 for r in ranks.values() for k in r)
+    assert not result.not_replayed and not result.unexplained and not result.unregistered_externs
+    assert any("rank 1 decides" in n and "differs" not in n for n in result.notes), result.notes
+
+
+def test_recorded_tp2_capture_has_the_allreduce_sites_and_the_tp1_sites(tp2_scan) -> None:
+    _, result = tp2_scan
+    regions = {r.name: r for r in result.regions}
+    for name in ("model.layers.*.self_attn.o_proj#allreduce", "model.layers.*.mlp.down_proj#allreduce"):
+        assert regions[name].kind == "allreduce" and regions[name].rounded_on == ["engine"] and regions[name].proven
+    allreduce = [s for s in result.sites if s.kind == "allreduce"]
+    assert len(allreduce) == 4 and all(0.2 < s.changed_fraction < 0.6 for s in allreduce)
+    checks = [r for r in result.replay if r.kernel.startswith("torch.ops._C.shm_allreduce")]
+    assert len(checks) == 8 and all(r.predicted_bitexact == 1.0 and r.naive_bitexact < 0.9 for r in checks)
+    tp1 = json.loads((QWEN3 / "scan.json").read_text())  # the TP=1 scan of the same model and prompt
+    assert {s.id for s in result.sites if s.kind != "allreduce"} == {s["id"] for s in tp1["sites"]}
+
+
+def test_generated_split_k_linear_equals_the_recorded_allreduce_outputs(tp2_scan, tmp_path: Path) -> None:
+    from graphdiff.codegen.verify import verify
+
+    scan_dir, _ = tp2_scan
+    generate(scan_dir, tmp_path / "patch")
+    checks = [c for c in verify(scan_dir, tmp_path / "patch", triton=False) if "recorded all-reduce" in c.splice]
+    assert len(checks) == 4 and all(c.identical and c.ok for c in checks), checks
