@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, PrivateAttr
 
 from graphdiff.errors import GraphdiffError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 2
 M = TypeVar("M", bound=BaseModel)
 
 Side = Literal["train", "engine"]

@@ -218,10 +218,10 @@ def position_view(kl: dict | None) -> dict | None:
     width = kl.get("bucket", 128)
 
     def series(key: str) -> list:
-        return [(label, color, [(b["start"], b[key]) for b in m["position"]]) for label, color, m in named]
+        return [(label, color, [(b["start"], b.get(key, 0.0)) for b in m["position"]]) for label, color, m in named]
 
     buckets = [f"{b['start']}–{b['stop'] - 1}" for b in named[0][2]["position"]]
-    table = [(label, [f"{b['rms']:.4f} ({b['bitexact_fraction']:.0%})" for b in m["position"]])
+    table = [(label, [f"{b['rms']:.4f} ({b.get('bitexact_fraction', 0.0):.0%})" for b in m["position"]])
              for label, _, m in named]
     for label, m in (("patched / unpatched", fixed), ("with the engine's attention op / unpatched",
                                                       kl.get("engine_attention"))):

@@ -155,7 +155,7 @@ def _fake_runtime(monkeypatch) -> list[list[str]]:
 
     def load_manifest(path):
         regions = json.loads(Path(path).read_text())["regions"]
-        return types.SimpleNamespace(regions=[types.SimpleNamespace(name=r, generated=True, enabled=True)
+        return types.SimpleNamespace(regions=[types.SimpleNamespace(name=r, kind=r, generated=True, enabled=True)
                                                for r in regions])
 
     module = types.ModuleType("graphdiff.runtime")
@@ -240,6 +240,8 @@ def test_measure_with_a_manifest_adds_the_patched_trainer(monkeypatch, tmp_path,
     assert result.measurements[1].bitexact_fraction < 1.0
     assert result.attribution is not None and result.attribution.regions == ["rope", "swiglu"]
     assert result.attribution.baseline == 0.0
+    # no attention region in the patch: the attention-order diagnostic says why it is not separated
+    assert result.sources == [] and "no attention region" in result.sources_note
 
 
 @pytest.mark.engine

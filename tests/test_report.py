@@ -205,9 +205,10 @@ def test_kl_result_shows_measurements_and_shapley_with_intervals(scan_dir: Path,
     }
     (scan_dir / "scan.json").write_text(json.dumps(raw))
     text = write_report(scan_dir)[0].read_text()
-    assert "KL k1 · compiled engine vs eager trainer, unpatched" in text and "0.0037" in text
+    # the headline is k3 with its standard error (>= 0 per token), not k1
+    assert "KL (k3 ± se) · compiled engine vs eager trainer, unpatched" in text and "KL k1" not in text
     assert "<th>k1 (KL)</th>" in text and "3 regions patched" in text
-    assert text.count('<svg class="chart"') == 1 and text.count('class="err"') == 3
+    assert text.count('<svg class="chart"') == 1 and text.count('class="err"') == 3  # no position buckets here
     assert f"Minimal set: {names[0]}." in text
     assert "prompts 8" in text and "graphdiff.kl" not in text  # run settings summarized, bookkeeping not dumped
 
@@ -243,3 +244,31 @@ def test_cli_report_writes_each_format(scan_dir: Path) -> None:
     assert res.exit_code == 2 and "unknown format" in res.output
     res = runner.invoke(app, ["report", str(scan_dir / "missing")])
     assert res.exit_code == 2 and "no scan.json" in res.output
+
+
+def test_the_gap_by_position_is_plotted_with_the_floor_and_its_sources(scan_dir: Path) -> None:
+    """kl.json's position buckets: RMS and bit-identical lines for unpatched, patched, patched with the engine's
+    attention op and the floor, and the table of named sources per bucket."""
+    def curve(rms: list[float], exact: list[float]) -> list[dict]:
+        return [{"start": 128 * i, "stop": 128 * (i + 1), "tokens": 1024, "k1": 0.0, "rms": r,
+                 "bitexact_fraction": e} for i, (r, e) in enumerate(zip(rms, exact))]
+
+    def meas(regions: list[str] | None, rms: list[float], exact: list[float], **kw: object) -> dict:
+        return {"engine_mode": "compiled", "trainer_mode": "eager", "regions": regions, "k1": 0.0, "k3": 1e-5,
+                "k3_se": 2e-6, "rms": rms[0], "max_abs": 0.1, "bitexact_fraction": exact[0], "tokens": 2048,
+                "sequences": 8, "position": curve(rms, exact), **kw}
+
+    raw = json.loads((scan_dir / "scan.json").read_text())
+    raw["kl"] = {"max_tokens": 256, "prompts": 8, "bucket": 128,
+                 "measurements": [meas(None, [0.04, 0.041], [0.0, 0.0]), meas(["a"], [0.009, 0.012], [0.3, 0.1])],
+                 "engine_attention": meas(["a"], [0.002, 0.003], [0.7, 0.6]),
+                 "floor": meas(None, [0.0, 0.001], [1.0, 0.98], trainer_mode="engine-prefill"),
+                 "sources": [{"name": "attention order", "what": "", "ms": [7.7e-5, 1.3e-4], "share": [0.95, 0.94]}]}
+    (scan_dir / "scan.json").write_text(json.dumps(raw))
+    text = write_report(scan_dir)[0].read_text()
+    assert "The gap by position" in text
+    assert text.count('<svg class="chart"') >= 2  # RMS and bit-identical fraction
+    for label in ("unpatched", "patched, the engine&#39;s attention op", "floor: engine decode vs its prefill"):
+        assert label in text
+    assert "0.0120 (10%)" in text and "0.29" in text  # the patched bucket and patched / unpatched = 0.012 / 0.041
+    assert "share of the patched ms: attention order" in text and "94%" in text

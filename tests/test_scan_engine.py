@@ -67,6 +67,20 @@ def test_every_kernel_replays_bit_exactly_under_the_predicted_model(qwen3_scan):
         assert r.naive_bitexact < r.predicted_bitexact - 0.1, r  # round-after-every-op is visibly wrong
 
 
+def test_norm_kernels_sum_rows_in_the_order_their_code_says(qwen3_scan):
+    """The norm kernels store their FP32 row sums: replayed in the order read from their code (lanes, then a
+    halving tree) they equal the stores exactly, in ATen's order they do not (the evidence for the order); each
+    norm region records its modules' lanes for the patch."""
+    ordered = [r for r in qwen3_scan.replay if r.reduction_lanes]
+    assert ordered and {r.reduction_lanes for r in ordered} <= {8, 16, 32, 64}
+    assert all(r.aten_order_fp32_error is not None and r.fp32_max_rel_error <= r.aten_order_fp32_error
+               and r.predicted_bitexact >= r.aten_order_bitexact for r in ordered)
+    assert any(r.fp32_max_rel_error == 0 < r.aten_order_fp32_error for r in ordered)
+    norms = [r for r in qwen3_scan.regions if r.kind in ("norm_weight", "qk_norm")]
+    assert norms and all(r.reduction_lanes for r in norms)
+    assert all(m.startswith("model.") and n > 0 for r in norms for m, n in r.reduction_lanes.items())
+
+
 def test_sites_carry_evidence_and_sources_on_both_sides(qwen3_scan):
     replayed = {r.kernel.split(":")[0] for r in qwen3_scan.replay}
     for s in qwen3_scan.sites:
@@ -208,3 +222,7 @@ def test_scan_of_the_patched_trainer_finds_no_site_left(engine_capture_dir, tiny
                    manifest=tmp_path / "patch" / "manifest.json").result
     assert len(plain.sites) >= 20
     assert patched.sites == [], [s.id for s in patched.sites]
+    # unpatched, the trainer parts from the engine in layer 0; patched (rounding points and the norms' sum
+    # order), every matched value is bit-identical at this length
+    assert plain.departure is not None and plain.departure.layer == 0
+    assert patched.departure is None, patched.departure

@@ -1,0 +1,60 @@
+"""The engine's own attention op in the patched trainer (kl's attention-order diagnostic), against the real op.
+
+Marked `engine`: it calls vLLM's CPU attention kernel (no engine start)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphdiff.model import EngineSample
+
+pytestmark = pytest.mark.engine
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+    sliding_window = None
+    scaling = 0.125
+
+
+def test_the_engine_op_is_causal_sdpa_on_fp32_inputs_rounded_once():
+    """On BF16 q/k/v of 100 keys (fewer than one 128-key block) it equals sdpa on the FP32-upcast inputs rounded
+    once, which is what the registry says the engine computes; a later key never changes an earlier query."""
+    from graphdiff.measure.engine_attention import engine_attention_fn
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 100, 64, generator=gen).to(torch.bfloat16) for h in (4, 2, 2))
+    out, _ = engine_attention_fn()(_Layer(), q, k, v, None, scaling=0.125)
+    ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1),
+                                         v.float().repeat_interleave(2, 1), is_causal=True, scale=0.125)
+    assert out.shape == (1, 100, 4, 64) and out.dtype == torch.bfloat16
+    assert torch.equal(out, ref.transpose(1, 2).to(torch.bfloat16))
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 60:], v2[:, :, 60:] = 0, 0
+    later, _ = engine_attention_fn()(_Layer(), q, k2, v2, None, scaling=0.125)
+    assert torch.equal(later[:, :60], out[:, :60]) and not torch.equal(later, out)
+
+
+def test_the_patched_trainer_with_the_engine_op_runs_in_a_child(tiny_models, tmp_path):
+    """In a child process (the trainer's never imports vLLM): below 128 keys the two attentions agree, so the
+    diagnostic's log-probs equal the patched trainer's own, bit for bit."""
+    from graphdiff.capture.hf import load_hf_model
+    from graphdiff.codegen import generate
+    from graphdiff.measure.engine_attention import patched_logprobs
+    from graphdiff.measure.kl import manifest_regions, train_logprobs, trainer
+    from tests.conftest import FIXTURES
+
+    generate(FIXTURES / "scans" / "tiny-qwen3", tmp_path / "patch")
+    manifest = tmp_path / "patch" / "manifest.json"
+    regions = manifest_regions(manifest)
+    gen = torch.Generator().manual_seed(1)
+    samples = [EngineSample(prompt=torch.randint(3, 2000, (8,), generator=gen).tolist(),
+                            tokens=torch.randint(3, 2000, (n,), generator=gen).tolist(), logprobs=[0.0] * n)
+               for n in (20, 40)]
+    got = patched_logprobs(tiny_models["qwen3"], manifest, regions, samples)
+    with trainer(load_hf_model(tiny_models["qwen3"]), "eager", manifest, regions) as model:
+        own = train_logprobs(model, samples)
+    assert [len(x) for x in got] == [20, 40]
+    assert all(torch.equal(a, b) for a, b in zip(got, own))
