@@ -610,6 +610,9 @@ class ManifestRegion(BaseModel):
     reason: str = ""  # why not, when not generated
     enabled: bool = True  # applied by default (`runtime.apply(model, manifest)`); False: measured to widen the gap
     effect: RegionEffect | None = None  # its measured effect on the gap, where measured
+    # the recorded shapes where the region has sites, when not all of them (Region.shape_dependent): the code
+    # rounds at the union of its sites, which is the engine's rounding only at these shapes
+    shapes: list[str] = Field(default_factory=list)
 
 
 class Manifest(BaseModel):

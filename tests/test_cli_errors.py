@@ -83,8 +83,9 @@ def test_dump_fixture_imports(tmp_path):
     assert Path(tmp_path / "capture.json").exists()
 
 
-@pytest.mark.engine
-def test_architecture_the_engine_does_not_support(tiny_models, tmp_path):
+def test_an_architecture_nobody_builds_is_refused_before_the_engine(tiny_models, tmp_path):
+    """A config naming an architecture transformers does not build is refused by name before any engine
+    starts, and nothing is written."""
     import json
     import shutil
 
@@ -94,7 +95,8 @@ def test_architecture_the_engine_does_not_support(tiny_models, tmp_path):
     cfg["architectures"] = ["NoSuchModelForCausalLM"]
     (bad / "config.json").write_text(json.dumps(cfg))
     msg = one_error_line(run_cli("capture", str(bad), "--engine", "vllm", "--out", str(tmp_path / "o")))
-    assert "vLLM could not start" in msg and "NoSuchModelForCausalLM" in msg
+    assert "NoSuchModelForCausalLM" in msg and "decoder-only causal language models" in msg
+    assert not (tmp_path / "o" / "capture.json").exists()
 
 
 def _bert(tmp_path: Path, arch: str) -> Path:

@@ -206,14 +206,22 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) ->
         module_file=MODULE_FILE, module_sha256=hashlib.sha256(source.encode()).hexdigest(),
         regions=[ManifestRegion(name=r.name, kind=r.kind, module=r.module, layers=r.layers, sites=r.sites,
                                 splices=[s.key for s in splices if r.name in s.regions and not s.problems],
-                                generated=not status.get(r.name), reason=status.get(r.name, ""))
+                                generated=not status.get(r.name), reason=status.get(r.name, ""),
+                                shapes=r.shapes if r.shape_dependent else [])
                  for r in wanted],
         splices=splices,
         replaced=sorted({s.function or s.module_class for s in splices if not s.problems}),
-        notes=[note for f in frags for note in f.notes],
+        notes=[note for f in frags for note in f.notes] + shape_notes(wanted, [s.label for s in scan.shapes]),
     )
     save_json(manifest, out_dir / "manifest.json")
     return manifest
+
+
+def shape_notes(regions: list[Region], shapes: list[str]) -> list[str]:
+    """What a shape-dependent region's code is right for: it rounds at the union of its sites."""
+    return [f"{r.name}: its sites differ by shape (sites at {', '.join(r.shapes)} of {', '.join(shapes)}); the code "
+            "rounds at the union of them, the engine's rounding at those shapes only" for r in regions
+            if r.shape_dependent]
 
 
 def render_module(scan: ScanResult, body: list[str], triton: bool) -> str:
