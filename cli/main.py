@@ -518,9 +518,8 @@ def print_patch(manifest) -> None:  # noqa: ANN001 - Manifest
     t = Table(title=f"patch for {manifest.model} ({manifest.architecture})")
     for col in ("region", "kind", "splice", "pytorch", "triton", "enabled", "k3 with it (1e-4)"):
         t.add_column(col)
-    splices = {s.key: s for s in manifest.splices}
     for r in manifest.regions:
-        s = next((splices[k] for k in splices if r.name in splices[k].regions), None)
+        s = next((s for s in manifest.splices if r.name in s.regions), None)
         triton = "-" if s is None else ("yes" if s.triton_fn else (s.triton_problem or "n/a (hook)"))
         effect = "-" if r.effect is None else f"{r.effect.delta * 1e4:+.2f}" + (
             f" [{r.effect.ci[0] * 1e4:+.2f}, {r.effect.ci[1] * 1e4:+.2f}]" if r.effect.ci else "")

@@ -120,6 +120,8 @@ def replay_one(scan_dir: Path, kernel_id: str, shape: str | None = None) -> OneR
                              f"{', '.join(label for label in buffers if kernel_id in buffers[label])}")
     known = buffer_nodes(graph)
     for ev in _evidence_at(scan, shape):
+        if ev.kernel == kernel_id:
+            continue  # its own stores are placed afresh
         for buf, node in ev.outputs.items():
             known.setdefault(buf, node)
     owned = {n for k in graph.kernels if k.kind == "generated" for n in k.nodes}

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from graphdiff.kernel_forms import SUFFIX as FORM_SUFFIX
+from graphdiff.kernel_forms import two_step_variance
 from graphdiff.kernel_reload import SUFFIX, reload_variant, reloaded_stores
 from graphdiff.model import Graph, Kernel, Node
 from graphdiff.ops import VIEWS, is_low, op_name
@@ -205,16 +207,20 @@ def _sinks(graph: Graph, frag: list[Node]) -> set[str]:
 
 def _place_outputs(b: _Binding, frag: list[Node], values: dict[str, Any], record: Record, syms: dict[str, int],
                    sinks: set[str]) -> dict[str, str]:
-    """Named stores plus each unnamed one placed at the fragment value closest to what it holds."""
+    """Named stores plus each unnamed one placed at the fragment value closest to what it holds. A view is a
+    candidate too: the pass-through part of a partial RoPE (`cat([rotated, x[..., d:]])`) is stored as a copy of
+    a slice, one input of a concatenation written in place; on a tie the computing node is preferred (its store is
+    where the rounding happens)."""
     placed = dict(b.outputs)
     for buf in b.open:
         real = record["out"][buf]
-        options = [n.name for n in frag if not is_view(n) and n.name not in placed.values()
+        options = [n.name for n in frag if n.name not in placed.values()
                    and numel(n.shape, syms) == real.numel() and to_dtype(n.dtype) is not None
                    and (to_dtype(n.dtype) == real.dtype or n.name in sinks)
                    and isinstance(values.get(n.name), torch.Tensor)]
+        by = {n.name: n for n in frag}
         if options:  # a buffer we cannot place is left out of the comparison
-            placed[buf] = max(options, key=lambda c: closeness(values[c], real))
+            placed[buf] = max(options, key=lambda c: (closeness(values[c], real), not is_view(by[c])))
     return placed
 
 
@@ -332,9 +338,13 @@ def replay_kernel(graph: Graph, k: Kernel, record: Record, known: dict[str, str]
         return copied, {}
     frag, external = kernel_fragment(graph, k, owned)
     syms = bind_symbols(graph, record)
+    cpp = 'extern "C"' in (k.code or "")
+    if cpp and "welford" not in k.code:
+        frag = two_step_variance(frag, graph.node_map())
     lanes = cpp_sum_lanes(k.code or "")
-    ordered = {n.name: lanes for n in frag if lanes and is_row_reduction(n, graph.node_map())}
-    plan = _Plan(frag, Declared(graph), frozenset(), syms, 'extern "C"' in (k.code or ""), compute, ordered)
+    in_frag = {**graph.node_map(), **{n.name: n for n in frag}}
+    ordered = {n.name: lanes for n in frag if lanes and is_row_reduction(n, in_frag)}
+    plan = _Plan(frag, Declared(graph), frozenset(), syms, cpp, compute, ordered)
     binding = _bind(graph, k, record, known, frag, external, syms)
     best, error = _best_assignment(graph, binding, plan, external, record)
     if best is None:
@@ -351,10 +361,12 @@ def replay_kernel(graph: Graph, k: Kernel, record: Record, known: dict[str, str]
     if aten is not None and (aten[0], -aten[1]) > (predicted, -fp32_error(values, outputs, record)):
         plan.ordered, (predicted, _, values) = {}, aten  # the kernel does not sum as its code was read: ATen's order
         aten = None
-    values = {n: v for n, v in values.items() if not n.endswith(SUFFIX)}
     naive_run = run_fragment(frag, ext_inputs, Declared(graph), "eager", syms)
     naive = score(naive_run.values, outputs, record)[0] if naive_run.ok else 0.0
     fp32 = fp32_error(values, outputs, record)
+    added = (SUFFIX, FORM_SUFFIX)  # nodes a rewrite added: not values of the captured graph
+    values = {n: v for n, v in values.items() if not n.endswith(added)}
+    outputs = {b: n for b, n in outputs.items() if not n.endswith(added)}
     if elements == 0:  # FP32 stores only (a reduction's partials): the claim is FP32 throughout, up to sum order
         predicted, naive = (1.0 if fp32 <= FP32_ORDER_TOLERANCE else 0.0), 0.0
         note = f"FP32 stores only: max relative error {fp32:.1e} (accumulation order)"

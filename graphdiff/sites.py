@@ -29,6 +29,7 @@ from graphdiff.replay import LOW
 from graphdiff.rounding import EngineRounding, is_view
 
 MAX_HOPS = 12
+NORMS = frozenset({"rsqrt", "native_layer_norm"})  # where a normalization shows in an ATen graph (RMSNorm, LayerNorm)
 KIND_ORDER = ("rope", "qk_norm", "attention", "router", "expert_combine", "gated_act", "embedding_scale",
               "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "other")
 
@@ -88,6 +89,12 @@ def _scaled_by_constant(n: Node, nodes: dict[str, Node]) -> bool:
     return False
 
 
+def _from_parameters(n: Node, nodes: dict[str, Node]) -> bool:
+    """Computed from parameters and constants only (a weight offset such as LayerNorm1P's `weight + 1`)."""
+    ins = [nodes[i] for i in n.inputs]
+    return bool(ins) and all(i.op == "placeholder" and i.param is not None for i in ins)
+
+
 def classify(graph: Graph, name: str, experts: set[str] | frozenset[str] = frozenset()) -> tuple[str, str]:
     """(kind, the dataflow fact that decided it), first rule that holds; `experts`: the nodes inside MoE experts
     modules (moe.experts_nodes)."""
@@ -97,11 +104,12 @@ def classify(graph: Graph, name: str, experts: set[str] | frozenset[str] = froze
     down, down_edges = _closure(graph, name, down=True)
     up_ops = {op_name(nodes[x].target) for x in up}
     down_ops = {op_name(nodes[x].target) for x in down}
-    norm_near = "rsqrt" in up_ops | down_ops
+    norm_up, norm_down = bool(up_ops & NORMS), bool(down_ops & NORMS)
+    norm_near = norm_up or norm_down
     if up_ops & {"cos", "sin"}:
         return "rope", "depends elementwise on a cos/sin table"
-    if "rsqrt" in up_ops and "attention" in down_edges:
-        return "qk_norm", "inside a normalization (rsqrt) whose output flows into attention"
+    if norm_up and "attention" in down_edges:
+        return "qk_norm", "inside a normalization (rsqrt, layer_norm) whose output flows into attention"
     if name in experts:
         return "expert_combine", "inside an MoE experts module: the experts' GEMMs, activation and weighted sum"
     if up_ops & ROUTING and not (up & experts):
@@ -110,11 +118,13 @@ def classify(graph: Graph, name: str, experts: set[str] | frozenset[str] = froze
         return "gated_act", f"elementwise on the output of {', '.join(sorted(acts))}, no normalization in reach"
     if _scaled_by_constant(n, nodes) and "embedding" in up_edges:
         return "embedding_scale", "the embedding lookup scaled by a constant"
-    if _scaled_by_constant(n, nodes) and "rsqrt" in down_ops and "rsqrt" not in up_ops:
+    if norm_down and not norm_up and _from_parameters(n, nodes):
+        return "norm_weight", "a normalization's weight computed from its parameter (w + 1) before it normalizes"
+    if _scaled_by_constant(n, nodes) and norm_down and not norm_up:
         return "residual_scale", "a matmul output scaled by a constant before the residual add and a normalization"
-    if op_name(n.target) == "add" and "rsqrt" in down_ops and "rsqrt" not in up_ops:
-        return "residual_norm", "an add whose result flows into a normalization (rsqrt)"
-    if "rsqrt" in up_ops:
+    if op_name(n.target) == "add" and norm_down and not norm_up:
+        return "residual_norm", "an add whose result flows into a normalization (rsqrt, layer_norm)"
+    if norm_up:
         return "norm_weight", "inside a normalization, after its rsqrt"
     if (_scaled_by_constant(n, nodes) or op_name(n.target) == "tanh") and "output" in down_edges and not norm_near:
         return "logit_scale", "the logits scaled (or soft-capped) by a constant on their way out"

@@ -63,6 +63,10 @@ def expression(n: Node) -> str:
     if name in ("mean", "sum") and n.target.endswith(("dim", "dim_IntList")):
         keep = args[2] if len(args) > 2 else False
         return f"torch.{name}({literal(args[0])}, {literal(args[1])}, keepdim={keep!r})"
+    if name == "getitem" and len(args) == 2 and isinstance(args[1], int):
+        return f"{literal(args[0])}[{args[1]}]"  # an item of a tuple-valued op (native_layer_norm, var_mean)
+    if n.target.count(".") != 2:
+        raise Unsupported(f"{n.target} is not an ATen op")
     ns, op, overload = n.target.split(".")
     return f"torch.ops.{ns}.{op}.{overload}({', '.join(literal(a) for a in args)})"
 

@@ -198,19 +198,24 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region) -> Fragment:
 
 
 def merge(frags: list[Fragment]) -> list[Fragment]:
-    """Regions whose sites sit in the same module forward or function share one splice point."""
+    """Regions whose sites sit in the same module forward or function share one splice point. A region that cannot
+    be generated stays on its own: it must not take a region that can (Granite's residual scale, a multiply the
+    carry cannot keep FP32, beside its residual adds, which the carry does) down with it."""
     by_key: dict[str, Fragment] = {}
+    refused: list[Fragment] = []
     for f in frags:
-        if f.key in by_key and not f.problems:
-            g = by_key[f.key]
+        g = by_key.get(f.key)
+        if f.problems:
+            refused.append(f)
+        elif g is not None:
             g.sites.update(f.sites)
             g.engine_sites.update(f.engine_sites)
             g.regions += f.regions
             g.ordered.update({n: r for n, r in f.ordered.items() if n not in g.ordered})
             g.lanes.update({m: n for m, n in f.lanes.items() if m not in g.lanes})
         else:
-            by_key.setdefault(f.key, f)
-    return list(by_key.values())
+            by_key[f.key] = f
+    return [*by_key.values(), *refused]
 
 
 def cut_fragments(scan: ScanResult, graph: Graph, regions: list[str] | None = None) -> list[Fragment]:

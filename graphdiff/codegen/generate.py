@@ -122,7 +122,12 @@ def _bind(frag: Fragment, splice: ManifestSplice, nodes: dict[str, Node]) -> Non
     splice.outputs = [0]
     if frag.target == "function":
         owner, name = frag.function.rsplit(".", 1)
-        bound = bind_function(frag, getattr(importlib.import_module(owner), name), nodes)
+        fn = getattr(importlib.import_module(owner), name, None)
+        if not callable(fn):  # a method (XIELU's _xielu_python), not a module-level function the runtime can swap
+            frag.problems.append(f"{name} is not a module-level function of {owner} (a method of "
+                                 f"{frag.module_class or 'its module'}?): the runtime replaces functions by name")
+            return
+        bound = bind_function(frag, fn, nodes)
         if isinstance(bound, str):
             frag.problems.append(bound)
         else:

@@ -11,6 +11,7 @@ ones unless told otherwise.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,19 @@ def _gap(base: torch.nn.Module, manifest: Path, regions: Sequence[str], samples:
     diff = torch.cat(per_token(engine, train))
     return (np.array([float(x.sum()) for x in k3]), np.array([x.numel() for x in k3]),
             float(diff.pow(2).mean().sqrt()))
+
+
+@dataclass(frozen=True)
+class Gap:
+    k3: float
+    rms: float
+    tokens: int
+
+
+def gap(base: torch.nn.Module, manifest: Path, regions: Sequence[str], samples: Sequence[EngineSample]) -> Gap:
+    """k3 and the RMS of the diff over every sampled token, with `regions` of `manifest` applied."""
+    k3, counts, rms = _gap(base, manifest, regions, samples)
+    return Gap(float(k3.sum() / counts.sum()), rms, int(counts.sum()))
 
 
 def _interval(with_: np.ndarray, without: np.ndarray, counts: np.ndarray, seed: int = 0) -> tuple[float, float]:

@@ -22,7 +22,8 @@ How the generated code is spliced in (no per-model code; everything comes from t
   weight dtype, summed in FP32 and rounded once (the generated `linear_split_k`), as the engine's ranks and its
   all-reduce do;
 - every nn.Linear rounds a floating input to its weight dtype: the engine stores every matmul input in
-  low precision, and an FP32 value the patch produced must be rounded exactly there.
+  low precision, and an FP32 value the patch produced must be rounded exactly there; every nn.LayerNorm
+  normalizes an FP32 input in FP32 (weights upcast), as the engine's kernel normalizes the FP32 residual sum.
 Memory: a splice keeps only its inputs for the backward (the Triton backward kernel recomputes the forward; the
 PyTorch path runs under non-reentrant checkpointing), and an FP32 output that a later eager op saves (SiLU's
 output for the gate product, the q/k norm for RoPE) is saved as a recipe and recomputed in the backward, so the
@@ -329,6 +330,35 @@ def _round_linear_input(module: torch.nn.Module, args: tuple) -> tuple | None:
     return None
 
 
+def _layer_norm_takes_fp32(mod: torch.nn.LayerNorm) -> Callable[[], None]:
+    """An nn.LayerNorm given an FP32 input (the carried residual stream) normalizes it in FP32 with its weights
+    upcast, as the engine's kernel normalizes the FP32 sum (eager's CPU LayerNorm refuses an FP32 input with BF16
+    weights); a subclass with its own forward (LayerNorm1P) gets the input rounded to its weight dtype, as HF
+    does. Any other input runs the module unchanged."""
+    before = mod.__dict__.get("forward")
+    forward = mod.forward
+    plain = type(mod).forward is torch.nn.LayerNorm.forward
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        w, b = mod.weight, mod.bias
+        if w is None or x.dtype != torch.float32 or w.dtype == torch.float32:
+            return forward(x)
+        if plain:
+            return torch.nn.functional.layer_norm(x, mod.normalized_shape, w.float(),
+                                                  None if b is None else b.float(), mod.eps)
+        return forward(x.to(w.dtype))
+
+    mod.forward = run
+
+    def undo() -> None:
+        if before is None:
+            mod.__dict__.pop("forward", None)
+        else:
+            mod.forward = before
+
+    return undo
+
+
 def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[str] | None = None, *,
           allow_version_mismatch: bool = False) -> torch.nn.Module:
     """Patch `model` in place (and return it). Re-applying replaces the previous patch (idempotent)."""
@@ -393,6 +423,8 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
     for _, mod in named:
         if isinstance(mod, torch.nn.Linear):
             state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
+        elif isinstance(mod, torch.nn.LayerNorm):
+            state.undo.append(_layer_norm_takes_fp32(mod))
     state.undo.append(_saved_fp32_recomputed(model))
     setattr(model, _ATTR, state)
     return model

@@ -1,0 +1,195 @@
+"""The architecture sweep (issue 11): every `graphdiff make-tiny --list` architecture made tiny, scanned with
+the patch, and the log-prob gap measured with and without it; one markdown table.
+
+    python benchmarks/arch_sweep.py [ARCH ...] --out /tmp/arch-sweep [--table docs/results/arch_sweep.md]
+
+Per architecture, each step a fresh `graphdiff` process under `timeout` (one engine at a time):
+  1. `graphdiff make-tiny ARCH --out OUT/ARCH/model --layers L`
+  2. `graphdiff scan OUT/ARCH/model --out OUT/ARCH/scan --patch`   (the gate measures every region on seed-0 samples)
+  3. `graphdiff kl OUT/ARCH/model --manifest OUT/ARCH/scan/patch/manifest.json --random 4 --max-tokens 256 --seed 1`
+     (held out: other prompts and sampling seeds than the ones the gate chose the regions on)
+It goes on past failures; each step's exit code, wall time, last error line and whether its output holds a
+traceback go in OUT/ARCH/result.json (`--resume` keeps the results of architectures already done).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROVEN = 0.999
+TRACEBACK = "Traceback (most recent call last)"
+
+
+def graphdiff_cmd() -> list[str]:
+    """The CLI of the code this script sits beside (PYTHONPATH as given), in a fresh process."""
+    return [sys.executable, "-m", "graphdiff_cli.main"]
+
+
+def run_step(name: str, args: list[str], log: Path, timeout: int) -> dict:
+    """One CLI step under `timeout`; its output saved to `log`; exit code, wall, last error line, traceback."""
+    t0 = time.perf_counter()
+    cmd = ["timeout", "--kill-after=30", str(timeout), *graphdiff_cmd(), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    text = proc.stdout + "\n" + proc.stderr
+    log.write_text(f"$ graphdiff {shlex.join(args)}\n# rc {proc.returncode}, {wall:.0f} s\n{text}")
+    lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    last = errors[-1] if errors else (lines[-1] if lines and proc.returncode else "")
+    if proc.returncode in (124, 137):
+        last = f"timed out after {timeout} s"
+    return dict(step=name, rc=proc.returncode, wall_s=round(wall, 1), error=last[:300],
+                traceback=TRACEBACK in text, command="graphdiff " + shlex.join(args))
+
+
+def scan_summary(scan_dir: Path) -> dict:
+    """Sites, regions and the kernel replay from scan.json; regions generated / enabled from the manifest."""
+    scan = json.loads((scan_dir / "scan.json").read_text())
+    ok = [r for r in scan["replay"] if not r.get("error")]
+    bf16 = [r for r in ok if r.get("elements", 0) > 0]  # kernels with low-precision stores (bit-compared)
+    worst = min(bf16, key=lambda r: r["predicted_bitexact"]) if bf16 else None
+    below = sorted({r["kernel"].split(":")[0] for r in bf16 if r["predicted_bitexact"] < PROVEN})
+    out = dict(sites=len(scan["sites"]), regions=len(scan["regions"]),
+               unproven_sites=sum(not s.get("proven", True) for s in scan["sites"]),
+               worst_replay=worst["predicted_bitexact"] if worst else None,
+               worst_kernel=worst["kernel"] if worst else "",
+               not_replayed=scan.get("not_replayed", []), unexplained=scan.get("unexplained", []),
+               below=below, unregistered=scan.get("unregistered_externs", []),
+               kernels=len({r["kernel"] for r in scan["replay"]}))
+    manifest = scan_dir / "patch" / "manifest.json"
+    if manifest.exists():
+        m = json.loads(manifest.read_text())
+        out.update(generated=sum(r["generated"] for r in m["regions"]),
+                   enabled=sum(r["generated"] and r.get("enabled", True) for r in m["regions"]),
+                   manifest_regions=len(m["regions"]),
+                   left_out=[r["name"] for r in m["regions"] if r["generated"] and not r.get("enabled", True)],
+                   not_generated={r["name"]: r.get("reason", "") for r in m["regions"] if not r["generated"]},
+                   gate=[n for n in m.get("notes", []) if n.startswith("measured: on ")])
+    return out
+
+
+def kl_summary(kl_dir: Path) -> dict:
+    kl = json.loads((kl_dir / "kl.json").read_text())
+    plain = next((m for m in kl["measurements"] if m["regions"] is None and m["trainer_mode"] == "eager"), None)
+    fixed = next((m for m in kl["measurements"] if m["regions"] and m["trainer_mode"] == "eager"), None)
+    return dict(rms_unpatched=plain["rms"] if plain else None, rms_patched=fixed["rms"] if fixed else None,
+                k3_unpatched=plain["k3"] if plain else None, k3_patched=fixed["k3"] if fixed else None,
+                tokens=plain["tokens"] if plain else 0)
+
+
+def sweep_one(arch: str, root: Path, args: argparse.Namespace) -> dict:
+    d = root / arch
+    d.mkdir(parents=True, exist_ok=True)
+    model, scan, kl = d / "model", d / "scan", d / "kl"
+    res: dict = dict(arch=arch, steps=[])
+    steps = [("make-tiny", ["make-tiny", arch, "--out", str(model), "--layers", str(args.layers)], 300),
+             ("scan", ["scan", str(model), "--out", str(scan), "--patch"], args.timeout)]
+    for name, cli, limit in steps:
+        step = run_step(name, cli, d / f"{name}.log", limit)
+        res["steps"].append(step)
+        if step["rc"] != 0:
+            return res
+    res.update(scan_summary(scan))
+    manifest = scan / "patch" / "manifest.json"
+    cli = ["kl", str(model), "--random", str(args.kl_prompts), "--max-tokens", str(args.kl_tokens),
+           "--seed", str(args.kl_seed), "--out", str(kl)]
+    if res.get("enabled"):
+        cli += ["--manifest", str(manifest)]
+    step = run_step("kl", cli, d / "kl.log", args.timeout)
+    res["steps"].append(step)
+    if step["rc"] == 0:
+        res.update(kl_summary(kl))
+    return res
+
+
+def outcome(res: dict) -> str:
+    bad = next((s for s in res["steps"] if s["rc"] != 0), None)
+    tb = [s["step"] for s in res["steps"] if s["traceback"]]
+    if bad is None:
+        text = "scanned"
+        if res.get("unexplained") or res.get("not_replayed"):
+            text += f" ({res.get('unproven_sites', 0)} sites unproven)"
+    elif bad["error"].startswith("error:"):
+        text = f"refused ({bad['step']}): {bad['error'].removeprefix('error:').strip()}"
+    else:
+        text = f"FAILED {bad['step']} rc {bad['rc']}: {bad['error']}"
+    if tb:
+        text += f" TRACEBACK in {', '.join(tb)}"
+    return text.replace("|", "\\|")
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(results: list[dict]) -> str:
+    head = ("| arch | outcome | sites | regions | worst kernel replay | kernels not replayed / below 99.9% | "
+            "regions patched / kept by the gate | RMS unpatched | RMS patched | RMS reduction |")
+    rows = [head, "|" + "---|" * 10]
+    for r in results:
+        if "sites" not in r:
+            rows.append(f"| {r['arch']} | {outcome(r)} |" + " - |" * 8)
+            continue
+        worst = fmt(r.get("worst_replay"), ".2%")
+        nr = len(r.get("not_replayed", []))
+        below = ", ".join(r.get("below", [])) or ""
+        kern = f"{nr} / {len(r.get('below', []))}" + (f" ({below})" if below else "")
+        patched = f"{r.get('generated', 0)} of {r.get('manifest_regions', 0)} / {r.get('enabled', 0)}"
+        u, p = r.get("rms_unpatched"), r.get("rms_patched")
+        if p is None and u is not None:  # nothing enabled: the trainer runs unpatched
+            p = u
+        red = "-" if u is None or p is None or not u else f"{(u - p) / u:.1%}"
+        rows.append(f"| {r['arch']} | {outcome(r)} | {r['sites']} | {r['regions']} | {worst} | {kern} | {patched} | "
+                    f"{fmt(u, '.4f')} | {fmt(p, '.4f')} | {red} |")
+    return "\n".join(rows) + "\n"
+
+
+def main() -> None:
+    from graphdiff.tiny import ARCHS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("archs", nargs="*", help="architectures (default: all of `graphdiff make-tiny --list`)")
+    p.add_argument("--out", type=Path, default=Path("/tmp/arch-sweep"))
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--timeout", type=int, default=1500, help="seconds per scan / kl step")
+    p.add_argument("--kl-prompts", type=int, default=4)
+    p.add_argument("--kl-tokens", type=int, default=256)
+    p.add_argument("--kl-seed", type=int, default=1, help="held out from the gate's seed 0")
+    p.add_argument("--resume", action="store_true", help="keep OUT/ARCH/result.json of archs already swept")
+    p.add_argument("--table", type=Path, help="also write the markdown table here")
+    args = p.parse_args()
+    archs = args.archs or list(ARCHS)
+    results = []
+    for arch in archs:
+        path = args.out / arch / "result.json"
+        if args.resume and path.exists():
+            results.append(json.loads(path.read_text()))
+            continue
+        t0 = time.perf_counter()
+        res = sweep_one(arch, args.out, args)
+        res["wall_s"] = round(time.perf_counter() - t0, 1)
+        path.write_text(json.dumps(res, indent=1))
+        results.append(res)
+        print(f"{arch}: {outcome(res)} ({res['wall_s']:.0f} s)", flush=True)
+    date = datetime.date.today().isoformat()
+    text = (f"Made {date} by `python benchmarks/arch_sweep.py {shlex.join(sys.argv[1:])}`\n\n"
+            + table(results))
+    (args.out / "table.md").write_text(text)
+    if args.table:
+        args.table.parent.mkdir(parents=True, exist_ok=True)
+        args.table.write_text(text)
+    print(text)
+    if any(re.search("TRACEBACK|FAILED", outcome(r)) for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The shipped patch does not widen the gap, measured against the real engine, on architectures that differ: Gemma
+(1 + w RMSNorm, tanh-GELU, scaled embedding), Qwen3-MoE (router and experts) and Granite (scalar multipliers on
+the embedding, the residual branches, the attention scores and the logits). One engine start per architecture:
+it records the trainer's prompt and samples 8 seeded prompts; the gate chooses the regions on the first 4, and
+the gap is measured with and without the shipped patch on the other 4 (other prompts, other sampling seeds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphdiff.capture.hf import load_hf_model
+from graphdiff.codegen import generate
+from graphdiff.measure.engine import random_prompts, sample_engine
+from graphdiff.measure.gate import gap, select_regions
+from graphdiff.scan import scan
+from graphdiff.scandir import ScanDir
+from graphdiff.shapes import prefill
+from graphdiff.tiny import make_tiny
+
+pytestmark = pytest.mark.engine
+SAMPLE = dict(count=8, prompt_tokens=16, max_tokens=96, seed=0, temperature=1.0)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "qwen3_moe", "granite"])
+def test_the_shipped_patch_does_not_widen_the_gap_on_held_out_samples(arch, tmp_path):
+    model = make_tiny(arch, tmp_path / "model", layers=2)
+    d = ScanDir(tmp_path / "scan")
+    outcome = scan(str(model), shapes=[prefill(16)], out=d, sample=SAMPLE)
+    d.save_scan(outcome.result)
+    d.save_train(outcome.train.capture)
+    assert not outcome.result.not_replayed and not outcome.result.unexplained, outcome.result.unexplained
+    made = generate(d.root, d.patch_dir)
+    assert any(r.generated for r in made.regions)
+    prompts = random_prompts(outcome.config, SAMPLE["count"], SAMPLE["prompt_tokens"], SAMPLE["seed"])
+    samples = sample_engine(model, prompts, ["compiled"], max_tokens=SAMPLE["max_tokens"], out_dir=d.root
+                            )["compiled"].samples  # cached by the scan's engine: no second start
+    base = load_hf_model(model)
+    manifest = select_regions(base, d.patch_dir / "manifest.json", samples[:4])
+    enabled = [r.name for r in manifest.regions if r.generated and r.enabled]
+    held_out = samples[4:]
+    unpatched, patched = gap(base, d.patch_dir / "manifest.json", [], held_out), \
+        gap(base, d.patch_dir / "manifest.json", enabled, held_out)
+    assert patched.rms <= unpatched.rms, (arch, enabled, unpatched, patched)
+    assert patched.k3 <= unpatched.k3, (arch, enabled, unpatched, patched)
