@@ -167,6 +167,9 @@ class Capture(BaseModel):
     shapes: list[Shape] = Field(default_factory=list)  # the recorded forwards, in order
     # engine: its effective compilation config (mode, splitting ops, custom ops, passes, -O level, compile sizes)
     engine_config: dict[str, object] = Field(default_factory=dict)
+    # engine: the compilation config as asked (`-cc` JSON, -O as "optimization_level"): what starts the same engine
+    # again (`scan --engine-dump` passes it on to the patch's measurement and to `kl`)
+    compilation_config: dict[str, object] = Field(default_factory=dict)
     startup_s: float | None = None  # engine: how long its start-up (load + compile) took
     # engine: its attention kernel (opaque to the scan), e.g. {"backend": "CPU_ATTN", "isa": "vec", ...}
     attention: dict[str, str] = Field(default_factory=dict)
@@ -243,6 +246,9 @@ class Evidence(BaseModel):
     runner_up: float | None = None  # the next distinct candidate's distance
     confidence: float = 1.0
     registry: str = ""  # the opaque-kernel registry entry's source (rule opaque-registry)
+    # Trainer consumers (decision ids) the engine feeds a low-precision copy of this value although it holds the
+    # value itself in FP32 (a piecewise engine stores the residual in BF16 where it is live across a graph split).
+    read_rounded_by: list[str] = Field(default_factory=list)
 
 
 class Decision(BaseModel):
@@ -514,7 +520,7 @@ class CheckResult(BaseModel):
 
 # --- patch manifest (`graphdiff patch`) ----------------------------------------------------------------
 
-MANIFEST_VERSION = 3
+MANIFEST_VERSION = 4
 
 
 class ManifestSplice(BaseModel):
@@ -535,6 +541,9 @@ class ManifestSplice(BaseModel):
     triton_fn: str = ""  # "" when no Triton kernel could be generated (see triton_problem)
     triton_problem: str = ""
     problems: list[str] = Field(default_factory=list)  # non-empty: not generated, the reasons
+    # carry with torch_fn carry_fp32_rounded: child modules (paths relative to the module) that read the incoming
+    # activation in FP32 while the module's own ops read it rounded (a piecewise engine's BF16 graph boundary)
+    fp32_children: list[str] = Field(default_factory=list)
 
 
 class RegionEffect(BaseModel):
