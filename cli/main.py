@@ -164,7 +164,9 @@ def check_tp(size: int) -> int:
 
 def engine_config(config: dict, optimization_level: int | None) -> dict:
     """The engine's compilation config with its -O level under "optimization_level" (what `kl` starts)."""
-    return {**config, **({"optimization_level": optimization_level} if optimization_level is not None else {})}
+    from graphdiff.capture.vllm_cpu import asked_config
+
+    return asked_config(config, optimization_level)
 
 
 def parse_json_option(text: str | None, name: str) -> dict:
@@ -228,7 +230,7 @@ def scan_cmd(
         d = ScanDir(out_dir or Path("scans") / model.replace("/", "--").replace(":", "-"))
         d.check_writable()
         wanted = parse_shapes(shapes, tokens) if shapes else None
-        config = parse_json_option(compilation_config, "--compilation-config")
+        config = parse_json_option(compilation_config, "--compilation-config") if compilation_config else None
         if manifest is not None and not manifest.exists():
             raise GraphdiffError(f"--manifest {manifest}: no such file")
         from graphdiff.measure.gate import GATE_PROMPTS, GATE_TOKENS
@@ -265,7 +267,7 @@ def scan_cmd(
                                     max_tokens=gap_tokens, manifest=d.patch_dir / "manifest.json" if patch
                                     else None, out_dir=d.root, progress=update,
                                     reproduce="graphdiff " + shlex.join(sys.argv[1:]),
-                                    compilation_config=engine_config(config, optimization_level),
+                                    compilation_config=result.compilation_config,
                                     tensor_parallel_size=tensor_parallel_size)
             save_json(kl_result, d.kl_json)
             result.kl = kl_result.model_dump(mode="json")

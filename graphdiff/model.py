@@ -167,6 +167,9 @@ class Capture(BaseModel):
     shapes: list[Shape] = Field(default_factory=list)  # the recorded forwards, in order
     # engine: its effective compilation config (mode, splitting ops, custom ops, passes, -O level, compile sizes)
     engine_config: dict[str, object] = Field(default_factory=dict)
+    # engine: the compilation config as asked (`-cc` JSON, -O as "optimization_level"): what starts the same engine
+    # again (`scan --engine-dump` passes it on to the patch's measurement and to `kl`)
+    compilation_config: dict[str, object] = Field(default_factory=dict)
     startup_s: float | None = None  # engine: how long its start-up (load + compile) took
     # engine: its attention kernel (opaque to the scan), e.g. {"backend": "CPU_ATTN", "isa": "vec", ...}
     attention: dict[str, str] = Field(default_factory=dict)
@@ -243,6 +246,9 @@ class Evidence(BaseModel):
     runner_up: float | None = None  # the next distinct candidate's distance
     confidence: float = 1.0
     registry: str = ""  # the opaque-kernel registry entry's source (rule opaque-registry)
+    # Trainer consumers (decision ids) the engine feeds a low-precision copy of this value although it holds the
+    # value itself in FP32 (a piecewise engine stores the residual in BF16 where it is live across a graph split).
+    read_rounded_by: list[str] = Field(default_factory=list)
 
 
 class Decision(BaseModel):
@@ -584,6 +590,9 @@ class ManifestSplice(BaseModel):
     # module's to the generated function, which sums the aligned regions' rows in that order
     reduction_lanes: dict[str, int] = Field(default_factory=dict)
     shards: int = 1  # target "linear": the engine's tensor-parallel ranks the matmul's K is split over
+    # carry with torch_fn carry_fp32_rounded: child modules (paths relative to the module) that read the incoming
+    # activation in FP32 while the module's own ops read it rounded (a piecewise engine's BF16 graph boundary)
+    fp32_children: list[str] = Field(default_factory=list)
 
 
 class RegionEffect(BaseModel):

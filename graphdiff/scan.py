@@ -36,7 +36,7 @@ from graphdiff.ops import is_attention
 from graphdiff.rounding import EngineRounding, eager_values, engine_rounding, train_rounding
 from graphdiff.scandir import ScanDir
 from graphdiff.shapes import check_shapes, default_shapes, with_prompts
-from graphdiff.sites import classify, decide, group_regions, merge_decisions, sites_of, stable_ids
+from graphdiff.sites import classify, decide, group_regions, mark_rounded_reads, merge_decisions, sites_of, stable_ids
 
 Progress = Callable[[str], None]
 Buffers = dict[str, dict[str, dict[str, Any]]]  # shape label -> kernel id -> record
@@ -276,6 +276,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         replay += more
         others[label] = merge_decisions(tgraph, [*graphs_here, [a.model_copy(deep=True) for a in attn]])
     plan = _merge_shapes(merge_decisions(tgraph, [*per_graph, attn]), others, labels[0])
+    mark_rounded_reads(tgraph, plan, engine_cap.graphs)
     tp_replay, tp_notes = tp.after_merge(plan, per_graph, engine_cap, buffers, tgraph, train.values, labels[0])
     replay += tp_replay
     notes += tp_notes
@@ -359,6 +360,23 @@ class ScanOutcome:
     engine_started: bool
 
 
+def _dump_config(engine_dump: Path, cap: Capture, given: dict | None,
+                 level: int | None) -> tuple[dict | None, int | None]:
+    """The compilation config an engine capture was made with (what the patch's measurement and `kl` start again);
+    one given on the command line must be the same. A capture older than the record takes the given one."""
+    asked = {**(given or {}), **({"optimization_level": level} if level is not None else {})}
+    if "compilation_config" not in cap.model_fields_set:
+        cap.compilation_config = asked  # what the scan directory's copy of the capture records
+        return given, level
+    recorded = dict(cap.compilation_config)
+    if given is not None or level is not None:
+        if asked != recorded:
+            raise GraphdiffError(f"{engine_dump} was captured with compilation config {json.dumps(recorded)}, not "
+                                 f"{json.dumps(asked)}: leave out --compilation-config/-O, or capture again")
+    rec_level = recorded.pop("optimization_level", None)
+    return recorded, int(rec_level) if rec_level is not None else None
+
+
 def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list[Shape] | None = None,
          out: ScanDir | None = None, work_dir: Path | None = None, progress: Progress = lambda m: None,
          argv: list[str] | None = None, engine_dump: Path | None = None, manifest: Path | None = None,
@@ -390,6 +408,8 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
         startup = 0.0
         notes.append(f"engine side from {engine_dump} (captured with {cap.versions.get('vllm', '?')}); "
                      "the engine was not started")
+        compilation_config, optimization_level = _dump_config(engine_dump, cap, compilation_config,
+                                                              optimization_level)
     else:
         shapes = shapes or default_shapes(tokens, config)
         check_shapes(shapes, config)

@@ -376,6 +376,51 @@ def merge_decisions(train: Graph, per_graph: list[list[Decision]]) -> list[Decis
     return sorted(best.values(), key=lambda d: train.position(d.node))
 
 
+def _read_path(engine: Graph, name: str) -> list[Node]:
+    """The engine nodes an input is read through, back over views and casts, to a placeholder or the first
+    computing node."""
+    nodes = engine.node_map()
+    path = [nodes[name]]
+    while path[-1].inputs and (is_view(path[-1]) or op_name(path[-1].target) in CASTS):
+        path.append(nodes[path[-1].inputs[0]])
+    return path
+
+
+def _reads_rounded(t: Decision, u: Decision, graphs: dict[str, Graph]) -> bool:
+    """Does the engine op matched to consumer `u`, in another graph than `t`'s (a piecewise engine), read the value
+    of `t` through a low-precision graph input? A graph input is a tensor in memory: its dtype is how it was stored
+    (inside one graph a low-precision cast need not round, the kernel decides; `engine_state` handles that). `t`'s
+    value can only enter that graph as an input; it does when every activation input the op reads is low precision."""
+    ug = graphs.get(u.evidence.engine_graph)
+    if ug is None or t.evidence.engine_graph == u.evidence.engine_graph or u.evidence.engine_node not in ug.node_map():
+        return False
+    reads = [_read_path(ug, i) for i in ug.node_map()[u.evidence.engine_node].inputs]
+    acts = [p[-1] for p in reads if p[-1].op == "placeholder" and p[-1].dtype
+            and "." not in ug.inputs.get(p[-1].name, "")]  # not a weight
+    return bool(acts) and all(is_low(n.dtype) for n in acts)
+
+
+def mark_rounded_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
+    """Values the engine holds in FP32 but feeds some consumers as a low-precision copy: the consumers are listed
+    in `evidence.read_rounded_by`. Where the trainer holds such a value in FP32 (a patch made it so) the copy is a
+    rounding on the engine side only: a site."""
+    graphs = {g.name: g for g in engine_graphs}
+    nodes, users = train.node_map(), train.users()
+    by_node = {d.node: d for d in plan if d.rule == "matched"}
+
+    def consumers(name: str) -> list[str]:
+        return [c for u in users.get(name, []) for c in (consumers(u) if is_view(nodes[u]) else [u])]
+
+    for t in plan:
+        if t.rule != "matched" or t.engine is None or t.engine.on_grid:
+            continue
+        readers = [by_node[u].id for u in consumers(t.node) if u in by_node and _reads_rounded(t, by_node[u], graphs)]
+        if readers:
+            t.evidence.read_rounded_by = readers
+            t.engine.how += f"; read through a low-precision copy by {', '.join(readers[:3])}"
+            t.site = t.site or not t.train.on_grid
+
+
 def find_sites(train: Graph, train_values: dict[str, object], changed: dict[str, float], engine: Graph,
                er: EngineRounding, matches: list[Match], unmatched: list[str]) -> list[Site]:
     """The sites of one engine graph (the decisions' one-sided part), kinds set: for single-graph callers."""

@@ -46,26 +46,32 @@ def save_engine_capture(cap: Capture, buffers: Buffers, directory: Path) -> Path
     saved as {"weight": name, "shape": ..., "dtype": ...}; anything else (the engine's own tables) inline."""
     directory.mkdir(parents=True, exist_ok=True)
     stored = _in_checkpoint(Path(cap.model))
-    weights = {}
-    for g in cap.graphs:
-        weights.update({buf: g.inputs[buf] for buf in weight_inputs(g) if g.inputs[buf] in stored})
+    # Buffer names are per graph (a piecewise engine's graphs each have their own arg7_1): a kernel's weights are
+    # those of the graph that runs it.
+    weights = {g.name: {buf: g.inputs[buf] for buf in weight_inputs(g) if g.inputs[buf] in stored} for g in cap.graphs}
+    graph_of = {k.id: g.name for g in cap.graphs for k in g.kernels}
     slim: Buffers = {}
     for label, records in buffers.items():
         slim[label] = {}
         for kid, rec in records.items():
             ins = {}
+            mine = weights.get(graph_of.get(kid, ""), {})
             for buf, t in rec["in"].items():
                 big = isinstance(t, torch.Tensor) and t.numel() * t.element_size() > INLINE_WEIGHT_BYTES
                 # a tensor-parallel rank's shard is smaller than the checkpoint tensor: kept inline
-                if buf in weights and big and len(stored[weights[buf]]) == t.dim() \
-                        and all(a <= b for a, b in zip(stored[weights[buf]], t.shape)):
-                    ins[buf] = {"weight": weights[buf], "shape": list(t.shape), "dtype": str(t.dtype)}
+                if buf in mine and big and _fits(stored[mine[buf]], list(t.shape)):
+                    ins[buf] = {"weight": mine[buf], "shape": list(t.shape), "dtype": str(t.dtype)}
                 else:
                     ins[buf] = t
             slim[label][kid] = {**rec, "in": ins}
     torch.save(slim, directory / BUFFERS_FILE)
     cap.buffers_file = BUFFERS_FILE
     return save_json(cap, directory / "capture.json")
+
+
+def _fits(stored: list[int], recorded: list[int]) -> bool:
+    """Can the checkpoint tensor stand for the recorded one (same rank, no larger; the engine pads some tables)?"""
+    return len(stored) == len(recorded) and all(a <= b for a, b in zip(stored, recorded))
 
 
 def _checkpoint_tensor(model_dir: Path, name: str) -> torch.Tensor | None:

@@ -25,7 +25,7 @@ import torch
 from graphdiff.capture.assemble import build_graph
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import BufferRecorder, Record, inductor_hooks, weight_inputs
-from graphdiff.capture.vllm_cpu import as_asked, check_options, effective_config
+from graphdiff.capture.vllm_cpu import as_asked, asked_config, check_options, effective_config
 from graphdiff.errors import GraphdiffError, first_line
 from graphdiff.model import Capture, Graph, PackedParam, Shape
 from graphdiff.resolve import architecture, read_config
@@ -329,6 +329,7 @@ def capture_vllm(model_dir: Path, shapes: list[Shape] | list[int], *, options: E
         side="engine", engine="vllm", model=str(model_dir), architecture=architecture(config),
         versions=_versions(), graphs=graphs, packed=packed_params(model), prompt_tokens=list(shapes[0].prompts[0]),
         shapes=shapes, engine_config=effective_config(llm, forced_off), attention=attention_info(model), notes=notes,
+        compilation_config=asked_config(options.compilation_config, options.optimization_level),
     )
     return EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup)
 

@@ -55,6 +55,12 @@ def wants_vllm_compile(compilation_config: dict) -> bool:
     return compilation_config.get("mode") in (3, "VLLM_COMPILE", "CompilationMode.VLLM_COMPILE")
 
 
+def asked_config(compilation_config: dict, optimization_level: int | None) -> dict:
+    """The compilation config as asked, with the -O level under "optimization_level" (what restarts the engine)."""
+    return {**compilation_config, **({"optimization_level": optimization_level} if optimization_level is not None
+                                     else {})}
+
+
 def check_options(compilation_config: dict, optimization_level: int | None) -> None:
     if optimization_level is not None and optimization_level not in (0, 1, 2, 3):
         raise GraphdiffError(f"-O {optimization_level}: vLLM has optimization levels 0 to 3")

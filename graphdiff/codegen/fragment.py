@@ -54,6 +54,10 @@ class Fragment:
     engine_sites: dict[str, str] = field(default_factory=dict)  # engine-rounded site node -> region
     rounds: set[str] = field(default_factory=set)  # nodes HF eager rounds (from the scan's plan)
     keep_fp32: dict[str, bool] = field(default_factory=dict)  # output -> may leave the fragment in FP32
+    # carry: the module's own ops read its incoming activation rounded (the engine's low-precision copy at a
+    # piecewise graph split), these child modules read it in FP32
+    carry_rounded: bool = False
+    fp32_children: list[str] = field(default_factory=list)
     regions: list[str] = field(default_factory=list)
     # row sums/means the engine sums in its own order when their region is aligned (node -> region), and that
     # order's lanes per HF module (Region.reduction_lanes; the runtime passes each module's)
@@ -170,6 +174,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region) -> Fragment:
             if any(op_name(nodes[s].target) != "add" for s in site_nodes):
                 frag.problems.append("the module calls submodules and its sites are not residual adds: "
                                      "its forward cannot be re-emitted")
+            frag.carry_rounded, frag.fp32_children = _carry_reads(scan, graph, region)
     names = [n.name for n in frag.nodes]
     frag.inputs, frag.outputs = _boundary(graph, names)
     frag.sites = {s: region.name for s in site_nodes if sides[s] == "train"}
@@ -195,6 +200,28 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region) -> Fragment:
     frag.problems += problems
     frag.notes += notes
     return frag
+
+
+def _carry_reads(scan: ScanResult, graph: Graph, region: Region) -> tuple[bool, list[str]]:
+    """Does the carry module's own code read its incoming activation rounded in the engine, and which of its child
+    modules read it in FP32 there? A piecewise engine stores the residual stream in BF16 where it is live across a
+    graph split (attention): the layer's residual add reads that copy, its input norm the FP32 sum in the graph
+    that computed it (the plan's `read_rounded_by`)."""
+    nodes, users = graph.node_map(), graph.users()
+    node_of = {d.id: d.node for d in scan.plan}
+    pattern = re.compile("^" + re.escape(region.module).replace(r"\*", r"\d+") + "$")
+    rounded, children = False, set()
+    for d in scan.plan:
+        readers = {node_of[i] for i in d.evidence.read_rounded_by if i in node_of}
+        own = sorted(r for r in readers if pattern.match(nodes[r].module or ""))
+        if not own:
+            continue
+        rounded, owner = True, nodes[own[0]].module or ""
+        for u in users.get(d.node, []):
+            module = nodes[u].module or ""
+            if u not in readers and module.startswith(owner + "."):
+                children.add(module[len(owner) + 1:].split(".")[0])
+    return rounded, sorted(children)
 
 
 def merge(frags: list[Fragment]) -> list[Fragment]:

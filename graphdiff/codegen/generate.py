@@ -141,7 +141,12 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node]) -> tuple[ManifestSplice
                             function=frag.function, regions=frag.regions, reduction_lanes=frag.lanes)
     body: list[str] = []
     if frag.target == "carry" and not frag.problems:
-        splice.torch_fn = "carry_fp32"
+        splice.torch_fn = "carry_fp32_rounded" if frag.carry_rounded else "carry_fp32"
+        splice.fp32_children = list(frag.fp32_children)
+        if frag.carry_rounded:
+            body += ["", "", f"# carry {frag.key}: regions {', '.join(frag.regions)}; FP32 for "
+                     f"{', '.join(frag.fp32_children) or 'no child'}, rounded for the module's own ops",
+                     *CARRY_ROUNDED.strip("\n").splitlines()]
     elif not frag.problems:
         try:
             lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes)
@@ -227,6 +232,36 @@ def shape_notes(regions: list[Region], shapes: list[str]) -> list[str]:
     return [f"{r.name}: its sites differ by shape (sites at {', '.join(r.shapes)} of {', '.join(shapes)}); the code "
             "rounds at the union of them, the engine's rounding at those shapes only" for r in regions
             if r.shape_dependent]
+
+
+CARRY_ROUNDED = '''
+def carry_fp32_rounded(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook: the incoming activation as a piecewise engine holds it. The engine stores the residual
+    stream in bfloat16 where it is live across a graph split (attention), so the module's own ops (the residual
+    add) read it rounded (held in FP32: the sum stays FP32, as in the engine's kernel); the child modules named in
+    the manifest read the FP32 value (the norm, inside the graph that computed it: carry_fp32_child)."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+        return args, kwargs
+    full = x.float()
+    rounded = full.to(torch.bfloat16).float()
+    module.__dict__["_graphdiff_carry"] = (rounded, full)
+    return ((rounded, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": rounded})
+
+
+def carry_fp32_child(parent: torch.nn.Module, child: torch.nn.Module, args: tuple) -> tuple | None:
+    """Forward pre-hook of a child module that reads the parent's incoming activation in FP32: the unrounded value
+    in place of the rounded one the parent's code passes it."""
+    state = parent.__dict__.get("_graphdiff_carry")
+    if state is not None and args and args[0] is state[0]:
+        return (state[1], *args[1:])
+    return None
+
+
+def carry_done(module: torch.nn.Module, args: tuple, output: object) -> None:
+    """Forward hook: drop the parent's references to its input."""
+    module.__dict__.pop("_graphdiff_carry", None)
+'''
 
 
 def render_module(scan: ScanResult, body: list[str], triton: bool) -> str:

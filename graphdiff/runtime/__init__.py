@@ -13,7 +13,9 @@ How the generated code is spliced in (no per-model code; everything comes from t
   (forward hooks set a context variable), it runs that model's replacement, elsewhere the original, so
   other models in the process are not affected; arguments are bound by name as the manifest says;
 - carry splices (residual stream): a forward pre-hook upcasts the layer's incoming activation to FP32, and
-  eager type promotion keeps the residual sums in FP32, as the engine does;
+  eager type promotion keeps the residual sums in FP32, as the engine does; for a piecewise engine, which stores
+  the residual in BF16 where it crosses a graph split (attention), the layer's own residual add gets it rounded
+  (held in FP32) and the child modules the manifest names (`fp32_children`, the input norm) the FP32 value;
 - attention splice (an engine whose attention keeps the softmax probabilities FP32, graphdiff.opaque): the
   generated attention function is registered with transformers' AttentionInterface and set as the model's
   attention implementation (HF's sdpa on FP32-upcast q/k/v, output rounded once);
@@ -388,7 +390,7 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
         if splice.target == "carry":
             if align & set(splice.regions):
                 for _, mod in targets:
-                    state.undo.append(mod.register_forward_pre_hook(gen.carry_fp32, with_kwargs=True).remove)
+                    _carry(gen, splice, mod, state)
         elif splice.target == "attention":
             if align & set(splice.regions) and targets:
                 state.undo.append(_use_attention(model, getattr(gen, splice.torch_fn)))
@@ -472,6 +474,24 @@ def _unpatch(key: str, owner: ModuleType, fn_name: str) -> None:
         del _FUNCTIONS[key]
     else:
         _FUNCTIONS[key] = (original, users - 1)
+
+
+def _carry(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state: _State) -> None:
+    """The carry hooks on one module: its incoming activation in FP32 (carry_fp32); or rounded for the module's
+    own ops and FP32 for the named children (carry_fp32_rounded: a piecewise engine's BF16 graph boundary)."""
+    if splice.torch_fn != "carry_fp32_rounded":
+        state.undo.append(mod.register_forward_pre_hook(gen.carry_fp32, with_kwargs=True).remove)
+        return
+    for child in splice.fp32_children:
+        try:
+            sub = mod.get_submodule(child)
+        except AttributeError:
+            raise PatchError(f"{type(mod).__name__} has no child module {child!r} (carry splice "
+                             f"{splice.key})") from None
+        state.undo.append(sub.register_forward_pre_hook(functools.partial(gen.carry_fp32_child, mod)).remove)
+    state.undo.append(mod.register_forward_pre_hook(gen.carry_fp32_rounded, with_kwargs=True).remove)
+    state.undo.append(mod.register_forward_hook(gen.carry_done).remove)
+    state.undo.append(lambda: mod.__dict__.pop("_graphdiff_carry", None))
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:
