@@ -38,27 +38,28 @@ def differing(t: torch.Tensor, e: torch.Tensor) -> tuple[float, int | None]:
 
 
 def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[list[Match], list[str]]],
-                    engine_graphs: list[Graph], engine_values: dict) -> Departure | None:
-    """The first matched trainer value (graph order) not bit-identical to its engine value; None if all are."""
-    kernel_of = {n.name: (n.kernel or "", g.name) for g in engine_graphs for n in g.nodes}
-    declared = {n.name: n.dtype for g in engine_graphs for n in g.nodes}
+                    engine_graphs: list[Graph], engine_values: dict[str, dict]) -> Departure | None:
+    """The first matched trainer value (graph order) not bit-identical to its engine value; None if all are.
+    `matched` and `engine_values` are per engine graph (node names repeat across a piecewise engine's graphs)."""
+    kernel_of = {(g.name, n.name): n.kernel or "" for g in engine_graphs for n in g.nodes}
+    declared = {(g.name, n.name): n.dtype for g in engine_graphs for n in g.nodes}
     pairs = sorted(((m, g) for g, (ms, _) in matched.items() for m in ms), key=lambda p: tgraph.position(p[0].train))
     nodes = tgraph.node_map()
     equal = 0
-    for m, _ in pairs:
-        t, e = train_values.get(m.train), engine_values.get(m.engine)
+    for m, g in pairs:
+        t, e = train_values.get(m.train), engine_values.get(g, {}).get(m.engine)
         if not (isinstance(t, torch.Tensor) and isinstance(e, torch.Tensor)) or t.numel() != e.numel() \
                 or not (t.is_floating_point() and e.is_floating_point()):
             continue
         low = nodes[m.train].dtype
-        if low not in LOW or declared.get(m.engine) != low:  # held in FP32 on a side: a match within the
+        if low not in LOW or declared.get((g, m.engine)) != low:  # held in FP32 on a side: a match within the
             continue  # matcher's tolerance need not be the same value (a mean and the mean plus eps)
         frac, row = differing(t.to(getattr(torch, low)), e.to(getattr(torch, low)))
         if not frac:
             equal += 1
             continue
         n = nodes[m.train]
-        kernel, graph = kernel_of.get(m.engine, ("", ""))
+        kernel, graph = kernel_of.get((g, m.engine), ""), g
         return Departure(node=m.train, op=n.target, module=n.module, layer=layer_of(n.module), dtype=str(n.dtype),
                          engine_node=m.engine, engine_graph=graph, kernel=kernel, differing=frac, first_row=row,
                          equal_before=equal,

@@ -168,6 +168,21 @@ def _proof(sites: list[Site], plan: list[Decision], replay: list[KernelEvidence]
     return not_replayed, unexplained, unregistered
 
 
+def _site_engine_values(sites: list[Site], graphs: list[Graph], values: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """Each engine-side site's engine value, taken from the graph whose kernel computes it (node names repeat
+    across a piecewise engine's graphs)."""
+    graph_of = {k.id: g.name for g in graphs for k in g.kernels}
+    out = {}
+    for s in sites:
+        if s.rounded_on == "engine" and s.engine and s.engine.node:
+            where = graph_of.get(s.engine.kernel or "")
+            v = values.get(where, {}).get(s.engine.node) if where else next(
+                (vs[s.engine.node] for vs in values.values() if s.engine.node in vs), None)
+            if v is not None:
+                out[s.engine.node] = v
+    return out
+
+
 def _reference_decisions(engine_cap: Capture, buffers: Buffers, train: TrainSide, ref: str,
                          timings: dict[str, float]) -> tuple[list[list[Decision]], dict[str, tuple], list, dict]:
     """Full analysis at the reference shape: replay, match, decide, per engine graph."""
@@ -183,7 +198,7 @@ def _reference_decisions(engine_cap: Capture, buffers: Buffers, train: TrainSide
         timings["match_s"] = timings.get("match_s", 0.0) + time.perf_counter() - t
         matched[egraph.name] = (matches, unmatched)
         per_graph.append(decide(tgraph, train.values, train.changed, egraph, er, matches, unmatched))
-        engine_values.update(er.values)
+        engine_values[egraph.name] = er.values  # node names repeat across a piecewise engine's graphs
     return per_graph, matched, replay, engine_values
 
 
@@ -288,7 +303,8 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
                for a in routing_agreement(tgraph, train.values, engine_routing(g, buffers.get(labels[0], {})),
                                           labels[0])]
     t = time.perf_counter()
-    uniformity = (site_nonuniformity(tgraph, train.gm, train.values, sites, engine_values, train.fp32)
+    uniformity = (site_nonuniformity(tgraph, train.gm, train.values, sites,
+                                     _site_engine_values(sites, engine_cap.graphs, engine_values), train.fp32)
                   if train.gm else {})
     timings["nonuniformity_s"] = time.perf_counter() - t
     departure = first_departure(tgraph, train.values, matched, engine_cap.graphs, engine_values)

@@ -272,3 +272,12 @@ def test_the_gap_by_position_is_plotted_with_the_floor_and_its_sources(scan_dir:
         assert label in text
     assert "0.0120 (10%)" in text and "0.29" in text  # the patched bucket and patched / unpatched = 0.012 / 0.041
     assert "share of the patched ms: attention order" in text and "94%" in text
+
+
+def test_moe_routing_agreement_is_tabled_and_absent_for_a_dense_model(scan_dir: Path) -> None:
+    assert "MoE routing agreement" not in write_report(scan_dir)[0].read_text()
+    raw = json.loads((scan_dir / "scan.json").read_text())
+    raw["routing"] = [{"layer": 1, "shape": "prefill-16", "tokens": 16, "differing": 3, "fraction": 3 / 16}]
+    (scan_dir / "scan.json").write_text(json.dumps(raw))
+    text = write_report(scan_dir)[0].read_text()
+    assert "MoE routing agreement" in text and "18.75%" in text

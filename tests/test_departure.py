@@ -1,0 +1,35 @@
+"""graphdiff.departure on hand-made graphs: the first matched low-precision value that differs, per engine graph."""
+
+from __future__ import annotations
+
+import torch
+
+from graphdiff.departure import first_departure
+from graphdiff.match import Match
+from graphdiff.model import Graph, Node
+
+
+def _n(name: str, module: str) -> Node:
+    return Node(name=name, op="call_function", target="aten.mm.default", dtype="bfloat16", shape=[2, 4], module=module)
+
+
+def _graphs() -> tuple[Graph, list[Graph]]:
+    train = Graph(name="train", nodes=[_n("mm", "model.layers.0.mlp"), _n("mm_1", "model.layers.1.mlp")])
+    # a piecewise engine: both pieces have a node called arg4_1 (buffer names are per graph)
+    pieces = [Graph(name=f"piece{i}", nodes=[Node(name="arg4_1", op="placeholder", target="", dtype="bfloat16")])
+              for i in range(2)]
+    return train, pieces
+
+
+def test_values_are_compared_with_the_graph_they_were_matched_in() -> None:
+    train, pieces = _graphs()
+    a, b = torch.randn(2, 4).bfloat16(), torch.randn(2, 4).bfloat16()
+    matched = {"piece0": ([Match("mm", "arg4_1", 0.0, 1.0, "")], []),
+               "piece1": ([Match("mm_1", "arg4_1", 0.0, 1.0, "")], [])}
+    values = {"piece0": {"arg4_1": a}, "piece1": {"arg4_1": b}}
+    assert first_departure(train, {"mm": a, "mm_1": b}, matched, pieces, values) is None
+    c = b.clone()
+    c[1, 2] += 1
+    left = first_departure(train, {"mm": a, "mm_1": c}, matched, pieces, values)
+    assert left is not None and left.node == "mm_1" and left.engine_graph == "piece1" and left.first_row == 1
+    assert left.equal_before == 1 and left.differing == 1 / 8
