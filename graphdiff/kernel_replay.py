@@ -84,6 +84,13 @@ def is_tuple_item(n: Node, nodes: dict[str, Node]) -> bool:
     return src.dtype is None and src.op == "call_function" and not is_view(src)
 
 
+def _concat_of(n: Node, members: set[str]) -> bool:
+    """A concatenation of this kernel's values that no kernel computes: Inductor writes its inputs in place into
+    its buffer (their stores are views of it), so that buffer, recorded when the kernel starts, is stale for a later
+    loop nest of the same kernel that reads it (a partial RoPE copies the rotated part into the next cat)."""
+    return n.target == "aten.cat.default" and bool(n.inputs) and all(i in members for i in n.inputs)
+
+
 def kernel_fragment(graph: Graph, k: Kernel, owned: set[str]) -> tuple[list[Node], list[str]]:
     """Kernel nodes in graph order, pulled back through views no kernel computes, and their inputs. An item of a
     tuple computed outside the kernel (an extern's topk) is an input: the tuple has no buffer, its items do."""
@@ -91,7 +98,7 @@ def kernel_fragment(graph: Graph, k: Kernel, owned: set[str]) -> tuple[list[Node
     members = {n for n in k.nodes if nodes[n].op == "call_function"}
     while True:
         ext = {i for m in members for i in nodes[m].inputs if i not in members}
-        pull = {e for e in ext if is_view(nodes[e]) and e not in owned
+        pull = {e for e in ext if (is_view(nodes[e]) or _concat_of(nodes[e], members)) and e not in owned
                 and not (is_tuple_item(nodes[e], nodes) and nodes[e].inputs[0] not in members)}
         if not pull:
             break

@@ -193,7 +193,22 @@ def rerun_fp32(n: torch.fx.Node, values: dict[str, Any]) -> Any:
         return x
 
     with torch.no_grad():
+        if n.target is torch.ops.aten.mm.default and not n.kwargs:
+            a, b = (values[x.name] if isinstance(x, torch.fx.Node) else x for x in n.args)
+            if isinstance(b, torch.Tensor) and b.numel() > FP32_CHUNK:
+                return mm_fp32_chunked(a, b)
         return n.target(*torch.fx.node.map_aggregate(n.args, up), **torch.fx.node.map_aggregate(n.kwargs, up))
+
+
+FP32_CHUNK = 1 << 25  # elements of a matmul operand upcast at once (128 MiB in FP32)
+
+
+def mm_fp32_chunked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in FP32 without an FP32 copy of a large b (the LM head's weight is 2.5 GB in FP32 at Qwen3-8B's
+    vocabulary): b's columns upcast a block at a time; every output element is the same K-long dot product."""
+    cols = max(1, FP32_CHUNK // max(1, b.shape[0]))
+    a32 = a.float()
+    return torch.cat([a32 @ b[:, i:i + cols].float() for i in range(0, b.shape[1], cols)], dim=1)
 
 
 def train_rounding(gm: torch.fx.GraphModule, values: dict[str, Any],

@@ -33,3 +33,4 @@ def test_values_are_compared_with_the_graph_they_were_matched_in() -> None:
     left = first_departure(train, {"mm": a, "mm_1": c}, matched, pieces, values)
     assert left is not None and left.node == "mm_1" and left.engine_graph == "piece1" and left.first_row == 1
     assert left.equal_before == 1 and left.differing == 1 / 8
+
