@@ -263,3 +263,49 @@ def test_gelu_and_mul(op: str, approximate: str) -> None:
     # the kernel's vectorized tanh differs from torch's FP32 tanh in the last ulp on a few elements (99.98%)
     assert scores[claim["equals"]] >= (EXACT if op == "gelu_and_mul" else 0.999)
     assert scores[claim["not"]] < REFUTED
+
+
+# --- cpu_fused_moe -----------------------------------------------------------------------------------
+
+def _hf_like_experts(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+    """transformers' eager experts: every GEMM, the activation, each weighted output and each partial sum in BF16."""
+    out = torch.zeros_like(x)
+    inter = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            e = int(ids[t, slot])
+            gate_up = x[t:t + 1] @ w13[e].t()
+            act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            out[t:t + 1] += (act @ w2[e].t()) * weights[t, slot].to(BF16)
+    return out
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(16, 4, 2), (33, 8, 2), (5, 8, 4)])
+def test_cpu_fused_moe(tokens: int, experts: int, top_k: int) -> None:
+    """vLLM CPU's fused MoE (`vec` ISA, the weights prepacked as its loader does) equals graphdiff.moe's engine
+    computation, the source the patch carries, bit for bit; transformers' all-BF16 experts do not."""
+    from graphdiff.moe import engine_like_experts
+
+    hidden, inter = 64, 96  # multiples of the kernel's 32-wide output alignment
+    w13 = seeded(experts, 2 * inter, hidden, seed=21, scale=hidden ** -0.5)
+    w2 = seeded(experts, hidden, inter, seed=22, scale=inter ** -0.5)
+    x = seeded(tokens, hidden, seed=23)
+    values, ids = torch.topk(torch.randn(tokens, experts, generator=torch.Generator().manual_seed(24)), top_k)
+    weights = torch.softmax(values, -1).float().contiguous()
+    packed13, packed2 = torch.empty_like(w13), torch.empty_like(w2)
+    torch.ops._C.prepack_moe_weight(w13, packed13, "vec")
+    torch.ops._C.prepack_moe_weight(w2, packed2, "vec")
+    real = torch.empty(tokens, hidden, dtype=BF16)
+    torch.ops._C.cpu_fused_moe(real, x, packed13, packed2, None, None, weights, ids.to(torch.int32).contiguous(),
+                               False, "silu", "vec")
+
+    class Experts:
+        gate_up_proj, down_proj, act_fn = w13, w2, torch.nn.functional.silu
+
+    engine = bits_equal(engine_like_experts(Experts, x, ids, weights), real)
+    hf = bits_equal(_hf_like_experts(w13, w2, x, ids, weights), real)
+    _report(f"cpu_fused_moe {tokens}x{experts} top-{top_k}", {"graphdiff.moe": engine, "all BF16 (HF)": hf})
+    assert engine == 1.0
+    assert hf < 0.99
+    assert not extern_rule("torch.ops._C.cpu_fused_moe.default").fp32_inside  # rounds the down GEMM's input
