@@ -22,3 +22,29 @@ def test_a_concatenation_written_in_place_by_the_kernel_is_part_of_its_fragment(
     other = Kernel(id="k:2", name="k", kind="generated", nodes=["a", "c"])  # b computed elsewhere: cat is an input
     frag, external = kernel_fragment(g, other, owned={"a", "b", "c"})
     assert "cat" in external
+
+
+def test_a_value_one_loop_nest_stores_and_the_next_reads_back_is_read_rounded() -> None:
+    """xIELU (Apertus): a first loop nest computes a scalar from the parameters and stores it in BF16, the second
+    reads it back (`= out_ptr1[0]`). With no reduction in between, every consumer reads the rounded copy; after a
+    reduction (a norm's second nest), only the consumers past it do."""
+    from graphdiff.kernel_reload import SUFFIX, reload_variant, reloaded_stores
+    from graphdiff.model import BufferArg
+
+    def n(name: str, target: str, inputs: list[str]) -> Node:
+        return Node(name=name, op="call_function", target=target, inputs=inputs, dtype="bfloat16", shape=[4])
+
+    frag = [n("alpha", "aten.exp.default", ["p"]), n("y", "aten.mul.Tensor", ["alpha", "x"])]
+    k = Kernel(id="k:1", name="k", kind="generated", nodes=["alpha", "y"],
+               args=[BufferArg(name="buf0", role="out", dtype="bfloat16", node="alpha"),
+                     BufferArg(name="buf1", role="out", dtype="bfloat16", node="y")],
+               code="void kernel(...) { out_ptr0[0] = a; auto t = out_ptr0[static_cast<int64_t>(0L)]; }")
+    assert reloaded_stores(k) == ["alpha"]
+    out, rounded = reload_variant(frag, ["alpha"])
+    assert rounded == {"alpha" + SUFFIX}
+    assert next(m for m in out if m.name == "y").inputs == ["alpha" + SUFFIX, "x"]
+    normed = [n("s", "aten.add.Tensor", ["x", "r"]), n("m", "aten.mean.dim", ["s"]),
+              n("u", "aten.mul.Tensor", ["s", "x"]), n("v", "aten.mul.Tensor", ["s", "m"])]
+    out, _ = reload_variant(normed, ["s"])
+    assert next(m for m in out if m.name == "u").inputs == ["s", "x"]  # before the reduction: the FP32 register
+    assert next(m for m in out if m.name == "v").inputs == ["s" + SUFFIX, "m"]
