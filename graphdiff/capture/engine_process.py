@@ -74,13 +74,32 @@ def _fits(stored: list[int], recorded: list[int]) -> bool:
     return len(stored) == len(recorded) and all(a <= b for a, b in zip(stored, recorded))
 
 
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
 def _checkpoint_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
-    from safetensors import safe_open
+    """A checkpoint tensor mapped from its safetensors file, copy-on-write: a replay reads a few rows of an
+    embedding table, and a read copy would hold the whole table in memory (1.2 GB at Qwen3-8B's vocabulary)."""
+    import json
+    import mmap
 
     for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            if name in st.keys():  # noqa: SIM118 - safe_open has keys(), no __contains__
-                return st.get_tensor(name)
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            entry = json.loads(fh.read(size)).get(name)
+            if entry is None:
+                continue
+            dtype = _DTYPES.get(entry["dtype"])
+            if dtype is None:
+                return None
+            begin, end = entry["data_offsets"]
+            if end == begin:
+                return torch.empty(entry["shape"], dtype=dtype)
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)  # stays open while the tensor lives
+            flat = torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=8 + size + begin)
+            return flat.reshape(entry["shape"])
     return None
 
 
