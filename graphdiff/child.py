@@ -33,18 +33,19 @@ def run(module: str, request: dict, progress: Progress = lambda m: None) -> None
             proc = subprocess.Popen([sys.executable, "-m", module, str(path)], stdout=subprocess.PIPE, stderr=err,
                                     text=True)
             assert proc.stdout is not None
-            error = ""
+            error, last = "", ""
             for line in proc.stdout:
                 kind, _, msg = line.rstrip("\n").partition(" ")
                 if kind == PROGRESS:
                     progress(msg)
+                    last = msg
                 elif kind == ERROR:
                     error = msg
             rc = proc.wait()
             if rc != 0:
                 err.seek(0)
                 tail = [ln for ln in err.read().splitlines() if ln.strip()][-1:] or ["no output"]
-                raise GraphdiffError(error or f"the {module} process failed (exit {rc}): {tail[0]}")
+                raise GraphdiffError(error or failure(module, rc, last, tail[0]))
 
 
 def serve(main: Callable[[dict, Progress], None]) -> int:
@@ -60,3 +61,21 @@ def serve(main: Callable[[dict, Progress], None]) -> int:
         say(ERROR, str(e))
         return 2
     return 0
+
+
+def failure(module: str, rc: int, step: str, tail: str) -> str:
+    """One line for a child that died without saying why: the signal that killed it (a crash inside the engine's
+    native code is a SIGSEGV, running out of memory a SIGKILL) and the step it was on."""
+    import signal
+
+    how = f"exit {rc}"
+    if rc < 0:
+        try:
+            how = f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            how = f"killed by signal {-rc}"
+        if -rc == signal.SIGSEGV:
+            how += ", a crash in native code"
+        elif -rc == signal.SIGKILL:
+            how += ", often the out-of-memory killer"
+    return f"the {module} process failed ({how}){f' while {step}' if step else ''}: {tail}"
