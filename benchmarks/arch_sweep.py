@@ -117,6 +117,8 @@ def outcome(res: dict) -> str:
         text = "scanned"
         if res.get("unexplained") or res.get("not_replayed"):
             text += f" ({res.get('unproven_sites', 0)} sites unproven)"
+    elif "killed by SIG" in bad["error"]:  # the engine (or the trainer) died: a crash, not a refusal
+        text = f"CRASHED ({bad['step']}): {bad['error'].removeprefix('error:').strip()}"
     elif bad["error"].startswith("error:"):
         text = f"refused ({bad['step']}): {bad['error'].removeprefix('error:').strip()}"
     else:
@@ -187,7 +189,7 @@ def main() -> None:
         args.table.parent.mkdir(parents=True, exist_ok=True)
         args.table.write_text(text)
     print(text)
-    if any(re.search("TRACEBACK|FAILED", outcome(r)) for r in results):
+    if any(re.search("TRACEBACK|FAILED|CRASHED", outcome(r)) for r in results):
         sys.exit(1)
 
 
