@@ -26,16 +26,20 @@ from graphdiff.rounding import is_view
 ROUTER_FN, EXPERTS_FN = "moe_router_like_engine", "moe_experts_like_engine"
 SOURCE = f'''
 def {ROUTER_FN}(module, hidden_states):
-    """vLLM CPU's routing: top-k of the BF16 router logits, softmax over those k in FP32 (renormalized; else their
-    share of all), weights kept FP32. Returns what transformers' router returns: (logits, weights, indices)."""
-    hidden_states = hidden_states.reshape(-1, module.weight.shape[1])
+    """vLLM CPU's routing: top-k of the BF16 router logits (the GEMM reads BF16 inputs), softmax over those k in FP32
+    (renormalized; else their share of all), weights kept FP32. Returned in the order the module's own forward
+    returns them (Qwen: logits, weights, indices; Granite: indices, weights, logits), told apart by dtype and width."""
+    hidden_states = hidden_states.reshape(-1, module.weight.shape[1]).to(module.weight.dtype)
     logits = torch.nn.functional.linear(hidden_states, module.weight)
     values, indices = torch.topk(logits, module.top_k, dim=-1)
     if getattr(module, "norm_topk_prob", True):
         weights = torch.softmax(values.float(), dim=-1)
     else:
         weights = (values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).exp()
-    return logits, weights, indices
+    with torch.no_grad():
+        own = type(module).forward(module, hidden_states)
+    return tuple(indices.to(o.dtype) if not o.is_floating_point() else logits.to(o.dtype)
+                 if o.shape[-1] == logits.shape[-1] != weights.shape[-1] else weights for o in own)
 
 
 def {EXPERTS_FN}(module, hidden_states, top_k_index, top_k_weights):
