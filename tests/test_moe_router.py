@@ -1,4 +1,4 @@
-"""The patch's MoE router returns the engine's routing in the order the model's own router returns it."""
+"""The patch's MoE router returns the engine's routing in the model's own order; projections that are no nn.Linear."""
 
 from __future__ import annotations
 
@@ -30,3 +30,16 @@ def test_qwen_and_granite_orders_with_an_fp32_input() -> None:
         assert out["weights"].dtype == torch.float32 and out["weights"].shape == (5, 2)
         assert out["logits"].shape == (5, 6)
         torch.testing.assert_close(out["weights"], own["weights"].float(), atol=1e-2, rtol=1e-2)
+
+
+def test_a_conv1d_projection_rounds_an_fp32_input_like_a_linear() -> None:
+    """GPT-2's projections are transformers' Conv1D: the patched trainer's FP32 carry reaches them too."""
+    from transformers.pytorch_utils import Conv1D
+
+    from graphdiff.runtime import _is_conv1d, _round_linear_input
+
+    conv = Conv1D(8, 4).to(torch.bfloat16)
+    assert _is_conv1d(conv) and not _is_conv1d(torch.nn.Linear(4, 8))
+    x = torch.randn(2, 4)
+    (rounded,) = _round_linear_input(conv, (x,))
+    assert rounded.dtype == torch.bfloat16 and conv(rounded).dtype == torch.bfloat16

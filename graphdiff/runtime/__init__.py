@@ -23,8 +23,8 @@ How the generated code is spliced in (no per-model code; everything comes from t
   computes the partial products over the manifest's `shards` parts of its input dimension, each rounded to the
   weight dtype, summed in FP32 and rounded once (the generated `linear_split_k`), as the engine's ranks and its
   all-reduce do;
-- every nn.Linear rounds a floating input to its weight dtype: the engine stores every matmul input in
-  low precision, and an FP32 value the patch produced must be rounded exactly there; every nn.LayerNorm
+- every nn.Linear (and transformers' Conv1D) rounds a floating input to its weight dtype: the engine stores every
+  matmul input in low precision, and an FP32 value the patch produced must be rounded exactly there; every nn.LayerNorm
   normalizes an FP32 input in FP32 (weights upcast), as the engine's kernel normalizes the FP32 residual sum.
 Memory: a splice keeps only its inputs for the backward (the Triton backward kernel recomputes the forward; the
 PyTorch path runs under non-reentrant checkpointing), and an FP32 output that a later eager op saves (SiLU's
@@ -325,6 +325,11 @@ def _calls_replacement(mod: torch.nn.Module, key: str, replacement: Callable) ->
     return undo
 
 
+def _is_conv1d(mod: torch.nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2's projections): a linear layer with its weight transposed, not an nn.Linear."""
+    return type(mod).__name__ == "Conv1D" and isinstance(getattr(mod, "weight", None), torch.Tensor)
+
+
 def _round_linear_input(module: torch.nn.Module, args: tuple) -> tuple | None:
     x = args[0] if args else None
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != module.weight.dtype:
@@ -423,7 +428,7 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
             for _, mod in targets:
                 state.undo.append(_calls_replacement(mod, key, replacement))
     for _, mod in named:
-        if isinstance(mod, torch.nn.Linear):
+        if isinstance(mod, torch.nn.Linear) or _is_conv1d(mod):
             state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
         elif isinstance(mod, torch.nn.LayerNorm):
             state.undo.append(_layer_norm_takes_fp32(mod))
