@@ -28,7 +28,8 @@ SOURCE = f'''
 def {ROUTER_FN}(module, hidden_states):
     """vLLM CPU's routing: top-k of the BF16 router logits (the GEMM reads BF16 inputs), softmax over those k in FP32
     (renormalized; else their share of all), weights kept FP32. Returned in the order the module's own forward
-    returns them (Qwen: logits, weights, indices; Granite: indices, weights, logits), told apart by dtype and width."""
+    returns them (Qwen: logits, weights, indices; Granite: indices, weights, logits), told apart by dtype and width on
+    the module's first call."""
     hidden_states = hidden_states.reshape(-1, module.weight.shape[1]).to(module.weight.dtype)
     logits = torch.nn.functional.linear(hidden_states, module.weight)
     values, indices = torch.topk(logits, module.top_k, dim=-1)
@@ -36,10 +37,15 @@ def {ROUTER_FN}(module, hidden_states):
         weights = torch.softmax(values.float(), dim=-1)
     else:
         weights = (values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).exp()
-    with torch.no_grad():
-        own = type(module).forward(module, hidden_states)
-    return tuple(indices.to(o.dtype) if not o.is_floating_point() else logits.to(o.dtype)
-                 if o.shape[-1] == logits.shape[-1] != weights.shape[-1] else weights for o in own)
+    order = module.__dict__.get("_graphdiff_router_order")
+    if order is None:  # the module's own forward, once per module: which output is which, and its dtype
+        with torch.no_grad():
+            own = type(module).forward(module, hidden_states)
+        order = [("indices" if not o.is_floating_point() else "logits"
+                  if o.shape[-1] == logits.shape[-1] != weights.shape[-1] else "weights", o.dtype) for o in own]
+        module.__dict__["_graphdiff_router_order"] = order
+    got = dict(indices=indices, logits=logits, weights=weights)
+    return tuple(got[kind] if kind == "weights" else got[kind].to(dtype) for kind, dtype in order)
 
 
 def {EXPERTS_FN}(module, hidden_states, top_k_index, top_k_weights):

@@ -43,3 +43,17 @@ def test_a_conv1d_projection_rounds_an_fp32_input_like_a_linear() -> None:
     x = torch.randn(2, 4)
     (rounded,) = _round_linear_input(conv, (x,))
     assert rounded.dtype == torch.bfloat16 and conv(rounded).dtype == torch.bfloat16
+
+
+def test_the_router_learns_its_module_s_output_order_once() -> None:
+    calls = []
+
+    class Counted(_Router):
+        def forward(self, x: torch.Tensor) -> tuple:
+            calls.append(1)
+            return super().forward(x)
+
+    r = Counted(("indices", "weights", "logits"))
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(2))
+    first, second = engine_like_router(r, x), engine_like_router(r, x)
+    assert len(calls) == 1 and all(torch.equal(a, b) for a, b in zip(first, second))

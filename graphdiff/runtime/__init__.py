@@ -404,7 +404,8 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
                 for name, mod in targets:
                     _check_moe_module(mod, name, splice.target)
                     mod.forward = functools.partial(getattr(gen, splice.torch_fn), mod)
-                    state.undo.append(lambda mod=mod: mod.__dict__.pop("forward", None))
+                    state.undo.append(lambda mod=mod: [mod.__dict__.pop(k, None)
+                                                       for k in ("forward", "_graphdiff_router_order")])
             elif splice.target == "router":  # left as it is, it still gets the other regions' FP32 stream: its
                 for _, mod in targets:  # own F.linear (not an nn.Linear) reads it rounded, as the engine's GEMM
                     state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
