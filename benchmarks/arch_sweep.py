@@ -80,9 +80,13 @@ def kl_summary(kl_dir: Path) -> dict:
     kl = json.loads((kl_dir / "kl.json").read_text())
     plain = next((m for m in kl["measurements"] if m["regions"] is None and m["trainer_mode"] == "eager"), None)
     fixed = next((m for m in kl["measurements"] if m["regions"] and m["trainer_mode"] == "eager"), None)
+    flips = {}
+    for a in kl.get("routing", []):  # MoE: tokens whose experts differ from the engine's, all layers
+        f = flips.setdefault(a["trainer"], [0, 0])
+        f[0], f[1] = f[0] + a["differing"], f[1] + a["tokens"]
     return dict(rms_unpatched=plain["rms"] if plain else None, rms_patched=fixed["rms"] if fixed else None,
                 k3_unpatched=plain["k3"] if plain else None, k3_patched=fixed["k3"] if fixed else None,
-                tokens=plain["tokens"] if plain else 0)
+                tokens=plain["tokens"] if plain else 0, routing=flips)
 
 
 def sweep_one(arch: str, root: Path, args: argparse.Namespace) -> dict:
@@ -134,12 +138,16 @@ def fmt(x: float | None, spec: str) -> str:
 
 def table(results: list[dict]) -> str:
     head = ("| arch | outcome | sites | regions | worst kernel replay | kernels not replayed / below 99.9% | "
-            "regions patched / kept by the gate | RMS unpatched | RMS patched | RMS reduction |")
-    rows = [head, "|" + "---|" * 10]
+            "regions patched / kept by the gate | RMS unpatched | RMS patched | RMS reduction | "
+            "MoE: tokens × layers with other experts, unpatched → patched |")
+    rows = [head, "|" + "---|" * 11]
     for r in results:
         if "sites" not in r:
-            rows.append(f"| {r['arch']} | {outcome(r)} |" + " - |" * 8)
+            rows.append(f"| {r['arch']} | {outcome(r)} |" + " - |" * 9)
             continue
+        flips = r.get("routing") or {}
+        moe = " → ".join(f"{d} of {t}" for d, t in (flips.get(k) for k in ("unpatched", "patched")
+                                                     if k in flips)) or "-"
         worst = fmt(r.get("worst_replay"), ".2%")
         nr = len(r.get("not_replayed", []))
         below = ", ".join(r.get("below", [])) or ""
@@ -150,8 +158,20 @@ def table(results: list[dict]) -> str:
             p = u
         red = "-" if u is None or p is None or not u else f"{(u - p) / u:.1%}"
         rows.append(f"| {r['arch']} | {outcome(r)} | {r['sites']} | {r['regions']} | {worst} | {kern} | {patched} | "
-                    f"{fmt(u, '.4f')} | {fmt(p, '.4f')} | {red} |")
+                    f"{fmt(u, '.4f')} | {fmt(p, '.4f')} | {red} | {moe} |")
     return "\n".join(rows) + "\n"
+
+
+def machine() -> str:
+    """The CPU and whether it has AMX tiles: vLLM CPU then runs other kernels (AMX attention, small-weight GEMMs)."""
+    import platform
+
+    import torch
+
+    name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    amx = "with AMX" if torch.cpu._is_amx_tile_supported() else "without AMX"
+    return f"{name} ({amx}), {torch.get_num_threads()} threads"
 
 
 def main() -> None:
@@ -182,7 +202,7 @@ def main() -> None:
         results.append(res)
         print(f"{arch}: {outcome(res)} ({res['wall_s']:.0f} s)", flush=True)
     date = datetime.date.today().isoformat()
-    text = (f"Made {date} by `python benchmarks/arch_sweep.py {shlex.join(sys.argv[1:])}`\n\n"
+    text = (f"Made {date} by `python benchmarks/arch_sweep.py {shlex.join(sys.argv[1:])}` on {machine()}\n\n"
             + table(results))
     (args.out / "table.md").write_text(text)
     if args.table:

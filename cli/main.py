@@ -656,6 +656,14 @@ def print_kl(result) -> None:  # noqa: ANN001 - KLResult
         out.print(p)
     if result.sources_note:
         out.print(f"[yellow]note:[/] {result.sources_note}")
+    if result.routing:
+        by: dict[str, list] = {}
+        for r in result.routing:
+            by.setdefault(r.trainer, []).append(r)
+        out.print(f"MoE routing on the samples ({result.routing[0].shape}), tokens whose top-k experts differ from the "
+                  "engine's, per layer: " + "; ".join(
+                      f"{who} " + ", ".join(f"{r.layer}: {r.differing}/{r.tokens}" for r in rows)
+                      for who, rows in by.items()))
     a = result.attribution
     if a is not None:
         s = Table(title=f"Shapley attribution of the {a.metric} reduction ({a.method}; {a.tokens} tokens, "

@@ -315,6 +315,7 @@ class RoutingAgreement(BaseModel):
     tokens: int
     differing: int  # tokens whose set of top-k experts differs
     fraction: float
+    trainer: str = "unpatched"  # the trainer compared: unpatched, or patched (kl: the manifest's regions)
 
 
 class KernelEvidence(BaseModel):
@@ -403,6 +404,8 @@ class EngineSample(BaseModel):
     logprobs: list[float]  # FP32 values as the engine returned them (exact in JSON: Python floats round-trip)
     # the engine scoring the same prompt + tokens in one prefill (prompt_logprobs): its own decode/prefill floor
     prefill_logprobs: list[float] = Field(default_factory=list)
+    # MoE: per layer, the top-k experts the engine chose for each token of prompt + tokens, scored in one prefill
+    routing: dict[int, list[list[int]]] = Field(default_factory=dict)
 
 
 class EngineSamples(BaseModel):
@@ -533,6 +536,9 @@ class KLResult(BaseModel):
     engine_attention: KLMeasurement | None = None
     sources: list[GapSource] = Field(default_factory=list)
     sources_note: str = ""
+    # MoE: per layer, how often the eager trainer (unpatched, patched) chooses other experts than the compiled
+    # engine on the samples' tokens (the engine's choices recorded while it scores each sample in one prefill)
+    routing: list[RoutingAgreement] = Field(default_factory=list)
     timings: dict[str, float] = Field(default_factory=dict)
     reproduce: str = ""
     notes: list[str] = Field(default_factory=list)

@@ -194,6 +194,11 @@ def routing_agreement(graph: Graph, values: dict[str, Any], engine_ids: dict[int
     return out
 
 
+def has_router(graph: Graph) -> bool:
+    """Does the graph choose experts (a top-k the MoE layers' kernels read)?"""
+    return any(op_name(n.target) == "topk" for n in graph.nodes)
+
+
 def engine_routing(graph: Graph, records: dict[str, dict]) -> dict[int, torch.Tensor]:
     """The top-k expert indices the engine's router kernels read, per layer: a generated kernel fusing a node that
     reads item 1 of a topk takes them as its integer [tokens, k] input."""

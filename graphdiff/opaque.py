@@ -33,6 +33,11 @@ RULES = (
                   "vLLM csrc/cpu/cpu_attn_vec.hpp: q scaled in FP32, scores, softmax, P and P@V in FP32, output "
                   "rounded once; the op equals torch sdpa on FP32-upcast q/k/v rounded once "
                   "(tests/test_opaque_engine.py)"),
+    AttentionRule("CPU_ATTN", "amx", False,
+                  "vLLM's CPU amx kernel (CPUs with AMX tiles): scores and softmax in FP32, the unnormalized "
+                  "probabilities exp(s - running max) rounded to BF16 for the AMX P@V, FP32 accumulation, divided by "
+                  "the row sum at the end; it equals that computation on >= 99.9% of outputs up to 2048 keys at head "
+                  "size 64, and HF's BF16 sdpa rounds P too: no rounding-location site (tests/test_opaque_engine.py)"),
     AttentionRule("FLASH_ATTN", None, False, "FlashAttention casts P to BF16 for P@V, as torch's CUDA sdpa does"),
     AttentionRule("FLASHINFER", None, False, "FlashInfer casts P to BF16 for P@V, as torch's CUDA sdpa does"),
     AttentionRule("TRITON_ATTN", None, False, "vLLM's Triton attention casts P to the value dtype for P@V"),
@@ -54,6 +59,10 @@ _TESTED = "tests/test_opaque_ops_engine.py, against the real op"
 EXTERNS = (
     ExternRule("onednn_mm", "matmul", True, "one GEMM accumulated in FP32, the result rounded once",
                f"equals F.linear on the same BF16 inputs bit for bit at 1 to 513 rows ({_TESTED})"),
+    ExternRule("weight_packed_linear", "matmul", True,
+               "one GEMM accumulated in FP32 (AMX tiles), the bias added in FP32, the result rounded once",
+               f"vLLM CPU's small-weight GEMM on AMX CPUs; equals F.linear on >= 99.9% of outputs at 1 to 2048 rows, "
+               f"the rest summation order ({_TESTED})"),
     ExternRule("extern_kernels.mm", "matmul", True, "ATen GEMM, result rounded once", "Inductor's extern: ATen mm"),
     ExternRule("extern_kernels.addmm", "matmul", True, "ATen GEMM + bias, result rounded once", "ATen addmm"),
     ExternRule("extern_kernels.bmm", "matmul", True, "ATen batched GEMM, result rounded once", "ATen bmm"),

@@ -149,7 +149,8 @@ def short_path(file: str) -> str:
 
 KL_RUN = ("prompts", "max_tokens", "temperature", "seed", "method")  # how the gap was measured
 KL_SKIP = {"schema_version", "kind", "model", "architecture", "engine", "versions", "timings", "reproduce", "notes",
-           "floor", "engine_attention", "sources", "sources_note", "bucket"}  # position_view shows those
+           "floor", "engine_attention", "sources", "sources_note", "bucket",
+           "routing"}  # position_view and the routing table show those
 SERIES = (("unpatched", "#d93025"), ("patched", "#1a73e8"), ("patched, the engine's attention op", "#188038"),
           ("floor: engine decode vs its prefill", "#5f6368"))
 
@@ -315,6 +316,8 @@ def html_context(scan: ScanResult, train: Capture | None, engine: Capture | None
         "replay_min": min((r.predicted_bitexact for r in ok), default=None),
         "naive_max": max((r.naive_bitexact for r in ok), default=None),
         "position": position_view(scan.kl),
+        # the scan's own tokens, then the gap's samples (kl: unpatched and patched trainer)
+        "routing": [a.model_dump() for a in scan.routing] + list((scan.kl or {}).get("routing") or []),
         "kl": kl, "kl_charts": [(k, rg.bar_chart(v, "#1a73e8" if k == "shapley" else "#5f6368", region_slugs, errors),
                                  note) for k, v, errors, note in kl["charts"]],
         "has_captures": bool(train or engine), "has_dot": rg.dot_binary() is not None,

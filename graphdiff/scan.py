@@ -457,6 +457,8 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
     reproduce = "graphdiff " + shlex.join(argv) if argv else f"graphdiff scan {shlex.quote(spec)} --engine vllm"
     result = analyze(cap, buffers, train, model=spec, layers_total=_published_layers(spec, total),
                      config=config, reproduce=reproduce, notes=notes)
+    for a in result.routing if manifest is not None else []:
+        a.trainer = "patched"
     result.compilation_config = {**(compilation_config or {}), **(
         {"optimization_level": optimization_level} if optimization_level is not None else {})}
     result.timings.update(engine_startup_s=round(startup, 3), wall_s=round(time.perf_counter() - t_start, 3),

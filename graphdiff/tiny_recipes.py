@@ -118,8 +118,12 @@ ARCHS.update({
     "starcoder2": ("Starcoder2Config", _b(norm_epsilon=1e-5, **rope(100_000.0), hidden_act="gelu_pytorch_tanh",
                                           use_bias=True, sliding_window=None, residual_dropout=0.0,
                                           embedding_dropout=0.0)),
-    "gpt_neox": ("GPTNeoXConfig", _b(layer_norm_eps=1e-5, hidden_act="gelu", use_parallel_residual=True,
-                                     **rope(10_000.0, partial_rotary_factor=0.25), attention_bias=True)),
+    # no GQA: HF's GPT-NeoX attention has as many key/value heads as query heads whatever num_key_value_heads says,
+    # while vLLM's Transformers backend sizes its KV cache by num_key_value_heads (2 of 4: a 2048-token prefill
+    # wrote past the cache and segfaulted)
+    "gpt_neox": ("GPTNeoXConfig", {k: v for k, v in _b(
+        layer_norm_eps=1e-5, hidden_act="gelu", use_parallel_residual=True,
+        **rope(10_000.0, partial_rotary_factor=0.25), attention_bias=True).items() if k != "num_key_value_heads"}),
     "phi": ("PhiConfig", _b(layer_norm_eps=1e-5, hidden_act="gelu_new", **rope(10_000.0, partial_rotary_factor=0.5),
                             qk_layernorm=False, resid_pdrop=0.0, embd_pdrop=0.0)),
     "smollm3": ("SmolLM3Config", _b(**RMS, **rope(2_000_000.0), no_rope_layers=[1, 1, 0], tie_word_embeddings=True)),

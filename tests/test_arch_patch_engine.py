@@ -12,6 +12,7 @@ from graphdiff.capture.hf import load_hf_model
 from graphdiff.codegen import generate
 from graphdiff.measure.engine import random_prompts, sample_engine
 from graphdiff.measure.gate import gap, select_regions
+from graphdiff.measure.kl import _logprobs_and_routing, trainer
 from graphdiff.scan import scan
 from graphdiff.scandir import ScanDir
 from graphdiff.shapes import prefill
@@ -42,3 +43,17 @@ def test_the_shipped_patch_does_not_widen_the_gap_on_held_out_samples(arch, tmp_
         gap(base, d.patch_dir / "manifest.json", enabled, held_out)
     assert patched.rms <= unpatched.rms, (arch, enabled, unpatched, patched)
     assert patched.k3 <= unpatched.k3, (arch, enabled, unpatched, patched)
+    # MoE: the engine recorded its expert choices for every token of every sample (layer -> [tokens][k]), and the
+    # patched trainer (the engine's routing computation) flips no more of them than the unpatched one
+    if arch != "qwen3_moe":
+        assert not any(s.routing for s in samples)
+        return
+    assert all(sorted(s.routing) == [0, 1] and all(len(ids) == len(s.prompt) + len(s.tokens) and len(ids[0]) == 2
+                                                   for ids in s.routing.values()) for s in samples)
+    flips = {}
+    for label, regions in (("unpatched", None), ("patched", enabled)):
+        with trainer(base, "eager", d.patch_dir / "manifest.json" if regions else None, regions) as model:
+            _, flips[label] = _logprobs_and_routing(model, held_out, label)
+        assert [a.layer for a in flips[label]] == [0, 1] and all(a.trainer == label for a in flips[label])
+        assert all(a.tokens == sum(len(s.prompt) + len(s.tokens) for s in held_out) for a in flips[label])
+    assert sum(a.differing for a in flips["patched"]) <= sum(a.differing for a in flips["unpatched"]), flips

@@ -202,3 +202,25 @@ def test_weight_gradient_is_summed_blockwise_in_the_interpreter(qwen3_patch) -> 
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("ok")
+
+
+def test_an_attention_that_calls_sdpa_itself_is_not_patched(tmp_path: Path) -> None:
+    """The attention region swaps the function transformers' attention interface calls; where the trainer's sdpa
+    node comes from the model's own file (FalconAttention calls sdpa itself), the region is not generated and says
+    why, and the other regions still are."""
+    edited = tmp_path / "scan"
+    shutil.copytree(QWEN3, edited)
+    train = json.loads((edited / "train.capture.json").read_text())
+    sdpa = [n for g in train["graphs"] for n in g["nodes"]
+            if n.get("source") and n["source"]["file"].endswith("sdpa_attention.py")]
+    assert sdpa
+    for n in sdpa:
+        n["source"]["file"] = n["source"]["file"].replace("integrations/sdpa_attention.py",
+                                                          "models/falcon/modeling_falcon.py")
+    (edited / "train.capture.json").write_text(json.dumps(train))
+    made = generate(edited, tmp_path / "patch")
+    attention = [r for r in made.regions if r.kind == "attention"]
+    assert attention and not any(r.generated for r in attention)
+    assert all("modeling_falcon.py" in r.reason and "attention interface" in r.reason for r in attention)
+    assert any(r.generated for r in made.regions if r.kind != "attention")
+    assert "attention_fp32_inputs" not in (tmp_path / "patch" / "graphdiff_patch.py").read_text()

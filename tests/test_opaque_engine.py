@@ -39,28 +39,59 @@ def vllm_cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return out
 
 
-def test_cpu_attention_keeps_probabilities_fp32_as_the_registry_says() -> None:
+def _heads(t: torch.Tensor, h: int) -> torch.Tensor:
+    """[S, KH, D] -> [1, H, S, D], key/value heads repeated as HF's sdpa path does."""
+    return t.repeat_interleave(h // t.shape[1], 1).transpose(0, 1)[None].contiguous()
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """torch's sdpa as HF calls it, causal ([S, H, D] in and out, BF16 out)."""
+    h = q.shape[1]
+    out = F.scaled_dot_product_attention(_heads(q, h), _heads(k, h), _heads(v, h), is_causal=True, scale=scale)
+    return out[0].transpose(0, 1).to(torch.bfloat16)
+
+
+def unnormalized_p_in_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scores and softmax in FP32, exp(s - max) rounded to BF16 before P@V (FP32 sum), divided by the FP32 row sum."""
+    h, s = q.shape[1], q.shape[0]
+    scores = (_heads(q, h).float() @ _heads(k, h).float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    p = (scores - scores.amax(-1, keepdim=True)).exp()
+    out = (p.to(torch.bfloat16).float() @ _heads(v, h).float()) / p.sum(-1, keepdim=True)
+    return out[0].transpose(0, 1).to(torch.bfloat16)
+
+
+def _engine_case(want_isa: str, d: int = 64) -> tuple:
     pytest.importorskip("vllm")
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    s, h, kh, d = 96, 4, 2, 64
     isa = _get_attn_isa(torch.bfloat16, 128, d, "auto")
-    rule = attention_rule({"backend": "CPU_ATTN", "isa": isa})
-    if rule is None:
-        pytest.skip(f"this CPU runs vLLM's {isa} attention kernel, which the registry does not describe")
+    if isa != want_isa:
+        pytest.skip(f"this CPU runs vLLM's {isa} attention kernel, not {want_isa}")
+    if isa == "amx":
+        torch.cpu._init_amx()  # as vLLM's worker does; without it the AMX kernel dies of SIGILL
+    s, h, kh = 96, 4, 2
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(s, n, d, generator=gen).mul(2).to(torch.bfloat16) for n in (h, kh, kh))
     scale = d ** -0.5
-    engine = vllm_cpu_attention(q, k, v, scale, isa)
+    return attention_rule({"backend": "CPU_ATTN", "isa": isa}), q, k, v, scale, vllm_cpu_attention(q, k, v, scale, isa)
 
-    def sdpa(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """As HF's sdpa path calls it: key/value heads repeated, [1, H, S, D], causal ([S, H, D] in and out)."""
-        x, y, z = (t.repeat_interleave(h // t.shape[1], 1).transpose(0, 1)[None].contiguous() for t in (x, y, z))
-        out = F.scaled_dot_product_attention(x, y, z, is_causal=True, scale=scale)
-        return out[0].transpose(0, 1).to(torch.bfloat16)
 
-    fp32_inputs = (sdpa(q.float(), k.float(), v.float()) == engine).float().mean().item()
-    bf16_inputs = (sdpa(q, k, v) == engine).float().mean().item()
-    assert rule.probabilities_fp32
+def test_cpu_attention_vec_keeps_probabilities_fp32_as_the_registry_says() -> None:
+    rule, q, k, v, scale, engine = _engine_case("vec")
+    fp32_inputs = (sdpa(q.float(), k.float(), v.float(), scale) == engine).float().mean().item()
+    bf16_inputs = (sdpa(q, k, v, scale) == engine).float().mean().item()
+    assert rule is not None and rule.probabilities_fp32
     assert fp32_inputs >= 0.998, fp32_inputs  # the last bits of exp and summation order may differ rarely
     assert bf16_inputs < fp32_inputs - 0.05, (bf16_inputs, fp32_inputs)  # P rounded to BF16: visibly different
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_cpu_attention_amx_rounds_probabilities_as_the_registry_says(d: int) -> None:
+    """vLLM's AMX kernel rounds the unnormalized probabilities to BF16 for its tile P@V: no FP32-P site."""
+    rule, q, k, v, scale, engine = _engine_case("amx", d)
+    model = (unnormalized_p_in_bf16(q, k, v, scale) == engine).float().mean().item()
+    fp32_inputs = (sdpa(q.float(), k.float(), v.float(), scale) == engine).float().mean().item()
+    assert rule is not None and not rule.probabilities_fp32
+    assert model >= 0.999, model
+    assert fp32_inputs < model - 0.05, (fp32_inputs, model)  # P kept FP32 would be visibly different

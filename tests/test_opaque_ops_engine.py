@@ -168,6 +168,26 @@ def test_onednn_mm_equals_f_linear(m: int) -> None:
     assert bits_equal(torch.nn.functional.linear(x, w), real) == 1.0
     assert extern_rule("torch.ops._C.onednn_mm.default").fp32_inside
 
+
+@pytest.mark.parametrize("m", [1, 16, 513, 2048])
+@pytest.mark.parametrize("n", [8, 384])
+def test_weight_packed_linear_equals_f_linear(m: int, n: int) -> None:
+    """vLLM CPU's small-weight AMX GEMM (with an FP32 bias, as vLLM converts it) rounds once, like F.linear."""
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("weight_packed_linear runs only on CPUs with AMX tiles")
+    torch.cpu._init_amx()
+    w, x, b = seeded(n, 384, seed=13, scale=0.05), seeded(m, 384, seed=14), seeded(n, 1, seed=15, scale=0.1)[:, 0]
+    packed = torch.ops._C.convert_weight_packed(w)
+    for bias in (None, b):
+        real = vllm_ops.weight_packed_linear_cpu(x, packed, n, None if bias is None else bias.float())
+        want = torch.nn.functional.linear(x, w, bias)
+        twice = (torch.nn.functional.linear(x, w).float() + b.float()).to(torch.bfloat16)  # rounded before the bias
+        assert bits_equal(want, real) >= 0.999  # the rest: AMX's summation order
+        if bias is not None:
+            assert bits_equal(twice, real) < 0.95
+    assert extern_rule("torch.ops._C.weight_packed_linear.default").fp32_inside
+
+
 SHAPES = [(7, 256), (33, 4096), (5, 1000)]
 
 

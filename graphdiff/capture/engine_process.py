@@ -182,6 +182,10 @@ def _serve(req: dict, progress: Progress) -> None:
         progress(f"sampling {len(s['prompts'])} x {s['max_tokens']} tokens on the same engine (for the gap)")
         got = engine_sample(run.llm, s["prompts"], max_tokens=s["max_tokens"], seed=s["seed"],
                             temperature=s["temperature"])
+        if req.get("tensor_parallel_size", 1) == 1:
+            from graphdiff.capture.vllm import record_routing
+
+            record_routing(run, got, progress)
         level = req["optimization_level"]
         config = {**req["compilation_config"], **({"optimization_level": level} if level is not None else {})}
         store_samples(Path(s["out_dir"]), samples_run(model_dir, "compiled", s["prompts"], max_tokens=s["max_tokens"],

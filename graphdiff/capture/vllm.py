@@ -173,6 +173,8 @@ class EngineRun:
     capture: Capture
     buffers: dict[str, dict[str, Record]]  # shape label -> kernel id -> that forward's record
     startup_s: float
+    graphs: list[Graph] = field(default_factory=list)  # the model's graphs, each with the recorder below
+    recorders: list[BufferRecorder] = field(default_factory=list)
 
 
 @dataclass
@@ -331,7 +333,37 @@ def capture_vllm(model_dir: Path, shapes: list[Shape] | list[int], *, options: E
         shapes=shapes, engine_config=effective_config(llm, forced_off), attention=attention_info(model), notes=notes,
         compilation_config=asked_config(options.compilation_config, options.optimization_level),
     )
-    return EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup)
+    return EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup, graphs=graphs, recorders=recorders)
+
+
+def record_routing(run: EngineRun, samples: list[Any], progress: Progress = lambda m: None) -> None:
+    """MoE: the top-k experts the engine's router chose for every token of each sample (prompt + continuation,
+    scored in one prefill with the recorders armed) into `sample.routing` (layer -> [tokens][k]); nothing for a
+    model without a router kernel (graphdiff.moe.engine_routing)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from graphdiff.moe import engine_routing, has_router
+
+    if not samples or not any(has_router(g) for g in run.graphs):
+        return
+    progress(f"recording the engine's expert choices on the {len(samples)} samples")
+    for sample in samples:
+        for r in run.recorders:
+            r.reset()
+            r.armed = True
+        llm_tokens = list(sample.prompt) + list(sample.tokens)
+        run.llm.generate([TokensPrompt(prompt_token_ids=llm_tokens)], SamplingParams(max_tokens=1, temperature=0.0),
+                         use_tqdm=False)
+        chosen: dict[int, list[torch.Tensor]] = {}
+        for graph, r in zip(run.graphs, run.recorders):
+            r.armed = False
+            for forward in r.forwards:  # one forward, or a prefill chunked into several (tokens in order)
+                for layer, ids in engine_routing(graph, forward).items():
+                    chosen.setdefault(layer, []).append(ids.reshape(-1, ids.shape[-1]))
+            r.reset()
+        sample.routing = {layer: torch.cat(parts).tolist() for layer, parts in sorted(chosen.items())
+                          if sum(len(p) for p in parts) == len(llm_tokens)}
 
 
 def attention_info(model: torch.nn.Module) -> dict[str, str]:

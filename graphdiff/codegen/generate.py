@@ -38,6 +38,7 @@ from graphdiff.scandir import ScanDir
 
 MODULE_FILE = "graphdiff_patch.py"
 SDPA_FUNCTION = "transformers.integrations.sdpa_attention.sdpa_attention_forward"
+SDPA_FILE = "sdpa_attention.py"  # where transformers' attention interface calls torch's sdpa
 
 
 def load_scan_dir(scan_dir: Path) -> tuple[ScanResult, Capture]:
@@ -95,10 +96,17 @@ def _compile(source: str, name: str) -> object:
 
 def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, str]) -> tuple[ManifestSplice, list]:
     """An attention region is one opaque op: the trainer's own sdpa, called the way the engine computes it."""
-    owner = next((nodes[site_node[i]].module_type for i in r.sites if site_node.get(i) in nodes), "") or ""
+    site = next((nodes[site_node[i]] for i in r.sites if site_node.get(i) in nodes), None)
+    owner = (site.module_type if site else "") or ""
     splice = ManifestSplice(key="attention", target="attention", module=r.module, module_class=owner,
                             regions=[r.name], function=SDPA_FUNCTION, torch_fn=ATTENTION_FN,
                             triton_problem="calls torch's sdpa on FP32 inputs")
+    # The runtime swaps the attention function transformers' attention interface dispatches to; a model whose
+    # attention calls sdpa in its own code (FalconAttention) never reaches it.
+    called_from = Path(site.source.file).name if site is not None and site.source is not None else ""
+    if called_from and called_from != SDPA_FILE:
+        splice.problems.append(f"{owner or r.module} calls sdpa in its own code ({called_from}), not through "
+                               "transformers' attention interface, which the patch swaps")
     return splice, ["", "", f"# attention: region {r.name}", *ATTENTION_SOURCE.strip("\n").splitlines()]
 
 
@@ -182,16 +190,17 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) ->
     body: list[str] = []
     splices: list[ManifestSplice] = []
     site_node = {s.id: s.train.node for s in scan.sites}
+    status: dict[str, str] = {}
     for r in (r for r in wanted if r.kind == "attention"):
         splice, lines = _attention_splice(r, nodes, site_node)
         splices.append(splice)
-        body += lines
+        body += lines if not splice.problems else []
+        status[r.name] = "; ".join(splice.problems)
     moe_regions = [r for r in wanted if r.kind in ("router", "expert_combine")]
     splices += [_moe_splice(r, graph) for r in moe_regions]
     if moe_regions:
         body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.moe)",
                  *moe.SOURCE.strip("\n").splitlines()]
-    status: dict[str, str] = {}
     for r in (r for r in wanted if r.kind == "allreduce"):
         splice, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config))
         splices.append(splice)

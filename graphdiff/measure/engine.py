@@ -260,6 +260,11 @@ def _sample_here(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[
     """Each mode's engine in this process, one after the other, torn down in between."""
     out = {}
     for mode in modes:
+        if mode == "compiled" and tensor_parallel_size == 1 and is_moe(model_dir):
+            out[mode] = _sample_recording_routing(model_dir, prompts, max_tokens=max_tokens, seed=seed,
+                                                  temperature=temperature, progress=progress,
+                                                  compilation_config=compilation_config)
+            continue
         progress(f"starting vLLM ({mode}{', compiling with Inductor' if mode == 'compiled' else ''})")
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="graphdiff-kl-") as work, \
@@ -272,6 +277,40 @@ def _sample_here(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[
             out[mode] = engine_sample(llm, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature)
             stop_engine(llm)
     return out
+
+
+def is_moe(model_dir: Path) -> bool:
+    """A mixture-of-experts config: some `...experts` count above 1 (num_experts, num_local_experts,
+    n_routed_experts, moe_num_experts; not the shared experts or the experts per token)."""
+    from graphdiff.resolve import read_config
+
+    config = read_config(model_dir)
+    config = {**config, **(config.get("text_config") or {})}
+    return any(k.endswith("experts") and "shared" not in k and isinstance(v, int) and not isinstance(v, bool)
+               and v > 1 for k, v in config.items())
+
+
+def _sample_recording_routing(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int, seed: int,
+                              temperature: float, progress: Progress, compilation_config: dict
+                              ) -> list[EngineSample]:
+    """A compiled MoE engine started as the scan's capture starts it (its kernels wrapped by recorders), so that
+    after sampling it can record which experts it chose for every token of each sample (capture.vllm.record_routing).
+    The kernels are the same; only the capture's recorders wrap their calls."""
+    from graphdiff.capture.vllm import EngineOptions, capture_vllm, record_routing
+    from graphdiff.resolve import read_config
+    from graphdiff.shapes import prefill, with_prompts
+
+    config = dict(compilation_config)
+    level = config.pop("optimization_level", None)
+    options = EngineOptions(compilation_config=config, optimization_level=level, min_seqs=len(prompts),
+                            min_model_len=max(map(len, prompts)) + max_tokens)
+    shape = with_prompts([prefill(16)], read_config(model_dir))
+    run = capture_vllm(model_dir, shape, options=options, progress=progress)
+    progress(f"engine compiled ready in {run.startup_s:.0f}s; sampling {len(prompts)} x {max_tokens} tokens")
+    samples = engine_sample(run.llm, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature)
+    record_routing(run, samples, progress)
+    stop_engine(run.llm)
+    return samples
 
 
 def _sample_subprocess(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *,

@@ -45,6 +45,9 @@ def engine_attention_fn() -> Callable[..., tuple[torch.Tensor, None]]:
     import vllm._custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()  # the process must ask the kernel for AMX tiles first (vLLM's worker does): else SIGILL
+
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, scaling: float | None = None, softcap: float | None = None,
                   **kwargs: Any) -> tuple[torch.Tensor, None]:

@@ -26,6 +26,7 @@ import torch
 
 from graphdiff import runtime
 from graphdiff.errors import GraphdiffError
+from graphdiff.measure import routing
 from graphdiff.measure.engine import SAMPLES_FILE, random_prompts, read_prompts, sample_engine
 from graphdiff.model import (
     Attribution,
@@ -35,6 +36,7 @@ from graphdiff.model import (
     KLMeasurement,
     KLResult,
     PositionBin,
+    RoutingAgreement,
     TrainerMode,
 )
 
@@ -223,11 +225,26 @@ def check_request(config: dict, prompts: Sequence[list[int]], max_tokens: int, m
         raise GraphdiffError("--attribute needs --manifest (the patches to attribute the gap to)")
 
 
+def _logprobs_and_routing(model: Callable[..., Any], run: Sequence[EngineSample], trainer_label: str
+                          ) -> tuple[list[torch.Tensor], list[RoutingAgreement]]:
+    """The trainer's log-probs of the samples and, where the engine recorded its expert choices (MoE), how often
+    the trainer's choices differ from them on the same tokens, per layer."""
+    if not routing.has_routing(run):
+        return train_logprobs(model, run), []
+    lps, found = [], []
+    for s in run:
+        with routing.trainer_topk(model) as rec:
+            lps += train_logprobs(model, [s])
+        found.append(routing.differing(s.routing, rec.calls))
+    return lps, routing.agreement(found, routing.label(run), trainer_label)
+
+
 def _trainer_measurements(base: torch.nn.Module, samples: dict, trainer_modes: Sequence[TrainerMode],
                           manifest: Path | None, regions: Sequence[str] | None, patched: list[str] | None,
-                          progress: Progress) -> list[KLMeasurement]:
-    """Every trainer mode, unpatched and (with a manifest) patched, against every engine mode's samples."""
-    out = []
+                          progress: Progress) -> tuple[list[KLMeasurement], list[RoutingAgreement]]:
+    """Every trainer mode, unpatched and (with a manifest) patched, against every engine mode's samples; the
+    eager trainers' routing agreement with the compiled engine (MoE)."""
+    out, agree = [], []
     for tmode in trainer_modes:
         for patch in [None, patched] if manifest is not None else [None]:
             label = f"trainer {tmode}" + (f" + {'+'.join(patch)}" if patch else "")
@@ -239,9 +256,14 @@ def _trainer_measurements(base: torch.nn.Module, samples: dict, trainer_modes: S
                     run = found.samples
                     progress(f"{label} vs engine {emode}: {len(run)} sequences, "
                              f"{sum(len(s.tokens) for s in run)} tokens")
-                    out.append(gap_metrics(engine_logprobs(run), train_logprobs(model, run), engine_mode=emode,
-                                           trainer_mode=tmode, regions=patch))
-    return out
+                    if tmode == "eager" and emode == "compiled":
+                        lps, found = _logprobs_and_routing(model, run, "patched" if patch else "unpatched")
+                        agree += found
+                    else:
+                        lps = train_logprobs(model, run)
+                    out.append(gap_metrics(engine_logprobs(run), lps, engine_mode=emode, trainer_mode=tmode,
+                                           regions=patch))
+    return out, agree
 
 
 def _attribution(base: torch.nn.Module, manifest: Path, names: list[str], run: Sequence[EngineSample], metric: str,
@@ -335,7 +357,7 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
                             compilation_config=compilation_config,
                             **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}))
     t_engine = time.perf_counter()
-    measurements = _trainer_measurements(base, samples, trainer_modes, manifest, regions, patched, progress)
+    measurements, agree = _trainer_measurements(base, samples, trainer_modes, manifest, regions, patched, progress)
     attribution = None
     notes = [f"engine: tensor_parallel_size {tensor_parallel_size}"] if tensor_parallel_size > 1 else []
     if attribute:
@@ -357,5 +379,5 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
         compilation_config=dict(compilation_config or {}), attribution=attribution,
         manifest=str(manifest) if manifest else None,
         timings={"engine_s": round(t_engine - t0, 3), "trainer_s": round(time.perf_counter() - t_engine, 3)},
-        reproduce=reproduce, notes=notes,
+        reproduce=reproduce, notes=notes, routing=agree,
     )

@@ -1,0 +1,46 @@
+"""Routing agreement on the gap's samples (graphdiff.measure.routing), on a seeded tiny HF MoE model (no engine):
+the trainer's expert choices are read per decoder layer, and compared with given engine choices token by token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphdiff.capture.hf import load_hf_model
+from graphdiff.measure.routing import agreement, differing, trainer_topk
+from graphdiff.tiny import make_tiny
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    return load_hf_model(make_tiny("qwen3_moe", tmp_path_factory.mktemp("moe") / "model", layers=2))
+
+
+def _choices(model: torch.nn.Module, ids: list[int]) -> dict[int, list]:
+    with trainer_topk(model) as rec, torch.no_grad():
+        model(input_ids=torch.tensor([ids]), use_cache=False)
+    return rec.calls
+
+
+def test_the_trainers_choices_are_read_per_layer_and_compared_token_by_token(moe: torch.nn.Module) -> None:
+    ids = list(range(3, 40))
+    calls = _choices(moe, ids)
+    assert sorted(calls) == [0, 1]
+    rows, chosen = calls[0][0]
+    assert rows == len(ids) and chosen.shape[-1] == moe.config.num_experts_per_tok
+    engine = {layer: found[0][1].reshape(len(ids), -1).tolist() for layer, found in calls.items()}
+    assert differing(engine, calls) == {0: (len(ids), 0), 1: (len(ids), 0)}
+    # the same experts in another order are the same choice; another expert for 3 tokens of layer 1 is not
+    engine[0] = [row[::-1] for row in engine[0]]
+    for t in (0, 5, 9):
+        engine[1][t][0] = next(e for e in range(moe.config.num_experts) if e not in engine[1][t])
+    assert differing(engine, calls) == {0: (len(ids), 0), 1: (len(ids), 3)}
+    rows_ = agreement([differing(engine, calls)] * 2, "2 samples x 37 tokens", "patched")
+    assert [(a.layer, a.tokens, a.differing, a.trainer) for a in rows_] == [(0, 74, 0, "patched"),
+                                                                           (1, 74, 6, "patched")]
+
+
+def test_choices_of_another_length_are_not_compared(moe: torch.nn.Module) -> None:
+    calls = _choices(moe, list(range(3, 20)))
+    engine = {0: [[0, 1]] * 5}  # 5 tokens recorded: not these 17
+    assert differing(engine, calls) == {}
