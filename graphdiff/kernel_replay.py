@@ -91,11 +91,27 @@ def _concat_of(n: Node, members: set[str]) -> bool:
     return n.target == "aten.cat.default" and bool(n.inputs) and all(i in members for i in n.inputs)
 
 
+def _idle_views(members: set[str], nodes: dict[str, Node]) -> set[str]:
+    """Views the kernel lists but does not compute with: a view of values from outside the kernel that no node of
+    the kernel reads (Inductor lists the view an extern writes its output through, e.g. the `out` of a mutating
+    `_C.weight_packed_linear`, under the kernel that fuses the extern's neighbours)."""
+    idle: set[str] = set()
+    while True:
+        live = members - idle
+        read = {i for m in live for i in nodes[m].inputs}
+        more = {m for m in live if is_view(nodes[m]) and m not in read
+                and not any(i in live for i in nodes[m].inputs)}
+        if not more:
+            return idle
+        idle |= more
+
+
 def kernel_fragment(graph: Graph, k: Kernel, owned: set[str]) -> tuple[list[Node], list[str]]:
     """Kernel nodes in graph order, pulled back through views no kernel computes, and their inputs. An item of a
     tuple computed outside the kernel (an extern's topk) is an input: the tuple has no buffer, its items do."""
     nodes = graph.node_map()
     members = {n for n in k.nodes if nodes[n].op == "call_function"}
+    members -= _idle_views(members, nodes)
     while True:
         ext = {i for m in members for i in nodes[m].inputs if i not in members}
         pull = {e for e in ext if (is_view(nodes[e]) or _concat_of(nodes[e], members)) and e not in owned

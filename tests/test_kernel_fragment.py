@@ -48,3 +48,21 @@ def test_a_value_one_loop_nest_stores_and_the_next_reads_back_is_read_rounded() 
     out, _ = reload_variant(normed, ["s"])
     assert next(m for m in out if m.name == "u").inputs == ["s", "x"]  # before the reduction: the FP32 register
     assert next(m for m in out if m.name == "v").inputs == ["s" + SUFFIX, "m"]
+
+
+def test_a_view_the_kernel_lists_but_does_not_compute_with_is_left_out() -> None:
+    """vLLM CPU's `_C.weight_packed_linear` writes into an `out` buffer (an `aten.empty` viewed as [tokens, N]);
+    Inductor lists that view under the kernel fusing the extern's neighbours (GPT-NeoX's GELU kernel). It reads
+    nothing the kernel computes and nothing in the kernel reads it: it is not a fragment input (there is no
+    recorded buffer of its size), or the kernel could not be replayed."""
+    def n(name: str, target: str, inputs: list[str], shape: list) -> Node:
+        return Node(name=name, op="call_function", target=target, inputs=inputs, dtype="bfloat16", shape=shape)
+
+    g = Graph(name="g", nodes=[n("out_a", "aten.empty.memory_format", [], [4, 8]),
+                               n("out_b", "aten.empty.memory_format", [], [4, 2]),
+                               n("h", "aten.reshape.default", ["out_a"], [4, 8]),
+                               n("act", "aten.gelu.default", ["h"], [4, 8]),
+                               n("dest", "aten.reshape.default", ["out_b"], [4, 2])])
+    k = Kernel(id="k:1", name="k", kind="generated", nodes=["h", "act", "dest"])
+    frag, external = kernel_fragment(g, k, owned={"act"})
+    assert [m.name for m in frag] == ["h", "act"] and external == ["out_a"]
