@@ -7,7 +7,10 @@ kernel's code): then the second nest's consumers read the *rounded* value while 
 squares) used the FP32 register. One value per node cannot say that, so the fragment is rewritten: those
 consumers read a rounded copy (Granite's and Cohere's residual + norm kernels: 87% -> 100% replayed). Without a
 reduction, a value one loop nest stores and the next reads back is read rounded by all its consumers (Apertus's
-xIELU: its parameters' softplus, 63.6% -> 100%).
+xIELU: its parameters' softplus, 63.6% -> 100%). A store the kernel updates in place (`in_out_ptrN`) is re-loaded
+when a loop nest after the one that stores it loads it. Where the storing loop nest computes nothing else (no
+reduction, no other store: GPT-2's and OPT's final residual re-sum, stored in place, before LayerNorm's mean,
+variance and normalize nests), every consumer is in a later nest and reads the rounded value, the reductions too.
 """
 
 from __future__ import annotations
@@ -24,15 +27,92 @@ SAME_VALUE = frozenset({"convert_element_type", "_to_copy", "view", "reshape", "
 SUFFIX = "__reloaded"
 
 
-def reloaded_stores(k: Kernel) -> list[str]:
-    """FX nodes whose low-precision store the kernel's own code reads back (`out_ptrN` loaded). C++ and Triton
-    kernels name their store parameters out_ptr0, out_ptr1, ... in the order of the out args."""
+_PARAMS = re.compile(r'extern "C"\s+void\s+\w+\s*\(([^)]*)\)')
+_ALIAS = re.compile(r"\bauto\s+(\w+)\s*=\s*(\w+)\s*;")
+_NEST = re.compile(r"for\s*\(\s*int64_t\s+x0\s*=")  # the outer loop of each loop nest
+
+
+def _pointers(k: Kernel) -> dict[str, str]:
+    """Each store argument's (out/inout) pointer name in the kernel's code. The C++ signature lists the parameters
+    in the order of the call's args (an out pointer's number can skip one that aliases an in/out buffer:
+    `auto out_ptr0 = in_out_ptr1;`); without it, out args are out_ptr0, out_ptr1, ... in order."""
+    m = _PARAMS.search(k.code or "")
+    names = [p.strip().split()[-1].lstrip("*&") for p in m.group(1).split(",")] if m else []
+    if m and len(names) == len(k.args):
+        return {a.name: p for a, p in zip(k.args, names) if a.role in ("out", "inout")}
+    outs = [a for a in k.args if a.role == "out"]
+    inouts = [a for a in k.args if a.role == "inout"]
+    return {**{a.name: f"out_ptr{i}" for i, a in enumerate(outs)},
+            **{a.name: f"in_out_ptr{i}" for i, a in enumerate(inouts)}}
+
+
+def _names(body: str, ptr: str) -> list[str]:
+    """The pointer and the local names aliasing it."""
+    return [ptr, *(a for a, b in _ALIAS.findall(body) if b == ptr)]
+
+
+def _loads(text: str, names: list[str]) -> bool:
+    return any(re.search(rf"(loadu\(\s*{p}\b|=\s*{p}\s*\[)", text) for p in names)
+
+
+def _stores(text: str, names: list[str]) -> bool:
+    return any(re.search(rf"(\.store\(\s*{p}\b|\b{p}\s*\[[^\]]*\]\s*=(?!=))", text) for p in names)
+
+
+def _nests(body: str) -> list[str]:
+    """The kernel's loop nests, in order (the whole body where no outer loop is recognized)."""
+    starts = [m.start() for m in _NEST.finditer(body)]
+    if not starts:
+        return [body]
+    return [body[a:b] for a, b in zip(starts, [*starts[1:], len(body)])]
+
+
+def _stored_args(k: Kernel) -> list[tuple[str, list[str], str]]:
+    """(node, pointer names, role) of each low-precision store whose node is known."""
     body = (k.code or "").split("{", 1)[-1]
+    ptrs = _pointers(k)
+    return [(a.node, _names(body, ptrs[a.name]), a.role) for a in k.args
+            if a.role in ("out", "inout") and a.node and is_low(a.dtype) and a.name in ptrs]
+
+
+def _store_nest(nests: list[str], names: list[str]) -> int | None:
+    return next((i for i, nest in enumerate(nests) if _stores(nest, names)), None)
+
+
+def reloaded_stores(k: Kernel) -> list[str]:
+    """FX nodes whose low-precision store the kernel's own code reads back: an out pointer loaded, or an in/out
+    pointer loaded by a loop nest after the one that stores it (before, it is read as an input)."""
+    body = (k.code or "").split("{", 1)[-1]
+    nests = _nests(body)
     found = []
-    for i, a in enumerate(a for a in k.args if a.role == "out"):
-        if a.node and is_low(a.dtype) and re.search(rf"(loadu\(\s*out_ptr{i}\b|=\s*out_ptr{i}\s*\[)", body):
-            found.append(a.node)
+    for node, names, role in _stored_args(k):
+        if role == "out":
+            if _loads(body, names):
+                found.append(node)
+            continue
+        first = _store_nest(nests, names)
+        if first is not None and any(_loads(nest, names) for nest in nests[first + 1:]):
+            found.append(node)
     return found
+
+
+def stored_alone(k: Kernel) -> set[str]:
+    """Re-loaded stores whose storing loop nest reduces nothing and stores nothing else: none of the value's
+    consumers is computed from the FP32 register, all read it back rounded (the reductions too)."""
+    body = (k.code or "").split("{", 1)[-1]
+    nests = _nests(body)
+    if len(nests) < 2:
+        return set()
+    reloaded = set(reloaded_stores(k))
+    ptrs = [_names(body, p) for p in _pointers(k).values()]
+    alone = set()
+    for node, names, _ in _stored_args(k):
+        i = _store_nest(nests, names)
+        if node not in reloaded or i is None or "tmp_acc" in nests[i]:
+            continue
+        if not any(_stores(nests[i], other) for other in ptrs if other != names):
+            alone.add(node)
+    return alone
 
 
 def _depends(frag: list[Node]) -> dict[str, set[str]]:
@@ -56,9 +136,11 @@ def _swap(a: object, alias: dict[str, str]) -> object:
     return a
 
 
-def reload_variant(frag: list[Node], stored: list[str]) -> tuple[list[Node], set[str]]:
-    """The fragment with the after-reduction uses of each re-loaded store reading its rounded value; returns the
-    new node list and the added nodes to round (named `<node>__reloaded`)."""
+def reload_variant(frag: list[Node], stored: list[str],
+                   alone: set[str] | frozenset[str] = frozenset()) -> tuple[list[Node], set[str]]:
+    """The fragment with the after-reduction uses of each re-loaded store reading its rounded value (every use, for
+    a store in `alone`: see `stored_alone`); returns the new node list and the added nodes to round (named
+    `<node>__reloaded`)."""
     by = {n.name: n for n in frag}
     deps = _depends(frag)
     reductions = {n.name for n in frag if op_name(n.target) in REDUCTIONS}
@@ -72,7 +154,7 @@ def reload_variant(frag: list[Node], stored: list[str]) -> tuple[list[Node], set
         chain = [s]
         for c in chain:  # the store and the casts/views that carry its value
             chain += [u for u in users.get(c, []) if op_name(by[u].target) in SAME_VALUE and u not in chain]
-        after = [r for r in reductions if s in deps[r]]
+        after = [] if s in alone else [r for r in reductions if s in deps[r]]
         # after a reduction that reads it: the consumers past that reduction (the second loop nest); with none,
         # every consumer (a scalar computed and stored by a first loop nest, read back by the next: xIELU's
         # softplus of its parameters)
