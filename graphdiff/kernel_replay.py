@@ -111,7 +111,6 @@ def kernel_fragment(graph: Graph, k: Kernel, owned: set[str]) -> tuple[list[Node
     tuple computed outside the kernel (an extern's topk) is an input: the tuple has no buffer, its items do."""
     nodes = graph.node_map()
     members = {n for n in k.nodes if nodes[n].op == "call_function"}
-    members -= _idle_views(members, nodes)
     while True:
         ext = {i for m in members for i in nodes[m].inputs if i not in members}
         pull = {e for e in ext if (is_view(nodes[e]) or _concat_of(nodes[e], members)) and e not in owned
@@ -119,6 +118,7 @@ def kernel_fragment(graph: Graph, k: Kernel, owned: set[str]) -> tuple[list[Node
         if not pull:
             break
         members |= pull
+    members -= _idle_views(members, nodes)
     frag = [nodes[m] for m in sorted(members, key=graph.position)]
     external = list(dict.fromkeys(i for n in frag for i in n.inputs if i not in members))
     return frag, external
