@@ -74,7 +74,10 @@ def verify_splice(scan_dir: Path, gen: Any, splice: ManifestSplice, device: str 
     d = ScanDir(scan_dir)
     if not d.engine_capture.is_file():
         return []
-    cap, buffers = d.load_engine()
+    # the checkpoint the trainer side read here (an engine capture made elsewhere names that machine's path)
+    model = Path(d.load_train().model) if d.train_capture.is_file() else None
+    cap, buffers = d.load_engine(model if model is not None and model.is_dir() else None)
+    model = model if model is not None and model.is_dir() else Path(cap.model)
     records = buffers.get(cap.shapes[0].label if cap.shapes else next(iter(buffers), ""), {})
     ranks: dict[int, list] = {}
     for g in cap.graphs:
@@ -87,7 +90,7 @@ def verify_splice(scan_dir: Path, gen: Any, splice: ManifestSplice, device: str 
         recs = [(records.get(a.kernel) or {}).get("extern") for a in group]
         if not group[0].matmul or not pattern.match(module) or not all(r and "matmul_input" in r for r in recs):
             continue
-        weight = _checkpoint_tensor(Path(cap.model), f"{module}.weight")
+        weight = _checkpoint_tensor(model, f"{module}.weight")
         if weight is None or len(recs) != splice.shards:
             continue
         x = torch.cat([r["matmul_input"] for r in recs], dim=-1).to(device)
