@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from graphdiff.codegen.tp_linear import SPLIT_K_FN, SPLIT_K_SOURCE
 from graphdiff.model import Capture
+from graphdiff.opaque import attention_rule
 from graphdiff.tensor_parallel import allreduces, rank_of
 
 pytestmark = pytest.mark.engine
@@ -69,7 +70,10 @@ def test_the_allreduce_of_row_parallel_partials_is_a_site_with_its_check(tp_scan
     assert all(r["predicted_bitexact"] == 1.0 and r["naive_bitexact"] < 0.9 for r in rows)
     # the other kinds are still found on the ranks' sharded values (q/k norms, RoPE, SiLU)
     kinds = {r["kind"] for r in scan["regions"]}
-    assert {"rope", "qk_norm", "gated_act", "residual_norm", "norm_weight", "attention", "allreduce"} <= kinds
+    assert {"rope", "qk_norm", "gated_act", "residual_norm", "norm_weight", "allreduce"} <= kinds
+    cap = Capture.model_validate_json((tp_scan / "engine" / "capture.json").read_text())
+    rule = attention_rule(cap.attention)  # an attention region where the engine keeps P in FP32 (vLLM CPU's vec)
+    assert ("attention" in kinds) == (rule is not None and rule.probabilities_fp32), (cap.attention, kinds)
 
 
 def test_split_k_linear_equals_the_recorded_allreduce_outputs_bit_for_bit(tp_scan: Path,
