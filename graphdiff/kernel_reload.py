@@ -35,6 +35,48 @@ def reloaded_stores(k: Kernel) -> list[str]:
     return found
 
 
+def loop_nests(code: str) -> list[str]:
+    """The kernel's outermost `for` loops, each with its body, in code order (one per loop nest)."""
+    body = code.split("{", 1)[-1] if 'extern "C"' in code else code
+    nests, pos = [], 0
+    for m in re.finditer(r"\bfor\s*\(", body):
+        if m.start() < pos:
+            continue  # inside the previous nest
+        depth, i = 0, m.end() - 1
+        while i < len(body):  # the loop header's closing parenthesis
+            depth += {"(": 1, ")": -1}.get(body[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        j = body.find("{", i)
+        if j < 0:
+            break
+        depth, k = 0, j
+        while k < len(body):  # the body's closing brace
+            depth += {"{": 1, "}": -1}.get(body[k], 0)
+            if depth == 0:
+                break
+            k += 1
+        nests.append(body[m.start():k + 1])
+        pos = k + 1
+    return nests
+
+
+def stored_outside_reductions(k: Kernel) -> list[str]:
+    """Re-loaded stores (`reloaded_stores`) whose storing loop nest computes no reduction: every consumer of such a
+    value runs in a later nest and reads the store."""
+    outs = [a for a in k.args if a.role == "out"]
+    nests = loop_nests(k.code or "")
+    found = []
+    for node in reloaded_stores(k):
+        i = next(i for i, a in enumerate(outs) if a.node == node)
+        store = re.compile(rf"(\.store\(\s*out_ptr{i}\b|\bout_ptr{i}\s*\[[^\]]*\]\s*=[^=])")
+        storing = [n for n in nests if store.search(n)]
+        if storing and not any("tmp_acc" in n for n in storing):
+            found.append(node)
+    return found
+
+
 def _depends(frag: list[Node]) -> dict[str, set[str]]:
     inside, deps = {n.name for n in frag}, {}
     for n in frag:  # graph order
@@ -56,9 +98,11 @@ def _swap(a: object, alias: dict[str, str]) -> object:
     return a
 
 
-def reload_variant(frag: list[Node], stored: list[str]) -> tuple[list[Node], set[str]]:
-    """The fragment with the after-reduction uses of each re-loaded store reading its rounded value; returns the
-    new node list and the added nodes to round (named `<node>__reloaded`)."""
+def reload_variant(frag: list[Node], stored: list[str],
+                   everywhere: list[str] | tuple[str, ...] = ()) -> tuple[list[Node], set[str]]:
+    """The fragment with the after-reduction uses of each re-loaded store reading its rounded value (every use, for
+    the stores in `everywhere`: stored by a loop nest without a reduction); returns the new node list and the added
+    nodes to round (named `<node>__reloaded`)."""
     by = {n.name: n for n in frag}
     deps = _depends(frag)
     reductions = {n.name for n in frag if op_name(n.target) in REDUCTIONS}
@@ -72,7 +116,7 @@ def reload_variant(frag: list[Node], stored: list[str]) -> tuple[list[Node], set
         chain = [s]
         for c in chain:  # the store and the casts/views that carry its value
             chain += [u for u in users.get(c, []) if op_name(by[u].target) in SAME_VALUE and u not in chain]
-        after = [r for r in reductions if s in deps[r]]
+        after = [r for r in reductions if s in deps[r]] if s not in everywhere else []
         # after a reduction that reads it: the consumers past that reduction (the second loop nest); with none,
         # every consumer (a scalar computed and stored by a first loop nest, read back by the next: xIELU's
         # softplus of its parameters)

@@ -20,7 +20,7 @@ import torch
 
 from graphdiff.kernel_forms import SUFFIX as FORM_SUFFIX
 from graphdiff.kernel_forms import two_step_variance
-from graphdiff.kernel_reload import SUFFIX, reload_variant, reloaded_stores
+from graphdiff.kernel_reload import SUFFIX, reload_variant, reloaded_stores, stored_outside_reductions
 from graphdiff.model import Graph, Kernel, Node
 from graphdiff.ops import VIEWS, is_low, op_name
 from graphdiff.reduction_order import cpp_sum_lanes, is_row_reduction
@@ -293,7 +293,7 @@ def _reloaded(k: Kernel, plan: _Plan, inputs: dict[str, Any], outputs: dict[str,
     stored = reloaded_stores(k)
     if not stored:
         return None
-    frag, rounded = reload_variant(plan.frag, stored)
+    frag, rounded = reload_variant(plan.frag, stored, stored_outside_reductions(k))
     added = {n.name: n.dtype for n in frag if n.name.endswith(SUFFIX)}
     variant = _Plan(frag, _WithAdded(plan.declared, added), plan.rounded | rounded, plan.syms, plan.cpp,
                     plan.compute, plan.ordered)

