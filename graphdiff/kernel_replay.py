@@ -137,6 +137,16 @@ def score(run_vals: dict[str, Any], outputs: dict[str, str], record: Record) -> 
     return (good / total if total else 0.0), total
 
 
+def placement_closeness(values: dict[str, Any], node: str, real: torch.Tensor) -> float:
+    """How close a store is to a node's value; an FP32 store of a mean may hold its row sum (Inductor's mean stores
+    the sum and divides where it is read: q/k norms' sums of squares, placed by value, are the sums)."""
+    pred = values[node]
+    best = closeness(pred, real)
+    if real.dtype == torch.float32 and isinstance(values.get(node + SUM), torch.Tensor):
+        best = max(best, closeness(values[node + SUM], real))
+    return best
+
+
 def closeness(pred: torch.Tensor, real: torch.Tensor) -> float:
     """Higher is closer: bit agreement for low-precision stores, -relative error for FP32 ones."""
     if pred.numel() != real.numel():
@@ -227,7 +237,7 @@ def _place_outputs(b: _Binding, frag: list[Node], values: dict[str, Any], record
                    and isinstance(values.get(n.name), torch.Tensor)]
         by = {n.name: n for n in frag}
         if options:  # a buffer we cannot place is left out of the comparison
-            placed[buf] = max(options, key=lambda c: (closeness(values[c], real), not is_view(by[c])))
+            placed[buf] = max(options, key=lambda c: (placement_closeness(values, c, real), not is_view(by[c])))
     return placed
 
 

@@ -183,3 +183,80 @@ def test_a_value_stored_by_a_loop_nest_without_a_reduction_is_read_rounded_befor
     rep, _ = replay_kernel(graph, k, record, {b: b for b in ins}, set(computed))
     assert rep.predicted_bitexact == 1.0 and rep.fp32_max_rel_error == 0.0
     assert rep.note.startswith("a store re-loaded")
+
+
+def _qk_norm_rope_kernel() -> tuple[Graph, Kernel, dict, set[str]]:
+    """OLMo2's k-norm + RoPE kernel cut down (one head, cos/sin given): RMSNorm over the row with its sum of squares
+    stored in FP32 (the mean's sum), rotate_half's cat of the normed halves written in place into its buffer (the
+    parts stored in BF16) and read back from there for `* sin`; the norm itself stays FP32 in registers. Returns
+    the graph, the kernel, a record made as the kernel computes, and the kernel's nodes."""
+    import torch
+
+    from graphdiff.model import BufferArg
+
+    t, d = 64, 64
+
+    def n(name: str, target: str, args: list, dtype: str, shape: list) -> Node:
+        ins = [a["node"] for a in (args[0] if target == "aten.cat.default" else args)
+               if isinstance(a, dict) and "node" in a]
+        return Node(name=name, op="call_function", target=target, inputs=ins, call=[args, {}], dtype=dtype,
+                    shape=shape, kernel="k:1")
+
+    def p(name: str, dtype: str, shape: list) -> Node:
+        return Node(name=name, op="placeholder", target=name, dtype=dtype, shape=shape)
+
+    def r(x: str) -> dict:
+        return {"node": x}
+
+    f32, bf16 = "float32", "bfloat16"
+    nodes = [p("x", bf16, [t, d]), p("w", bf16, [d]), p("cos", f32, [t, d]), p("sin", f32, [t, d]),
+             n("cvt", "prims.convert_element_type.default", [r("x"), {"dtype": f32}], f32, [t, d]),
+             n("pow", "aten.pow.Tensor_Scalar", [r("cvt"), 2], f32, [t, d]),
+             n("mean", "aten.mean.dim", [r("pow"), [-1], True], f32, [t, 1]),
+             n("add", "aten.add.Tensor", [r("mean"), 1e-06], f32, [t, 1]),
+             n("rsqrt", "aten.rsqrt.default", [r("add")], f32, [t, 1]),
+             n("mul", "aten.mul.Tensor", [r("cvt"), r("rsqrt")], f32, [t, d]),
+             n("cvt2", "prims.convert_element_type.default", [r("mul"), {"dtype": bf16}], bf16, [t, d]),
+             n("normed", "aten.mul.Tensor", [r("cvt2"), r("w")], bf16, [t, d]),
+             n("hi", "aten.slice.Tensor", [r("normed"), 1, d // 2, 9223372036854775807], bf16, [t, d // 2]),
+             n("neg", "aten.neg.default", [r("hi")], bf16, [t, d // 2]),
+             n("lo", "aten.slice.Tensor", [r("normed"), 1, 0, d // 2], bf16, [t, d // 2]),
+             n("cat", "aten.cat.default", [[r("neg"), r("lo")], -1], bf16, [t, d]),
+             n("m1", "aten.mul.Tensor", [r("normed"), r("cos")], f32, [t, d]),
+             n("m2", "aten.mul.Tensor", [r("cat"), r("sin")], f32, [t, d]),
+             n("rope", "aten.add.Tensor", [r("m1"), r("m2")], f32, [t, d]),
+             n("out", "prims.convert_element_type.default", [r("rope"), {"dtype": bf16}], bf16, [t, d])]
+    computed = [m.name for m in nodes if m.op == "call_function"]
+    args = [BufferArg(name=m.name, role="in", dtype=m.dtype) for m in nodes[:4]]
+    args += [BufferArg(name="cat_buf", role="in", dtype=bf16),  # the cat's own buffer, read by the last loop nest
+             BufferArg(name="sum_buf", role="out", dtype=f32), BufferArg(name="neg_buf", role="out", dtype=bf16,
+                                                                        node="neg"),
+             BufferArg(name="lo_buf", role="out", dtype=bf16), BufferArg(name="out_buf", role="out", dtype=bf16,
+                                                                        node="out")]
+    k = Kernel(id="k:1", name="k", kind="generated", nodes=computed, args=args,
+               code='extern "C" void kernel(const at::BFloat16* in_ptr0) {}')
+    graph = Graph(name="g", nodes=nodes, kernels=[k])
+
+    gen = torch.Generator().manual_seed(1)
+    pos = torch.arange(t, dtype=torch.float32)[:, None] * torch.rand(d // 2, generator=gen).repeat(2)[None, :]
+    ins = {"x": torch.randn(t, d, generator=gen).bfloat16(), "w": (1 + 0.1 * torch.randn(d, generator=gen)).bfloat16(),
+           "cos": torch.cos(pos), "sin": torch.sin(pos), "cat_buf": torch.zeros(t, d, dtype=torch.bfloat16)}
+    x = ins["x"].float()
+    total = torch.sum(x * x, -1, keepdim=True)
+    normed = x * torch.rsqrt(total / d + 1e-06) * ins["w"].float()  # FP32 in registers
+    neg, lo = (-normed[:, d // 2:]).bfloat16(), normed[:, :d // 2].bfloat16()
+    rope = normed * ins["cos"] + torch.cat([neg, lo], -1).float() * ins["sin"]  # the cat read from its buffer
+    record = {"in": ins, "out": {"sum_buf": total, "neg_buf": neg, "lo_buf": lo, "out_buf": rope.bfloat16()},
+              "scalars": {}}
+    return graph, k, record, set(computed)
+
+
+def test_an_fp32_store_of_a_mean_is_placed_at_the_mean_by_its_row_sum() -> None:
+    """A q/k norm's sum of squares is stored in FP32 under no node name: Inductor's mean stores the row sum and
+    divides where it is read, so it is placed by comparing the store with each mean's row sum too (it was placed at
+    `mean + eps`, the value nearest the sum among the plain values, and its FP32 error read 1)."""
+    from graphdiff.kernel_replay import replay_kernel
+
+    graph, k, record, owned = _qk_norm_rope_kernel()
+    rep, _ = replay_kernel(graph, k, record, {b: b for b in ("x", "w", "cos", "sin")}, owned)
+    assert rep.outputs["sum_buf"] == "mean" and rep.fp32_max_rel_error == 0.0
