@@ -313,6 +313,30 @@ def _reloaded(k: Kernel, plan: _Plan, inputs: dict[str, Any], outputs: dict[str,
     return variant, score(run.values, outputs, record)[0], run.values
 
 
+def stored_concats(frag: list[Node], declared: Any, outputs: dict[str, str]) -> set[str]:
+    """Low-precision concatenations every part of which the kernel stores: Inductor's ConcatKernel, whose parts are
+    written in place into views of its buffer; a reader of the cat (a later loop nest) loads that buffer, the
+    parts rounded to its dtype, not the registers that computed them (OLMo2's k-norm + RoPE: rotate_half's cat of
+    the normed k halves, stored, then read back for `* sin`)."""
+    stored = set(outputs.values())
+    return {n.name for n in frag if n.target == "aten.cat.default" and is_low(declared.get(n.name))
+            and n.inputs and all(i in stored for i in n.inputs)}
+
+
+def _concats_read_back(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,
+                       predicted: float) -> tuple[_Plan, float, dict[str, Any]] | None:
+    """The plan with the stored concatenations read rounded (`stored_concats`), if there are any and that replays
+    better."""
+    cats = stored_concats(plan.frag, plan.declared, outputs) - plan.rounded
+    if not cats:
+        return None
+    variant = _Plan(plan.frag, plan.declared, plan.rounded | cats, plan.syms, plan.cpp, plan.compute, plan.ordered)
+    run = variant.run(inputs)
+    if not run.ok or score(run.values, outputs, record)[0] <= predicted:
+        return None
+    return variant, score(run.values, outputs, record)[0], run.values
+
+
 def _explicit_conversions(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,
                           predicted: float, values: dict[str, Any]) -> tuple[float, list[str], dict[str, Any]]:
     """Conversions the kernel really performs in registers: add one at a time while the replay improves."""
@@ -373,6 +397,9 @@ def replay_kernel(graph: Graph, k: Kernel, record: Record, known: dict[str, str]
     if predicted < 1.0 and (found := _reloaded(k, plan, ext_inputs, outputs, record, predicted)) is not None:
         plan, predicted, values = found
         note = "a store re-loaded by the kernel's later loop nest is read rounded there"
+    if predicted < 1.0 and (found := _concats_read_back(plan, ext_inputs, outputs, record, predicted)) is not None:
+        plan, predicted, values = found
+        note = "; ".join(filter(None, [note, "a concatenation of its stores is read back from its buffer"]))
     predicted, explicit, values = _explicit_conversions(plan, ext_inputs, outputs, record, predicted, values)
     aten = _aten_order(plan, ext_inputs, outputs, record, explicit) if plan.ordered else None
     if aten is not None and (aten[0], -aten[1]) > (predicted, -fp32_error(values, outputs, record)):

@@ -251,6 +251,21 @@ def _qk_norm_rope_kernel() -> tuple[Graph, Kernel, dict, set[str]]:
     return graph, k, record, set(computed)
 
 
+def test_a_concatenation_of_the_kernels_stores_is_read_back_rounded() -> None:
+    """OLMo2's k-norm + RoPE: rotate_half's cat is Inductor's ConcatKernel, its parts (the normed halves, FP32 in
+    registers) stored in BF16 into views of its buffer, and the `* sin` nest loads that buffer: the cat is read
+    rounded although no FX node rounds it (the real kernel's RoPE store: 93% replayed when the cat was taken from
+    the registers)."""
+    from graphdiff.kernel_replay import Declared, replay_kernel, stored_concats
+
+    graph, k, record, owned = _qk_norm_rope_kernel()
+    rep, _ = replay_kernel(graph, k, record, {b: b for b in ("x", "w", "cos", "sin")}, owned)
+    assert rep.outputs["lo_buf"] == "lo" and rep.predicted_bitexact == 1.0
+    assert rep.per_output["out_buf"] == (1.0, rep.per_output["out_buf"][1])
+    assert "concatenation" in rep.note
+    assert stored_concats(graph.nodes, Declared(graph), rep.outputs) == {"cat"}
+
+
 def test_an_fp32_store_of_a_mean_is_placed_at_the_mean_by_its_row_sum() -> None:
     """A q/k norm's sum of squares is stored in FP32 under no node name: Inductor's mean stores the row sum and
     divides where it is read, so it is placed by comparing the store with each mean's row sum too (it was placed at
