@@ -22,7 +22,7 @@ from graphdiff.kernel_forms import SUFFIX as FORM_SUFFIX
 from graphdiff.kernel_forms import two_step_variance
 from graphdiff.kernel_reload import SUFFIX, reload_variant, reloaded_stores, stored_outside_reductions
 from graphdiff.model import Graph, Kernel, Node
-from graphdiff.ops import VIEWS, is_low, op_name
+from graphdiff.ops import UNINITIALIZED, VIEWS, is_low, op_name
 from graphdiff.reduction_order import cpp_sum_lanes, is_row_reduction
 from graphdiff.replay import LOW, SUM, bits_equal_fraction, run_fragment, to_dtype
 
@@ -103,9 +103,35 @@ def kernel_fragment(graph: Graph, k: Kernel, owned: set[str]) -> tuple[list[Node
         if not pull:
             break
         members |= pull
+    members -= _unread_views_of_allocations(k, members, nodes)
     frag = [nodes[m] for m in sorted(members, key=graph.position)]
     external = list(dict.fromkeys(i for n in frag for i in n.inputs if i not in members))
     return frag, external
+
+
+def _unread_views_of_allocations(k: Kernel, members: set[str], nodes: dict[str, Node]) -> set[str]:
+    """Views of an uninitialized allocation made outside the kernel that nothing in the kernel reads: the provenance
+    names, among a kernel's nodes, the view of the out= buffer the next extern writes (OLMo2 on vLLM's CPU
+    `weight_packed_linear`: `view(empty)` in the norm and SiLU kernels). They compute nothing here, and the
+    allocation has no value to bind: with them the whole fragment had an input it could not resolve."""
+    stored = {a.node for a in k.args if a.role in ("out", "inout") and a.node}
+
+    def root(name: str) -> Node:
+        n = nodes[name]
+        while is_view(n) and n.inputs and n.inputs[0] in members:
+            n = nodes[n.inputs[0]]
+        return nodes[n.inputs[0]] if is_view(n) and n.inputs else n
+
+    dropped: set[str] = set()
+    while True:
+        kept = members - dropped
+        read = {i for m in kept for i in nodes[m].inputs}
+        more = {m for m in kept if is_view(nodes[m]) and m not in read and m not in stored
+                and root(m).name not in kept and root(m).op == "call_function"
+                and op_name(root(m).target) in UNINITIALIZED}
+        if not more:
+            return dropped
+        dropped |= more
 
 
 def bind_symbols(graph: Graph, record: Record) -> dict[str, int]:

@@ -275,3 +275,21 @@ def test_an_fp32_store_of_a_mean_is_placed_at_the_mean_by_its_row_sum() -> None:
     graph, k, record, owned = _qk_norm_rope_kernel()
     rep, _ = replay_kernel(graph, k, record, {b: b for b in ("x", "w", "cos", "sin")}, owned)
     assert rep.outputs["sum_buf"] == "mean" and rep.fp32_max_rel_error == 0.0
+
+
+def test_views_of_an_extern_out_buffer_that_the_kernel_does_not_read_are_left_out() -> None:
+    """OLMo2 on vLLM's CPU `weight_packed_linear`: the provenance names the view of the next extern's out= buffer
+    (`view(empty)`) among the norm kernel's nodes. It computes nothing there, and `empty` has no value: with it in
+    the fragment the kernel was not replayed at all ("inputs could not be resolved")."""
+    def n(name: str, target: str, inputs: list[str], shape: list) -> Node:
+        return Node(name=name, op="call_function", target=target, inputs=inputs, dtype="bfloat16", shape=shape)
+
+    g = Graph(name="g", nodes=[Node(name="x", op="placeholder", target="", dtype="bfloat16", shape=[2, 8]),
+                               n("empty", "aten.empty.memory_format", [], [2, 16]),
+                               n("a", "aten.neg.default", ["x"], [2, 8]),
+                               n("v1", "aten.reshape.default", ["empty"], [1, 2, 16]),
+                               n("v2", "aten.reshape.default", ["v1"], [32]),
+                               n("v3", "aten.reshape.default", ["a"], [16])])
+    k = Kernel(id="k:1", name="k", kind="generated", nodes=["a", "v1", "v2", "v3"])
+    frag, external = kernel_fragment(g, k, owned={"a", "v1", "v2", "v3"})
+    assert [m.name for m in frag] == ["a", "v3"] and external == ["x"]
