@@ -92,15 +92,21 @@ def _concat_of(n: Node, members: set[str]) -> bool:
 
 
 def _idle_views(members: set[str], nodes: dict[str, Node]) -> set[str]:
-    """Views the kernel lists but does not compute with: a view of values from outside the kernel that no node of
-    the kernel reads (Inductor lists the view an extern writes its output through, e.g. the `out` of a mutating
-    `_C.weight_packed_linear`, under the kernel that fuses the extern's neighbours)."""
+    """Views the kernel lists but does not compute with: views (or views of such views) of values from outside the
+    kernel that no other node of the kernel reads (Inductor lists the view an extern writes its output through,
+    e.g. the `out` buffer of a mutating `_C.weight_packed_linear`, under the kernel that fuses the extern's
+    neighbours). With them the fragment had an input with no recorded buffer and was not replayed."""
+    outside: set[str] = set()  # views rooted outside the kernel
+    while True:
+        more = {m for m in members - outside if is_view(nodes[m]) and nodes[m].inputs
+                and all(i not in members or i in outside for i in nodes[m].inputs)}
+        if not more:
+            break
+        outside |= more
     idle: set[str] = set()
     while True:
-        live = members - idle
-        read = {i for m in live for i in nodes[m].inputs}
-        more = {m for m in live if is_view(nodes[m]) and m not in read
-                and not any(i in live for i in nodes[m].inputs)}
+        read = {i for m in members - idle for i in nodes[m].inputs}
+        more = {m for m in outside - idle if m not in read}
         if not more:
             return idle
         idle |= more
@@ -151,6 +157,16 @@ def score(run_vals: dict[str, Any], outputs: dict[str, str], record: Record) -> 
         good += bits_equal_fraction(pred, real) * real.numel()
         total += real.numel()
     return (good / total if total else 0.0), total
+
+
+def placement_closeness(values: dict[str, Any], node: str, real: torch.Tensor) -> float:
+    """How close a store is to a node's value; an FP32 store of a mean may hold its row sum (Inductor's mean stores
+    the sum and divides where it is read: q/k norms' sums of squares, placed by value, are the sums)."""
+    pred = values[node]
+    best = closeness(pred, real)
+    if real.dtype == torch.float32 and isinstance(values.get(node + SUM), torch.Tensor):
+        best = max(best, closeness(values[node + SUM], real))
+    return best
 
 
 def closeness(pred: torch.Tensor, real: torch.Tensor) -> float:
@@ -243,7 +259,7 @@ def _place_outputs(b: _Binding, frag: list[Node], values: dict[str, Any], record
                    and isinstance(values.get(n.name), torch.Tensor)]
         by = {n.name: n for n in frag}
         if options:  # a buffer we cannot place is left out of the comparison
-            placed[buf] = max(options, key=lambda c: (closeness(values[c], real), not is_view(by[c])))
+            placed[buf] = max(options, key=lambda c: (placement_closeness(values, c, real), not is_view(by[c])))
     return placed
 
 
@@ -319,6 +335,30 @@ def _reloaded(k: Kernel, plan: _Plan, inputs: dict[str, Any], outputs: dict[str,
     return variant, score(run.values, outputs, record)[0], run.values
 
 
+def stored_concats(frag: list[Node], declared: Any, outputs: dict[str, str]) -> set[str]:
+    """Low-precision concatenations every part of which the kernel stores: Inductor's ConcatKernel, whose parts are
+    written in place into views of its buffer; a reader of the cat (a later loop nest) loads that buffer, the
+    parts rounded to its dtype, not the registers that computed them (OLMo2's k-norm + RoPE: rotate_half's cat of
+    the normed k halves, stored, then read back for `* sin`)."""
+    stored = set(outputs.values())
+    return {n.name for n in frag if n.target == "aten.cat.default" and is_low(declared.get(n.name))
+            and n.inputs and all(i in stored for i in n.inputs)}
+
+
+def _concats_read_back(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,
+                       predicted: float) -> tuple[_Plan, float, dict[str, Any]] | None:
+    """The plan with the stored concatenations read rounded (`stored_concats`), if there are any and that replays
+    better."""
+    cats = stored_concats(plan.frag, plan.declared, outputs) - plan.rounded
+    if not cats:
+        return None
+    variant = _Plan(plan.frag, plan.declared, plan.rounded | cats, plan.syms, plan.cpp, plan.compute, plan.ordered)
+    run = variant.run(inputs)
+    if not run.ok or score(run.values, outputs, record)[0] <= predicted:
+        return None
+    return variant, score(run.values, outputs, record)[0], run.values
+
+
 def _explicit_conversions(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,
                           predicted: float, values: dict[str, Any]) -> tuple[float, list[str], dict[str, Any]]:
     """Conversions the kernel really performs in registers: add one at a time while the replay improves."""
@@ -379,6 +419,9 @@ def replay_kernel(graph: Graph, k: Kernel, record: Record, known: dict[str, str]
     if predicted < 1.0 and (found := _reloaded(k, plan, ext_inputs, outputs, record, predicted)) is not None:
         plan, predicted, values = found
         note = "a store re-loaded by the kernel's later loop nest is read rounded there"
+    if predicted < 1.0 and (found := _concats_read_back(plan, ext_inputs, outputs, record, predicted)) is not None:
+        plan, predicted, values = found
+        note = "; ".join(filter(None, [note, "a concatenation of its stores is read back from its buffer"]))
     predicted, explicit, values = _explicit_conversions(plan, ext_inputs, outputs, record, predicted, values)
     aten = _aten_order(plan, ext_inputs, outputs, record, explicit) if plan.ordered else None
     if aten is not None and (aten[0], -aten[1]) > (predicted, -fp32_error(values, outputs, record)):

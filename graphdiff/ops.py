@@ -37,6 +37,8 @@ ATTENTION_MARKS = ("attention", "scaled_dot_product")
 ACTIVATIONS = frozenset({"silu", "gelu", "sigmoid", "tanh", "relu", "softplus", "mish", "elu", "leaky_relu",
                          "hardswish", "gelu_tanh"})
 ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "zeros", "full", "new_empty"})
+# Allocations whose contents are undefined until a kernel writes them (an extern's out= buffer).
+UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty"})
 LOW_DTYPES = frozenset({"bfloat16", "float16"})
 
 

@@ -120,6 +120,9 @@ class RoundingInterpreter(torch.fx.Interpreter):
             out = super().run_node(n)
         elif op_name(str(n.target)) in DATA_MOVEMENT:
             out = torch.fx.node.map_aggregate(super().run_node(n), self._up)
+            low = to_dtype(self.declared.get(n.name))  # a value read from its buffer (a cat written in place)
+            if n.name in self.rounded and isinstance(out, torch.Tensor) and low in LOW:
+                out = out.to(low).to(self.compute)
         else:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             args = torch.fx.node.map_aggregate(args, self._up)

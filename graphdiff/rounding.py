@@ -23,7 +23,7 @@ import torch
 
 from graphdiff.kernel_replay import Declared, KernelReplay, Record, is_view, replay_kernel
 from graphdiff.model import Graph, Kernel
-from graphdiff.ops import EXACT, is_low, op_name
+from graphdiff.ops import EXACT, UNINITIALIZED, is_low, op_name
 from graphdiff.replay import LOW, run_fragment
 
 __all__ = ["EngineRounding", "KernelReplay", "buffer_nodes", "engine_rounding", "eager_values", "is_view",
@@ -137,14 +137,17 @@ def engine_rounding(graph: Graph, buffers: dict[str, Record]) -> EngineRounding:
 def _evaluate_glue(graph: Graph, owned: set[str], values: dict[str, torch.Tensor],
                    seen_outside: dict[str, torch.Tensor], buffers: dict[str, Any]) -> None:
     """Values of nodes no kernel computes (views, concatenations realized as buffer aliasing),
-    from the stored values of their inputs."""
+    from the stored values of their inputs. An uninitialized allocation no recorded load gave a value (the buffer an
+    extern writes its output into: attention's) has none: evaluated, it would be whatever memory `torch.empty`
+    returns, and its views candidates of the matcher that differ from run to run."""
     extern_nodes = {n for k in graph.kernels if k.kind == "extern" for n in k.nodes}
     syms: dict[str, int] = {}
     for rec in buffers.values():
         syms.update({k: v for k, v in rec.get("scalars", {}).items() if isinstance(v, int)})
     declared = Declared(graph)
     for n in graph.nodes:
-        if n.op != "call_function" or n.name in values or n.name in owned or n.name in extern_nodes:
+        if n.op != "call_function" or n.name in values or n.name in owned or n.name in extern_nodes \
+                or op_name(n.target) in UNINITIALIZED:
             continue
         ins = {}
         nodes = graph.node_map()

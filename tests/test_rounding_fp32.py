@@ -15,3 +15,26 @@ def test_a_large_matmul_is_rerun_in_fp32_blockwise_with_the_same_result(monkeypa
     got = rounding.mm_fp32_chunked(a, b)
     assert got.dtype == torch.float32 and got.shape == whole.shape
     assert torch.allclose(got, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_an_uninitialized_allocation_and_its_views_get_no_glue_value() -> None:
+    """The attention output buffer (`empty`, written by the attention extern) with no recorded load: evaluating it
+    gave `torch.empty`'s memory to it and its views, and the matcher then matched Qwen2-MoE's last residual sum to
+    that garbage in some runs (not in others)."""
+    from graphdiff.model import Graph, Node
+    from graphdiff.rounding import _evaluate_glue
+
+    nodes = [Node(name="n", op="placeholder", target="n", sym="s0"),
+             Node(name="empty", op="call_function", target="aten.empty.memory_format", inputs=["n"],
+                  call=[[[{"node": "n"}, 8]], {"dtype": {"dtype": "bfloat16"}}], dtype="bfloat16", shape=["s0", 8]),
+             Node(name="view", op="call_function", target="aten.reshape.default", inputs=["empty"],
+                  call=[[{"node": "empty"}, [-1]], {}], dtype="bfloat16", shape=[64]),
+             Node(name="cast", op="call_function", target="prims.convert_element_type.default", inputs=["x"],
+                  call=[[{"node": "x"}, {"dtype": "float32"}], {}], dtype="float32", shape=[4]),
+             Node(name="x", op="placeholder", target="x", dtype="bfloat16", shape=[4])]
+    graph = Graph(name="g", nodes=nodes)
+    values: dict = {}
+    seen = {"x": torch.ones(4)}
+    _evaluate_glue(graph, set(), values, seen, {"k": {"in": {}, "out": {}, "scalars": {"s0": 8}}})
+    assert "empty" not in values and "view" not in values
+    assert torch.equal(values["cast"], torch.ones(4))  # other glue still evaluated
