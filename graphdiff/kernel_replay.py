@@ -22,7 +22,7 @@ from graphdiff.kernel_forms import SUFFIX as FORM_SUFFIX
 from graphdiff.kernel_forms import two_step_variance
 from graphdiff.kernel_reload import SUFFIX, reload_variant, reloaded_stores, stored_alone
 from graphdiff.model import Graph, Kernel, Node
-from graphdiff.ops import VIEWS, is_low, op_name
+from graphdiff.ops import UNINITIALIZED, VIEWS, is_low, op_name
 from graphdiff.reduction_order import cpp_sum_lanes, is_row_reduction
 from graphdiff.replay import LOW, SUM, bits_equal_fraction, run_fragment, to_dtype
 
@@ -91,22 +91,25 @@ def _concat_of(n: Node, members: set[str]) -> bool:
     return n.target == "aten.cat.default" and bool(n.inputs) and all(i in members for i in n.inputs)
 
 
-def _idle_views(members: set[str], nodes: dict[str, Node]) -> set[str]:
-    """Views the kernel lists but does not compute with: views (or views of such views) of values from outside the
-    kernel that no other node of the kernel reads (Inductor lists the view an extern writes its output through,
-    e.g. the `out` buffer of a mutating `_C.weight_packed_linear`, under the kernel that fuses the extern's
-    neighbours). With them the fragment had an input with no recorded buffer and was not replayed."""
-    outside: set[str] = set()  # views rooted outside the kernel
-    while True:
-        more = {m for m in members - outside if is_view(nodes[m]) and nodes[m].inputs
-                and all(i not in members or i in outside for i in nodes[m].inputs)}
-        if not more:
-            break
-        outside |= more
+def _idle_views(k: Kernel, members: set[str], nodes: dict[str, Node]) -> set[str]:
+    """Views the kernel lists but does not compute with: views (or views of such views) of an uninitialized
+    allocation made outside the kernel that nothing in the kernel reads or stores. Inductor lists the view an extern
+    writes its output through (the `out` buffer of vLLM CPU's mutating `_C.weight_packed_linear`) under the kernel
+    fusing the extern's neighbours; the allocation has no value, and with it the fragment could not be replayed."""
+    stored = {a.node for a in k.args if a.role in ("out", "inout") and a.node}
+
+    def root(name: str) -> Node:
+        n = nodes[name]
+        while is_view(n) and n.inputs:
+            n = nodes[n.inputs[0]]
+        return n
+
+    candidates = {m for m in members if is_view(nodes[m]) and m not in stored
+                  and root(m).name not in members and op_name(root(m).target) in UNINITIALIZED}
     idle: set[str] = set()
     while True:
         read = {i for m in members - idle for i in nodes[m].inputs}
-        more = {m for m in outside - idle if m not in read}
+        more = {m for m in candidates - idle if m not in read}
         if not more:
             return idle
         idle |= more
@@ -124,7 +127,7 @@ def kernel_fragment(graph: Graph, k: Kernel, owned: set[str]) -> tuple[list[Node
         if not pull:
             break
         members |= pull
-    members -= _idle_views(members, nodes)
+    members -= _idle_views(k, members, nodes)
     frag = [nodes[m] for m in sorted(members, key=graph.position)]
     external = list(dict.fromkeys(i for n in frag for i in n.inputs if i not in members))
     return frag, external
