@@ -287,7 +287,7 @@ def test_the_engine_child_process_protocol(monkeypatch, tmp_path, capsys):
     assert child.serve(eng._child) == 0
     assert capsys.readouterr().out == "@progress sampling now\n"  # one line per message: the parent reads lines
     assert json.loads(result.read_text()) == {"eager": [{"prompt": [1, 2], "tokens": [3], "logprobs": [-0.5],
-                                                     "prefill_logprobs": []}]}
+                                                     "prefill_logprobs": [], "routing": {}}]}
 
     def failing(*args, **kwargs):
         raise GraphdiffError("vLLM could not start on m: boom")
