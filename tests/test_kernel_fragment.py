@@ -6,6 +6,22 @@ from graphdiff.kernel_replay import kernel_fragment
 from graphdiff.model import Graph, Kernel, Node
 
 
+def _call(name: str, target: str, args: list, dtype: str, shape: list) -> Node:
+    """A node of kernel k:1 with its FX arguments (a cat's tensors are its first argument)."""
+    tensors = args[0] if target == "aten.cat.default" else args
+    ins = [a["node"] for a in tensors if isinstance(a, dict) and "node" in a]
+    return Node(name=name, op="call_function", target=target, inputs=ins, call=[args, {}], dtype=dtype, shape=shape,
+                kernel="k:1")
+
+
+def _placeholder(name: str, dtype: str, shape: list) -> Node:
+    return Node(name=name, op="placeholder", target=name, dtype=dtype, shape=shape)
+
+
+def _ref(x: str) -> dict:
+    return {"node": x}
+
+
 def test_a_concatenation_written_in_place_by_the_kernel_is_part_of_its_fragment() -> None:
     """Partial RoPE (StableLM, GLM): the kernel stores the rotated halves into views of a cat's buffer and a later
     loop nest copies that cat into the next one; the cat has no kernel of its own, so its buffer as recorded when
@@ -154,16 +170,7 @@ def test_a_value_stored_by_a_loop_nest_without_a_reduction_is_read_rounded_befor
 
     t, d = 32, 64
 
-    def n(name: str, target: str, args: list, dtype: str, shape: list) -> Node:
-        ins = [a["node"] for a in args if isinstance(a, dict) and "node" in a]
-        return Node(name=name, op="call_function", target=target, inputs=ins, call=[args, {}], dtype=dtype,
-                    shape=shape, kernel="k:1")
-
-    def p(name: str, dtype: str, shape: list) -> Node:
-        return Node(name=name, op="placeholder", target=name, dtype=dtype, shape=shape)
-
-    def r(x: str) -> dict:
-        return {"node": x}
+    n, p, r = _call, _placeholder, _ref
 
     nodes = [p("g", "bfloat16", [t, 1]), p("sh", "bfloat16", [t, d]), p("moe", "bfloat16", [t, d]),
              p("res", "float32", [t, d]), p("w", "bfloat16", [d]),
@@ -214,17 +221,7 @@ def _qk_norm_rope_kernel() -> tuple[Graph, Kernel, dict, set[str]]:
 
     t, d = 64, 64
 
-    def n(name: str, target: str, args: list, dtype: str, shape: list) -> Node:
-        ins = [a["node"] for a in (args[0] if target == "aten.cat.default" else args)
-               if isinstance(a, dict) and "node" in a]
-        return Node(name=name, op="call_function", target=target, inputs=ins, call=[args, {}], dtype=dtype,
-                    shape=shape, kernel="k:1")
-
-    def p(name: str, dtype: str, shape: list) -> Node:
-        return Node(name=name, op="placeholder", target=name, dtype=dtype, shape=shape)
-
-    def r(x: str) -> dict:
-        return {"node": x}
+    n, p, r = _call, _placeholder, _ref
 
     f32, bf16 = "float32", "bfloat16"
     nodes = [p("x", bf16, [t, d]), p("w", bf16, [d]), p("cos", f32, [t, d]), p("sin", f32, [t, d]),
