@@ -115,6 +115,20 @@ def stored_alone(k: Kernel) -> set[str]:
     return alone
 
 
+def nest_reductions(k: Kernel) -> dict[str, int]:
+    """Re-loaded stores -> how many reductions their storing loop nest computes (`tmp_accN` accumulators): only
+    those read the FP32 register; a reduction of the same value in a later nest reads the store (GPT-NeoX's two
+    LayerNorms of one residual sum: the first mean from the registers, the second's from the BF16 store)."""
+    body = (k.code or "").split("{", 1)[-1]
+    nests = _nests(body)
+    reloaded, out = set(reloaded_stores(k)), {}
+    for node, names, _ in _stored_args(k):
+        i = _store_nest(nests, names)
+        if node in reloaded and i is not None:
+            out[node] = len(set(re.findall(r"\bfloat\s+(tmp_acc\d+)\s*=", nests[i])))
+    return out
+
+
 def _depends(frag: list[Node]) -> dict[str, set[str]]:
     inside, deps = {n.name for n in frag}, {}
     for n in frag:  # graph order
@@ -136,11 +150,12 @@ def _swap(a: object, alias: dict[str, str]) -> object:
     return a
 
 
-def reload_variant(frag: list[Node], stored: list[str],
-                   alone: set[str] | frozenset[str] = frozenset()) -> tuple[list[Node], set[str]]:
+def reload_variant(frag: list[Node], stored: list[str], alone: set[str] | frozenset[str] = frozenset(),
+                   in_nest: dict[str, int] | None = None) -> tuple[list[Node], set[str]]:
     """The fragment with the after-reduction uses of each re-loaded store reading its rounded value (every use, for
-    a store in `alone`: see `stored_alone`); returns the new node list and the added nodes to round (named
-    `<node>__reloaded`)."""
+    a store in `alone`: see `stored_alone`; with `in_nest`, every use but the first n reductions of the value and
+    what feeds them, n its storing nest's reductions: see `nest_reductions`); returns the new node list and the
+    added nodes to round (named `<node>__reloaded`)."""
     by = {n.name: n for n in frag}
     deps = _depends(frag)
     reductions = {n.name for n in frag if op_name(n.target) in REDUCTIONS}
@@ -160,6 +175,11 @@ def reload_variant(frag: list[Node], stored: list[str],
         # softplus of its parameters)
         later = [u for c in chain for u in users.get(c, []) if u not in chain
                  and (not after or any(r in deps[u] for r in after))]
+        if in_nest is not None and s in in_nest:  # the storing nest's own reductions read the register
+            direct = [r for r in by if r in reductions and s in deps[r] and not deps[r] & reductions]
+            mine = direct[:in_nest[s]]
+            feeding = {u for r in mine for u in (r, *deps[r]) if not deps[u] & reductions}
+            later = [u for c in chain for u in users.get(c, []) if u not in chain and u not in feeding]
         if not later:
             continue
         alias = {s: s + SUFFIX}

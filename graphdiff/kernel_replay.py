@@ -20,7 +20,7 @@ import torch
 
 from graphdiff.kernel_forms import SUFFIX as FORM_SUFFIX
 from graphdiff.kernel_forms import two_step_variance
-from graphdiff.kernel_reload import SUFFIX, reload_variant, reloaded_stores, stored_alone
+from graphdiff.kernel_reload import SUFFIX, nest_reductions, reload_variant, reloaded_stores, stored_alone
 from graphdiff.model import Graph, Kernel, Node
 from graphdiff.ops import UNINITIALIZED, VIEWS, is_low, op_name
 from graphdiff.reduction_order import cpp_sum_lanes, is_row_reduction
@@ -328,14 +328,21 @@ def _reloaded(k: Kernel, plan: _Plan, inputs: dict[str, Any], outputs: dict[str,
     stored = reloaded_stores(k)
     if not stored:
         return None
-    frag, rounded = reload_variant(plan.frag, stored, stored_alone(k))
-    added = {n.name: n.dtype for n in frag if n.name.endswith(SUFFIX)}
-    variant = _Plan(frag, _WithAdded(plan.declared, added), plan.rounded | rounded, plan.syms, plan.cpp,
-                    plan.compute, plan.ordered)
-    run = variant.run(inputs)
-    if not run.ok or score(run.values, outputs, record)[0] <= predicted:
-        return None
-    return variant, score(run.values, outputs, record)[0], run.values
+    best = None
+    # by dataflow (the consumers past a reduction of the value), then by loop nest (all but the storing nest's own
+    # reductions): the better replay is kept
+    for in_nest in (None, nest_reductions(k)):
+        frag, rounded = reload_variant(plan.frag, stored, stored_alone(k), in_nest)
+        added = {n.name: n.dtype for n in frag if n.name.endswith(SUFFIX)}
+        variant = _Plan(frag, _WithAdded(plan.declared, added), plan.rounded | rounded, plan.syms, plan.cpp,
+                        plan.compute, plan.ordered)
+        run = variant.run(inputs)
+        got = score(run.values, outputs, record)[0] if run.ok else 0.0
+        if got > (best[1] if best else predicted):
+            best = (variant, got, run.values)
+        if got == 1.0:
+            break
+    return best
 
 
 def stored_concats(frag: list[Node], declared: Any, outputs: dict[str, str]) -> set[str]:

@@ -33,6 +33,12 @@ def main(scan_dir: Path, kid: str, shape: str, out: Path) -> None:
     owned = {n for kk in graph.kernels if kk.kind == "generated" for n in kk.nodes}
     frag, external = kernel_fragment(graph, k, owned)
     keep = {n.name for n in frag} | set(external)
+    # the kernel's listed nodes the fragment leaves out (views of an extern's out buffer) with what they view, so the
+    # fixture's fragment is cut as the scan's was
+    by, idle = graph.node_map(), [n for n in k.nodes if n not in keep]
+    for name in idle:
+        keep.add(name)
+        idle += [i for i in by[name].inputs if i not in keep and i not in idle]
     nodes = []
     for n in (n for n in graph.nodes if n.name in keep):
         if n.name in external and n.op != "placeholder":  # computed by another kernel: an input here

@@ -15,10 +15,10 @@ from graphdiff.model import BufferArg, Graph, Kernel, Node
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "captures" / "gpt2-final-layernorm"
 
 
-def _load() -> tuple[Graph, Kernel, dict, dict[str, str], set[str]]:
-    data = json.loads((FIXTURE / "kernel.json").read_text())
+def _load(fixture: Path = FIXTURE) -> tuple[Graph, Kernel, dict, dict[str, str], set[str]]:
+    data = json.loads((fixture / "kernel.json").read_text())
     graph = Graph.model_validate(data["graph"])
-    record = torch.load(FIXTURE / "buffers.pt", weights_only=True)
+    record = torch.load(fixture / "buffers.pt", weights_only=True)
     return graph, graph.kernels[0], record, data["known"], set(data["owned"])
 
 
@@ -78,3 +78,19 @@ def test_a_store_inside_the_reductions_loop_nest_is_read_back_only_past_the_redu
     out, _ = reload_variant(frag, ["s"], {"s"})
     assert next(x for x in out if x.name == "m").inputs == ["s" + SUFFIX]  # stored alone: read back, rounded
     assert next(x for x in out if x.name == "v").inputs == ["s" + SUFFIX, "m"]
+
+
+def test_a_second_norm_of_the_stored_sum_in_a_later_nest_reads_it_back_from_its_first_reduction_on() -> None:
+    """GPT-NeoX (parallel residual): one kernel re-sums the residual, stores it in BF16, and computes both layers'
+    LayerNorms of it. The first loop nest sums the FP32 registers for the first mean; every later nest (the first
+    variance, the second LayerNorm's mean and variance, both normalizations) loads the BF16 store. By dataflow
+    alone the second mean (which depends on no reduction) would read the registers: 94% of its output replays; by
+    loop nest, all of it (fixtures/captures/gpt-neox-two-layernorms, cut from a real scan as its README says)."""
+    from graphdiff.kernel_reload import nest_reductions
+
+    graph, k, record, known, owned = _load(FIXTURE.parent / "gpt-neox-two-layernorms")
+    (stored,) = reloaded_stores(k)
+    assert nest_reductions(k) == {stored: 1}
+    rep, _ = replay_kernel(graph, k, record, known, owned)
+    assert rep.predicted_bitexact == 1.0 and all(pred == 1.0 for pred, _ in rep.per_output.values()), rep
+    assert rep.fp32_max_rel_error <= 1e-6

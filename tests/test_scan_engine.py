@@ -41,14 +41,19 @@ def test_qwen3_has_the_papers_three_regions_and_the_norm_casts(qwen3_scan):
 
 
 def test_attention_that_rounds_inside_is_a_site_per_layer(qwen3_scan, engine_run):
-    """vLLM's CPU attention keeps the softmax probabilities FP32 (registry, tests/test_opaque_engine.py); HF's
-    BF16 sdpa stores them as BF16: the trainer's attention output differs from its FP32-input result."""
+    """vLLM's CPU vec attention keeps the softmax probabilities FP32 (registry, tests/test_opaque_engine.py); HF's
+    BF16 sdpa stores them as BF16: the trainer's attention output differs from its FP32-input result. Its amx
+    attention rounds them itself: no attention site."""
     from graphdiff.opaque import attention_rule
 
     info = engine_run.capture.attention
     assert info["backend"] == "CPU_ATTN" and info.get("isa")
-    if attention_rule(info) is None:
-        pytest.skip(f"vLLM runs its {info['isa']} CPU attention here, which the registry does not describe")
+    rule = attention_rule(info)
+    assert rule is not None, info  # vec and amx are both described
+    if not rule.probabilities_fp32:  # the amx kernel rounds P itself, as HF's sdpa does: no site, no region
+        assert not any(r.kind == "attention" for r in qwen3_scan.regions)
+        assert not any(d.rule == "opaque-registry" and d.site for d in qwen3_scan.plan)
+        return
     (region,) = [r for r in qwen3_scan.regions if r.kind == "attention"]
     assert region.name == "model.layers.*.self_attn#attention" and region.layers == [0, 1]
     sites = [s for s in qwen3_scan.sites if s.region == region.name]
