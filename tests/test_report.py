@@ -281,3 +281,13 @@ def test_moe_routing_agreement_is_tabled_and_absent_for_a_dense_model(scan_dir: 
     (scan_dir / "scan.json").write_text(json.dumps(raw))
     text = write_report(scan_dir)[0].read_text()
     assert "MoE routing agreement" in text and "18.75%" in text
+    # the gap's samples too (kl.json routing, embedded by scan --kl), unpatched and patched, not as raw JSON
+    kl = {"routing": [{"layer": 0, "shape": "4 samples x 272 tokens", "tokens": 1088, "differing": 17,
+                       "fraction": 17 / 1088, "trainer": "unpatched"},
+                      {"layer": 0, "shape": "4 samples x 272 tokens", "tokens": 1088, "differing": 4,
+                       "fraction": 4 / 1088, "trainer": "patched"}]}
+    raw["kl"] = kl
+    (scan_dir / "scan.json").write_text(json.dumps(raw))
+    text = write_report(scan_dir)[0].read_text()
+    assert "4 samples x 272 tokens" in text and "1.56%" in text and "0.37%" in text and "patched" in text
+    assert '"routing": [' not in text  # tabled, not dumped with the other KL results
