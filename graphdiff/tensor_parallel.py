@@ -164,15 +164,17 @@ def allreduces(graph: Graph) -> list[AllReduce]:
         writer = ""
         for m in reversed(externs[:i]):
             mrule = extern_rule(m.name)
-            if mrule is not None and mrule.kind == "matmul" and (m.nodes[0] == source
-                                                                 or _node_args(nodes[m.nodes[0]].call)[:1] == [source]):
+            written = _node_args(nodes[m.nodes[0]].call)[:1]  # an out= buffer, or a view of one
+            if mrule is not None and mrule.kind == "matmul" and (
+                    m.nodes[0] == source or written == [source]
+                    or (written and value_base(graph, written[0]) == value_base(graph, source))):
                 writer = m.id
                 break
         out.append(AllReduce(graph.name, k.id, buf, writer))
     return out
 
 
-def _value_base(graph: Graph, name: str) -> str:
+def value_base(graph: Graph, name: str) -> str:
     """The node whose buffer holds this value: up through views and casts (same values)."""
     nodes = graph.node_map()
     while name in nodes and nodes[name].inputs and (is_view(nodes[name]) or op_name(nodes[name].target) in CASTS):
@@ -230,7 +232,8 @@ def allreduce_plan(plan: list[Decision], cap: Capture, buffers: dict[str, dict],
     if not per_rank:
         return []
     graphs = {g.name: g for g in cap.graphs}
-    by_buffer = {(a.graph, a.buffer): (r, i) for r, ars in per_rank.items() for i, a in enumerate(ars)}
+    by_buffer = {(a.graph, value_base(graphs[a.graph], a.buffer)): (r, i)
+                 for r, ars in per_rank.items() for i, a in enumerate(ars)}
     records = buffers.get(ref, {})
     rows: list[KernelEvidence] = []
     checked: dict[int, tuple[list[float], list[float]]] = {}  # index in rank order -> per-rank fractions
@@ -238,7 +241,7 @@ def allreduce_plan(plan: list[Decision], cap: Capture, buffers: dict[str, dict],
         e = d.evidence
         if d.rule != "matched" or e.engine_graph not in graphs or op_name(d.op) not in MATMULS:
             continue
-        where = by_buffer.get((e.engine_graph, _value_base(graphs[e.engine_graph], e.engine_node)))
+        where = by_buffer.get((e.engine_graph, value_base(graphs[e.engine_graph], e.engine_node)))
         if where is None:
             continue
         rank, index = where

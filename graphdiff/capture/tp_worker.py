@@ -31,7 +31,8 @@ from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, wei
 from graphdiff.capture.tp import BUFFERS_FILE, GRAPHS_FILE, META_FILE, VLLM_COMPILE_ENV, WORKER_ENV, rank_kernel_ids
 from graphdiff.model import Graph
 
-EXTERN_OPS = ("_C.shm_allreduce", "_C.onednn_mm")
+MATMUL_OPS = ("_C.onednn_mm", "_C.weight_packed_linear")  # out= buffer first, the input second (AMX: the latter)
+EXTERN_OPS = ("_C.shm_allreduce", *MATMUL_OPS)
 
 HOOKS: Any = None
 _INSTALLED: Any = None  # the hooks' context manager: kept referenced, else collecting it would uninstall them
@@ -105,21 +106,31 @@ def extern_records(graphs: list[Graph], calls: dict[str, list[dict]]) -> tuple[d
     BF16 partial it reduced, its output, and the matmul that wrote the partial (kernel id, its input). Calls are
     matched to the graphs' extern kernels in execution order (the wrapper is straight-line code; calls after the
     graphs', e.g. the LM head's matmul, are not the graphs')."""
+    from graphdiff.tensor_parallel import value_base
+
     kernels = [(g, k) for g in graphs for k in g.kernels if k.kind == "extern"]
     reduces = [(g, k) for g, k in kernels if "shm_allreduce" in k.name]
-    mms = [(g, k) for g, k in kernels if "onednn_mm" in k.name]
-    ar_calls, mm_calls = calls.get("_C.shm_allreduce", []), calls.get("_C.onednn_mm", [])
-    if len(ar_calls) < len(reduces) or len(mm_calls) < len(mms):
-        return {}, [f"recorded {len(ar_calls)} all-reduce and {len(mm_calls)} matmul calls for {len(reduces)} and "
-                    f"{len(mms)} in the graphs: the all-reduce inputs are not checked"]
-    mm_call = {k.id: c for (g, k), c in zip(mms, mm_calls)}
+    ar_calls = calls.get("_C.shm_allreduce", [])
+    mms, mm_call = [], {}
+    for op in MATMUL_OPS:  # each op's calls in execution order, matched to its extern kernels
+        ks = [(g, k) for g, k in kernels if op.split(".")[1] in k.name]
+        if len(calls.get(op, [])) < len(ks):
+            return {}, [f"recorded {len(calls.get(op, []))} {op} calls for {len(ks)} in the graphs: the all-reduce "
+                        "inputs are not checked"]
+        mms += ks
+        mm_call.update({k.id: c for (g, k), c in zip(ks, calls.get(op, []))})
+    if len(ar_calls) < len(reduces):
+        return {}, [f"recorded {len(ar_calls)} all-reduce calls for {len(reduces)} in the graphs: the all-reduce "
+                    "inputs are not checked"]
     order = {k.id: i for i, (g, k) in enumerate(kernels)}
+    mms.sort(key=lambda gk: order[gk[1].id])
     out: dict[str, dict] = {}
     for (g, k), c in zip(reduces, ar_calls):
         nodes = g.node_map()
         buf = _node_arg(nodes[k.nodes[0]].call, 1) if k.nodes else None
-        writer = [m for gm, m in mms if gm is g and order[m.id] < order[k.id] and m.nodes
-                  and _node_arg(nodes[m.nodes[0]].call, 0) == buf]
+        # the matmul whose out= buffer (or a view of it: AMX's weight_packed_linear writes through one) it reduces
+        writer = [m for gm, m in mms if gm is g and order[m.id] < order[k.id] and m.nodes and buf is not None
+                  and value_base(g, _node_arg(nodes[m.nodes[0]].call, 0) or "") == value_base(g, buf)]
         ext: dict[str, Any] = {"buffer": buf, "partial": c["before"][1], "reduced": c["after"][1]}
         if writer:
             mc = mm_call[writer[-1].id]
