@@ -44,3 +44,20 @@ def test_choices_of_another_length_are_not_compared(moe: torch.nn.Module) -> Non
     calls = _choices(moe, list(range(3, 20)))
     engine = {0: [[0, 1]] * 5}  # 5 tokens recorded: not these 17
     assert differing(engine, calls) == {}
+
+
+def test_moe_configs_are_told_by_their_expert_count(tmp_path) -> None:
+    """`kl` starts an MoE engine the way the capture does (to record its expert choices): every config spelling of
+    the routed-expert count counts, the shared experts and the experts per token do not."""
+    import json
+
+    from graphdiff.measure.engine import is_moe
+
+    for config, moe in [({"num_experts": 8}, True), ({"num_local_experts": 8}, True), ({"n_routed_experts": 64}, True),
+                        ({"moe_num_experts": 8, "moe_k": 2}, True), ({"text_config": {"num_experts": 4}}, True),
+                        ({"num_experts_per_tok": 2, "n_shared_experts": 2}, False), ({"num_experts": 1}, False),
+                        ({"hidden_size": 64}, False)]:
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": ["X"], **config}))
+        assert is_moe(d) == moe, config
