@@ -321,26 +321,34 @@ def _best_assignment(graph: Graph, b: _Binding, plan: _Plan, external: list[str]
     return best, error
 
 
+Variant = tuple[_Plan, float, dict[str, Any]]  # a rewritten plan, its replay score and values
+
+
+def _if_better(variant: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,
+               than: float) -> Variant | None:
+    """The variant's replay, if it scores above `than`."""
+    run = variant.run(inputs)
+    got = score(run.values, outputs, record)[0] if run.ok else 0.0
+    return (variant, got, run.values) if got > than else None
+
+
 def _reloaded(k: Kernel, plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,
-              predicted: float) -> tuple[_Plan, float, dict[str, Any]] | None:
+              predicted: float) -> Variant | None:
     """The plan with re-loaded stores rounded for their later readers, if the kernel's code re-loads any and that
     replays better."""
     stored = reloaded_stores(k)
     if not stored:
         return None
-    best = None
+    best, alone = None, stored_alone(k)
     # by dataflow (the consumers past a reduction of the value), then by loop nest (all but the storing nest's own
     # reductions): the better replay is kept
     for in_nest in (None, nest_reductions(k)):
-        frag, rounded = reload_variant(plan.frag, stored, stored_alone(k), in_nest)
+        frag, rounded = reload_variant(plan.frag, stored, alone, in_nest)
         added = {n.name: n.dtype for n in frag if n.name.endswith(SUFFIX)}
         variant = _Plan(frag, _WithAdded(plan.declared, added), plan.rounded | rounded, plan.syms, plan.cpp,
                         plan.compute, plan.ordered)
-        run = variant.run(inputs)
-        got = score(run.values, outputs, record)[0] if run.ok else 0.0
-        if got > (best[1] if best else predicted):
-            best = (variant, got, run.values)
-        if got == 1.0:
+        best = _if_better(variant, inputs, outputs, record, best[1] if best else predicted) or best
+        if best is not None and best[1] == 1.0:
             break
     return best
 
@@ -356,17 +364,14 @@ def stored_concats(frag: list[Node], declared: Any, outputs: dict[str, str]) -> 
 
 
 def _concats_read_back(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,
-                       predicted: float) -> tuple[_Plan, float, dict[str, Any]] | None:
+                       predicted: float) -> Variant | None:
     """The plan with the stored concatenations read rounded (`stored_concats`), if there are any and that replays
     better."""
     cats = stored_concats(plan.frag, plan.declared, outputs) - plan.rounded
     if not cats:
         return None
     variant = _Plan(plan.frag, plan.declared, plan.rounded | cats, plan.syms, plan.cpp, plan.compute, plan.ordered)
-    run = variant.run(inputs)
-    if not run.ok or score(run.values, outputs, record)[0] <= predicted:
-        return None
-    return variant, score(run.values, outputs, record)[0], run.values
+    return _if_better(variant, inputs, outputs, record, predicted)
 
 
 def _explicit_conversions(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,

@@ -232,10 +232,11 @@ def _logprobs_and_routing(model: Callable[..., Any], run: Sequence[EngineSample]
     if not routing.has_routing(run):
         return train_logprobs(model, run), []
     lps, found = [], []
-    for s in run:
-        with routing.trainer_topk(model) as rec:
+    with routing.trainer_topk(model) as rec:
+        for s in run:
+            rec.calls = {}
             lps += train_logprobs(model, [s])
-        found.append(routing.differing(s.routing, rec.calls))
+            found.append(routing.differing(s.routing, rec.calls))
     return lps, routing.agreement(found, routing.label(run), trainer_label)
 
 
