@@ -14,6 +14,7 @@ import shlex
 from collections.abc import Callable
 from pathlib import Path
 
+from graphdiff.capture.vllm_cpu import split_level
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import CheckFinding, CheckResult, Manifest
 from graphdiff.shapes import parse_shapes
@@ -80,10 +81,8 @@ def check(manifest_path: Path, *, model: str | None = None, compilation_config: 
     path = manifest_path / "manifest.json" if manifest_path.is_dir() else manifest_path
     manifest = load_manifest(path)
     spec = model or manifest.model
-    asked = dict(manifest.compilation_config) if compilation_config is None else dict(compilation_config)
-    if optimization_level is not None:
-        asked["optimization_level"] = optimization_level
-    level = asked.pop("optimization_level", None)
+    asked, level = split_level(manifest.compilation_config if compilation_config is None else compilation_config)
+    level = optimization_level if optimization_level is not None else level
     findings = version_findings(manifest, installed_versions())
     resolved, _ = prepare_model(spec, manifest.layers_scanned, None, progress)
     findings += config_findings(manifest, resolved.config)

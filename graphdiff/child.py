@@ -20,7 +20,7 @@ from pathlib import Path
 from graphdiff.errors import GraphdiffError
 
 Progress = Callable[[str], None]
-PROGRESS, ERROR = "@progress", "@error"
+PROGRESS, ERROR, DONE = "@progress", "@error", "@done"
 
 
 def run(module: str, request: dict, progress: Progress = lambda m: None) -> None:
@@ -33,7 +33,7 @@ def run(module: str, request: dict, progress: Progress = lambda m: None) -> None
             proc = subprocess.Popen([sys.executable, "-m", module, str(path)], stdout=subprocess.PIPE, stderr=err,
                                     text=True)
             assert proc.stdout is not None
-            error, last = "", ""
+            error, last, finished = "", "", False
             for line in proc.stdout:
                 kind, _, msg = line.rstrip("\n").partition(" ")
                 if kind == PROGRESS:
@@ -41,11 +41,13 @@ def run(module: str, request: dict, progress: Progress = lambda m: None) -> None
                     last = msg
                 elif kind == ERROR:
                     error = msg
+                elif kind == DONE:
+                    last, finished = "", True
             rc = proc.wait()
             if rc != 0:
                 err.seek(0)
                 tail = [ln for ln in err.read().splitlines() if ln.strip()][-1:] or ["no output"]
-                raise GraphdiffError(error or failure(module, rc, last, tail[0]))
+                raise GraphdiffError(error or failure(module, rc, last, tail[0], finished))
 
 
 def serve(main: Callable[[dict, Progress], None]) -> int:
@@ -60,10 +62,11 @@ def serve(main: Callable[[dict, Progress], None]) -> int:
     except GraphdiffError as e:
         say(ERROR, str(e))
         return 2
+    say(DONE, "")
     return 0
 
 
-def failure(module: str, rc: int, step: str, tail: str) -> str:
+def failure(module: str, rc: int, step: str, tail: str, finished: bool = False) -> str:
     """One line for a child that died without saying why: the signal that killed it (a crash inside the engine's
     native code is a SIGSEGV, running out of memory a SIGKILL) and the step it was on."""
     import signal
@@ -78,4 +81,5 @@ def failure(module: str, rc: int, step: str, tail: str) -> str:
             how += ", a crash in native code"
         elif -rc == signal.SIGKILL:
             how += ", often the out-of-memory killer"
-    return f"the {module} process failed ({how}){f' while {step}' if step else ''}: {tail}"
+    when = " at exit, after its work was done" if finished else f" while {step}" if step else ""
+    return f"the {module} process failed ({how}){when}: {tail}"

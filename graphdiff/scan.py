@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from graphdiff import tensor_parallel as tp
+from graphdiff.capture.vllm_cpu import asked_config, check_options, split_level
 from graphdiff.departure import first_departure
 from graphdiff.errors import GraphdiffError
 from graphdiff.match import Match
@@ -380,7 +381,7 @@ def _dump_config(engine_dump: Path, cap: Capture, given: dict | None,
                  level: int | None) -> tuple[dict | None, int | None]:
     """The compilation config an engine capture was made with (what the patch's measurement and `kl` start again);
     one given on the command line must be the same. A capture older than the record takes the given one."""
-    asked = {**(given or {}), **({"optimization_level": level} if level is not None else {})}
+    asked = asked_config(given or {}, level)
     if "compilation_config" not in cap.model_fields_set:
         cap.compilation_config = asked  # what the scan directory's copy of the capture records
         return given, level
@@ -389,8 +390,7 @@ def _dump_config(engine_dump: Path, cap: Capture, given: dict | None,
         if asked != recorded:
             raise GraphdiffError(f"{engine_dump} was captured with compilation config {json.dumps(recorded)}, not "
                                  f"{json.dumps(asked)}: leave out --compilation-config/-O, or capture again")
-    rec_level = recorded.pop("optimization_level", None)
-    return recorded, int(rec_level) if rec_level is not None else None
+    return split_level(recorded)
 
 
 def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list[Shape] | None = None,
@@ -413,8 +413,6 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
     config = resolved.config
     total = int(config.get("num_hidden_layers", 0))
     if engine_dump is None:
-        from graphdiff.capture.vllm_cpu import check_options
-
         check_options(compilation_config or {}, optimization_level)
     if engine_dump is not None:
         cap, buffers = load_engine_capture(engine_dump, resolved.path)

@@ -164,6 +164,7 @@ def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
 
 def _serve(req: dict, progress: Progress) -> None:
     from graphdiff.capture.vllm import EngineOptions, capture_vllm
+    from graphdiff.measure.engine import stop_engine
 
     s = req.get("sample") or {}
     longest = max((len(p) for p in s.get("prompts", [])), default=0) + s.get("max_tokens", 0)
@@ -173,25 +174,33 @@ def _serve(req: dict, progress: Progress) -> None:
     model_dir = Path(req["model_dir"])
     run = capture_vllm(model_dir, [Shape.model_validate(s) for s in req["shapes"]], options=options,
                        progress=progress)
-    run.capture.config_sha256 = req["config_sha256"]
-    run.capture.startup_s = round(run.startup_s, 3)
-    save_engine_capture(run.capture, run.buffers, Path(req["out"]))
-    if s:
-        from graphdiff.measure.engine import engine_sample, engine_versions, samples_run, store_samples
+    try:
+        run.capture.config_sha256 = req["config_sha256"]
+        run.capture.startup_s = round(run.startup_s, 3)
+        save_engine_capture(run.capture, run.buffers, Path(req["out"]))
+        if s:
+            _sample(run, req, model_dir, progress)
+    finally:  # before the interpreter finalizes: a live engine client thread aborts it at exit (TP engines)
+        stop_engine(run.llm)
 
-        progress(f"sampling {len(s['prompts'])} x {s['max_tokens']} tokens on the same engine (for the gap)")
-        got = engine_sample(run.llm, s["prompts"], max_tokens=s["max_tokens"], seed=s["seed"],
-                            temperature=s["temperature"])
-        if req.get("tensor_parallel_size", 1) == 1:
-            from graphdiff.capture.vllm import record_routing
 
-            record_routing(run, got, progress)
-        level = req["optimization_level"]
-        config = {**req["compilation_config"], **({"optimization_level": level} if level is not None else {})}
-        store_samples(Path(s["out_dir"]), samples_run(model_dir, "compiled", s["prompts"], max_tokens=s["max_tokens"],
-                                                      seed=s["seed"], temperature=s["temperature"],
-                                                      compilation_config=config, versions=engine_versions(),
-                                                      samples=got))
+def _sample(run: Any, req: dict, model_dir: Path, progress: Progress) -> None:
+    """The capture's engine samples the request's prompts (and records MoE routing on them) into out_dir."""
+    from graphdiff.capture.vllm import record_routing
+    from graphdiff.capture.vllm_cpu import asked_config
+    from graphdiff.measure.engine import engine_sample, engine_versions, samples_run, store_samples
+
+    s = req["sample"]
+    progress(f"sampling {len(s['prompts'])} x {s['max_tokens']} tokens on the same engine (for the gap)")
+    got = engine_sample(run.llm, s["prompts"], max_tokens=s["max_tokens"], seed=s["seed"],
+                        temperature=s["temperature"])
+    if req.get("tensor_parallel_size", 1) == 1:
+        record_routing(run, got, progress)
+    config = asked_config(req["compilation_config"], req["optimization_level"])
+    store_samples(Path(s["out_dir"]), samples_run(model_dir, "compiled", s["prompts"], max_tokens=s["max_tokens"],
+                                                  seed=s["seed"], temperature=s["temperature"],
+                                                  compilation_config=config, versions=engine_versions(),
+                                                  samples=got))
 
 
 if __name__ == "__main__":

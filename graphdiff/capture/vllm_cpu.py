@@ -61,6 +61,13 @@ def asked_config(compilation_config: dict, optimization_level: int | None) -> di
                                      else {})}
 
 
+def split_level(asked: dict) -> tuple[dict, int | None]:
+    """asked_config's inverse: the compilation config without its "optimization_level", and that -O level."""
+    config = dict(asked)
+    level = config.pop("optimization_level", None)
+    return config, int(level) if level is not None else None
+
+
 def check_options(compilation_config: dict, optimization_level: int | None) -> None:
     if optimization_level is not None and optimization_level not in (0, 1, 2, 3):
         raise GraphdiffError(f"-O {optimization_level}: vLLM has optimization levels 0 to 3")

