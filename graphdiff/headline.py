@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from graphdiff.model import ScanResult
+from collections import defaultdict
+
+from graphdiff.model import ScanResult, layer_of
+from graphdiff.sites import module_pattern
 
 
 def replay_claim(scan: ScanResult) -> str:
@@ -36,7 +39,20 @@ def headline(scan: ScanResult) -> list[str]:
         lines.append(f"shape-dependent regions (sites not the same at every shape): {', '.join(dependent)}")
     lines += [f"not replayed: {k}" for k in scan.not_replayed]
     lines += [f"unexplained (replay below 99.9%, its sites unproven): {k}" for k in scan.unexplained]
+    if scan.engine_unread:
+        lines.append("engine parameters it loads but never reads (it computes something else there than the "
+                     "trainer; no rounding patch closes that): " + by_layers(scan.engine_unread))
     if scan.unregistered_externs:
         lines.append("opaque engine ops no registry entry describes (what they round inside is not compared): "
                      + ", ".join(scan.unregistered_externs))
     return lines
+
+
+def by_layers(names: list[str]) -> str:
+    """Parameter names with their layer folded: `model.layers.*.mlp.gate.e_score_correction_bias (layers 1, 2)`."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for name in names:
+        layer = layer_of(name)
+        groups[module_pattern(name)] += [] if layer is None else [layer]
+    return ", ".join(f"{p} (layer{'s' if len(ls) > 1 else ''} {', '.join(map(str, sorted(ls)))})" if ls else p
+                     for p, ls in groups.items())

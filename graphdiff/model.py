@@ -173,6 +173,8 @@ class Capture(BaseModel):
     startup_s: float | None = None  # engine: how long its start-up (load + compile) took
     # engine: its attention kernel (opaque to the scan), e.g. {"backend": "CPU_ATTN", "isa": "vec", ...}
     attention: dict[str, str] = Field(default_factory=dict)
+    # engine: parameters it loaded, holding values, that its compiled graphs never read (capture.vllm.unread_params)
+    unread_params: list[str] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
 
 
@@ -379,6 +381,9 @@ class ScanResult(BaseModel):
     not_replayed: list[str] = Field(default_factory=list)  # "kernel @ shape: why", every generated kernel not replayed
     unexplained: list[str] = Field(default_factory=list)  # kernels replaying below 99.9% (their sites: unproven)
     unregistered_externs: list[str] = Field(default_factory=list)  # opaque engine ops no registry entry describes
+    # engine parameters holding values that its compiled graphs never read (Capture.unread_params): a difference
+    # in what is computed, not in rounding
+    engine_unread: list[str] = Field(default_factory=list)
     timings: dict[str, float] = Field(default_factory=dict)
     reproduce: str = ""
     notes: list[str] = Field(default_factory=list)

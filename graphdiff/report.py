@@ -19,6 +19,7 @@ from markupsafe import Markup
 
 from graphdiff import report_graphs as rg
 from graphdiff.errors import GraphdiffError
+from graphdiff.headline import headline
 from graphdiff.model import Capture, Graph, Region, ScanResult, Site
 from graphdiff.scandir import ScanDir
 
@@ -309,7 +310,8 @@ def html_context(scan: ScanResult, train: Capture | None, engine: Capture | None
     region_slugs = {x["r"].name: x["slug"] for x in regions}
     kernels = _kernels(engine, scan, region_slugs)
     return {
-        "scan": scan, "regions": regions, "kernels": kernels, "meter": rg.meter, "abbrev": abbrev,
+        "scan": scan, "headline": headline(scan), "regions": regions, "kernels": kernels, "meter": rg.meter,
+        "abbrev": abbrev,
         "colors": {"train": rg.TRAIN_COLOR, "engine": rg.ENGINE_COLOR},
         "counts": {"train": sum(s.rounded_on == "train" for s in scan.sites),
                    "engine": sum(s.rounded_on == "engine" for s in scan.sites)},

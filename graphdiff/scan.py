@@ -323,6 +323,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         unmatched_engine_kernels=[k.id for g in engine_cap.graphs for k in g.kernels
                                   if k.kind == "generated" and not (set(k.nodes) & used)],
         not_replayed=not_replayed, unexplained=unexplained, unregistered_externs=unregistered,
+        engine_unread=engine_cap.unread_params,
         timings={"analysis_s": round(time.perf_counter() - t0, 3), **{k: round(v, 3) for k, v in timings.items()}},
         reproduce=reproduce, notes=notes, nonuniformity=uniformity, routing=sorted(routing, key=lambda a: a.layer),
         departure=departure,

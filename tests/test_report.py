@@ -291,3 +291,19 @@ def test_moe_routing_agreement_is_tabled_and_absent_for_a_dense_model(scan_dir: 
     text = write_report(scan_dir)[0].read_text()
     assert "4 samples x 272 tokens" in text and "1.56%" in text and "0.37%" in text and "patched" in text
     assert '"routing": [' not in text  # tabled, not dumped with the other KL results
+
+
+def test_the_summary_names_what_the_replay_does_not_cover(scan_dir: Path) -> None:
+    """"On every generated kernel" only when it is true; kernels not replayed or unexplained, and engine parameters
+    never read, are named on the page as in the terminal's summary."""
+    text = write_report(scan_dir)[0].read_text()
+    assert "on every generated kernel" in text and "not replayed" not in text
+    raw = json.loads((scan_dir / "scan.json").read_text())
+    raw["not_replayed"] = ["cpp_fused_moe_7:2 @ prefill-16: inputs could not be resolved"]
+    raw["engine_unread"] = ["model.layers.1.mlp.gate.e_score_correction_bias",
+                            "model.layers.2.mlp.gate.e_score_correction_bias"]
+    (scan_dir / "scan.json").write_text(json.dumps(raw))
+    text = write_report(scan_dir)[0].read_text()
+    assert "on every generated kernel" not in text and "bit-identical on every kernel" not in text
+    assert "not replayed: cpp_fused_moe_7:2 @ prefill-16" in text
+    assert "never reads" in text and "model.layers.*.mlp.gate.e_score_correction_bias (layers 1, 2)" in text

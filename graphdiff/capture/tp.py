@@ -146,7 +146,8 @@ def capture_vllm_tp(model_dir: Path, shapes: list[Shape], options: Any, progress
         side="engine", engine="vllm", model=str(model_dir), architecture=architecture(config),
         versions=cv._versions(), graphs=graphs, packed=[PackedParam.model_validate(p) for p in metas[0]["packed"]],
         prompt_tokens=list(shapes[0].prompts[0]), shapes=shapes, engine_config=engine_config,
-        attention=metas[0]["attention"], notes=notes)
+        attention=metas[0]["attention"], notes=notes,
+        unread_params=sorted({n for meta in metas for n in meta.get("unread_params", [])}))
     return cv.EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup)
 
 

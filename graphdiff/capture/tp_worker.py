@@ -207,7 +207,7 @@ class GraphdiffWorkerExtension:
 
     def graphdiff_save(self, out_dir: str) -> dict[str, Any]:
         """Write this rank's graphs (JSON), buffers (torch.save) and facts (JSON) under out_dir/rank<R>/."""
-        from graphdiff.capture.vllm import attention_info, packed_params
+        from graphdiff.capture.vllm import attention_info, packed_params, unread_params
 
         state = self._graphdiff
         out = Path(out_dir) / f"rank{state['rank']}"
@@ -216,6 +216,7 @@ class GraphdiffWorkerExtension:
         torch.save(state["buffers"], out / BUFFERS_FILE)
         model = self.model_runner.get_model()
         meta = {"rank": state["rank"], "packed": [p.model_dump(mode="json") for p in packed_params(model)],
-                "attention": attention_info(model), "notes": state["notes"]}
+                "attention": attention_info(model), "notes": state["notes"],
+                "unread_params": unread_params(model, state["graphs"])}
         (out / META_FILE).write_text(json.dumps(meta))
         return {"rank": state["rank"], "dir": str(out)}

@@ -127,6 +127,45 @@ def input_names(placeholders: list[str], model: torch.nn.Module) -> tuple[dict[s
     return names, root
 
 
+def unread_params(model: torch.nn.Module, graphs: list[Graph]) -> list[str]:
+    """The engine model's parameters that its compiled graphs never read although they hold something (not all
+    zeros): the engine computes something else there than the checkpoint describes, which no rounding alignment
+    can close (vLLM CPU's plain softmax top-k router ignores an `e_score_correction_bias`). Only parameters under
+    the compiled module count (the LM head runs outside it). A graph input `module#handle` (a packed linear's
+    closure, an attribute path) reads that module's parameters whose name ends the handle's path, and a linear's
+    weight and bias."""
+    read: set[str] = set()
+    handles: list[tuple[str, str]] = []
+    for graph in graphs:
+        for name in graph.inputs.values():
+            if "#" in name:
+                mod, _, path = name.partition("#")
+                handles.append((mod, path))
+            else:
+                read.add(name)
+    roots = {n.split(".", 1)[0] for n in read if "." in n}
+    modules = dict(model.named_modules())
+    for mod, path in handles:
+        owner = modules.get(mod)
+        if owner is None:
+            continue
+        # a handle reached through submodules (`modules_shared_experts_modules_down_proj_cpu_linear...`)
+        subs = sorted(((n, f"modules_{'_modules_'.join(n.split('.'))}_") for n, _ in owner.named_modules() if n),
+                      key=lambda kv: -len(kv[1]))
+        sub, rest = next(((n, path[len(m):]) for n, m in subs if path.startswith(m)), ("", path))
+        prefix = f"{mod}.{sub}." if sub else f"{mod}."
+        for local, _ in (owner.get_submodule(sub) if sub else owner).named_parameters():
+            if rest.endswith(local.replace(".", "_")) or ("linear" in rest and local in ("weight", "bias")):
+                read.add(prefix + local)
+    unread = []
+    for name, param in model.named_parameters():
+        if name.split(".", 1)[0] not in roots or name in read or param.numel() < 2 or not param.is_floating_point():
+            continue
+        if bool(param.detach().abs().amax() > 0):
+            unread.append(name)
+    return unread
+
+
 def packed_params(model: torch.nn.Module) -> list[PackedParam]:
     """Engine parameters that pack several HF ones, from the model's own packing table."""
     mapping: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {}) or {}
@@ -332,6 +371,7 @@ def capture_vllm(model_dir: Path, shapes: list[Shape] | list[int], *, options: E
         versions=_versions(), graphs=graphs, packed=packed_params(model), prompt_tokens=list(shapes[0].prompts[0]),
         shapes=shapes, engine_config=effective_config(llm, forced_off), attention=attention_info(model), notes=notes,
         compilation_config=asked_config(options.compilation_config, options.optimization_level),
+        unread_params=unread_params(model, graphs),
     )
     return EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup, graphs=graphs, recorders=recorders)
 

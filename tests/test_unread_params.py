@@ -1,0 +1,70 @@
+"""Engine parameters loaded but never read by the compiled graphs (capture.vllm.unread_params), on a module tree
+shaped like vLLM's ERNIE-4.5-MoE / GLM-4-MoE layers, with graph input names as the real captures name them
+(recorded from `graphdiff scan` of the tiny ernie4_5_moe and glm4_moe checkpoints on vLLM CPU 0.32.0)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from graphdiff.capture.vllm import unread_params
+from graphdiff.model import Graph
+
+
+class _Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(0))  # packed away: vLLM keeps an empty parameter
+        self.e_score_correction_bias = nn.Parameter(torch.tensor([0.3, -0.1, 0.2, 0.0]))
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Module()
+        self.mlp.gate = _Gate()
+        self.mlp.experts = nn.Module()
+        self.mlp.experts.w13_weight = nn.Parameter(torch.ones(4, 8, 4))
+        self.mlp.experts.shared = nn.Linear(4, 4)
+        self.input_layernorm = nn.Module()
+        self.input_layernorm.weight = nn.Parameter(torch.ones(4))
+
+
+def _model() -> nn.Module:
+    m = nn.Module()
+    m.model = nn.Module()
+    m.model.layers = nn.ModuleList([_Layer(), _Layer()])
+    m.lm_head = nn.Linear(4, 4)  # runs outside the compiled module
+    return m
+
+
+def _graph(names: list[str]) -> Graph:
+    return Graph(name="g", nodes=[], inputs={f"arg{i}_1": n for i, n in enumerate(names)})
+
+
+def test_a_correction_bias_the_router_never_reads_is_flagged() -> None:
+    model = _model()
+    read = [n for i in (0, 1) for n in (f"model.layers.{i}.input_layernorm.weight",
+                                        f"model.layers.{i}.mlp.gate#cpu_linear_closure_0_cell_contents_handler_tensor",
+                                        f"model.layers.{i}.mlp.experts.w13_weight",
+                                        f"model.layers.{i}.mlp.experts#modules_shared_cpu_linear_closure_1_cell_contents")]
+    want = [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (0, 1)]
+    assert unread_params(model, [_graph(read)]) == want
+
+
+def test_a_bias_read_through_a_handle_or_holding_zeros_is_not_flagged() -> None:
+    model = _model()
+    read = [n for i in (0, 1) for n in (f"model.layers.{i}.input_layernorm.weight",
+                                        f"model.layers.{i}.mlp.experts.w13_weight",
+                                        f"model.layers.{i}.mlp.experts#modules_shared_cpu_linear_closure_1_cell_contents")]
+    read.append("model.layers.0.mlp.gate#router_e_score_correction_bias")  # GLM-4-MoE's grouped router reads it
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.zero_()  # ignoring zeros changes nothing
+    assert unread_params(model, [_graph(read)]) == []
+    # a linear read by its weight alone: its bias is not read
+    assert unread_params(model, [_graph([*read, "model.layers.0.mlp.experts.shared.weight"])]) == []
+    model.model.layers[0].mlp.experts.shared.bias.data.fill_(1.0)
+    partial = [n for n in read if "shared" not in n] + ["model.layers.0.mlp.experts.shared.weight",
+                                                        "model.layers.1.mlp.experts.shared.weight",
+                                                        "model.layers.1.mlp.experts.shared.bias"]
+    assert unread_params(model, [_graph(partial)]) == ["model.layers.0.mlp.experts.shared.bias"]
