@@ -62,7 +62,7 @@ def serve(main: Callable[[dict, Progress], None]) -> int:
     except GraphdiffError as e:
         say(ERROR, str(e))
         return 2
-    say(DONE, "")
+    print(DONE, flush=True)  # its work is done: a crash after this is one at exit
     return 0
 
 

@@ -285,7 +285,8 @@ def test_the_engine_child_process_protocol(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(eng, "_sample_here", fake)
     assert child.serve(eng._child) == 0
-    assert capsys.readouterr().out == "@progress sampling now\n"  # one line per message: the parent reads lines
+    # one line per message: the parent reads lines; the last says the work is done
+    assert capsys.readouterr().out == "@progress sampling now\n@done\n"
     assert json.loads(result.read_text()) == {"eager": [{"prompt": [1, 2], "tokens": [3], "logprobs": [-0.5],
                                                      "prefill_logprobs": [], "routing": {}}]}
 
