@@ -166,8 +166,7 @@ def allreduces(graph: Graph) -> list[AllReduce]:
             mrule = extern_rule(m.name)
             written = _node_args(nodes[m.nodes[0]].call)[:1]  # an out= buffer, or a view of one
             if mrule is not None and mrule.kind == "matmul" and (
-                    m.nodes[0] == source or written == [source]
-                    or (written and value_base(graph, written[0]) == value_base(graph, source))):
+                    m.nodes[0] == source or (written and value_base(graph, written[0]) == value_base(graph, source))):
                 writer = m.id
                 break
         out.append(AllReduce(graph.name, k.id, buf, writer))

@@ -194,8 +194,7 @@ def _sample(run: Any, req: dict, model_dir: Path, progress: Progress) -> None:
     progress(f"sampling {len(s['prompts'])} x {s['max_tokens']} tokens on the same engine (for the gap)")
     got = engine_sample(run.llm, s["prompts"], max_tokens=s["max_tokens"], seed=s["seed"],
                         temperature=s["temperature"])
-    if req.get("tensor_parallel_size", 1) == 1:
-        record_routing(run, got, progress)
+    record_routing(run, got, progress)
     config = asked_config(req["compilation_config"], req["optimization_level"])
     store_samples(Path(s["out_dir"]), samples_run(model_dir, "compiled", s["prompts"], max_tokens=s["max_tokens"],
                                                   seed=s["seed"], temperature=s["temperature"],

@@ -95,47 +95,32 @@ class _Packet:
         return self._inner(*args, **kwargs)
 
 
-def _node_arg(node_call: list, index: int) -> str | None:
-    args = node_call[0] if node_call else []
-    a = args[index] if len(args) > index else None
-    return a.get("node") if isinstance(a, dict) else None
-
-
 def extern_records(graphs: list[Graph], calls: dict[str, list[dict]]) -> tuple[dict[str, dict], list[str]]:
     """Kernel id of each all-reduce -> its record: {"in": {}, "out": {}, "scalars": {}, "extern": {...}} with the
-    BF16 partial it reduced, its output, and the matmul that wrote the partial (kernel id, its input). Calls are
-    matched to the graphs' extern kernels in execution order (the wrapper is straight-line code; calls after the
-    graphs', e.g. the LM head's matmul, are not the graphs')."""
-    from graphdiff.tensor_parallel import value_base
+    BF16 partial it reduced, its output, and the matmul that wrote the partial (kernel id, its input: the writer as
+    graphdiff.tensor_parallel.allreduces finds it). Calls are matched to the graphs' extern kernels in execution
+    order (the wrapper is straight-line code; calls after the graphs', e.g. the LM head's matmul, are not the
+    graphs')."""
+    from graphdiff.tensor_parallel import allreduces
 
-    kernels = [(g, k) for g in graphs for k in g.kernels if k.kind == "extern"]
-    reduces = [(g, k) for g, k in kernels if "shm_allreduce" in k.name]
+    reduces = [a for g in graphs for a in allreduces(g) if "shm_allreduce" in a.kernel]
     ar_calls = calls.get("_C.shm_allreduce", [])
-    mms, mm_call = [], {}
+    mm_call: dict[str, dict] = {}
     for op in MATMUL_OPS:  # each op's calls in execution order, matched to its extern kernels
-        ks = [(g, k) for g, k in kernels if op.split(".")[1] in k.name]
+        ks = [k for g in graphs for k in g.kernels if k.kind == "extern" and op.split(".")[1] in k.name]
         if len(calls.get(op, [])) < len(ks):
             return {}, [f"recorded {len(calls.get(op, []))} {op} calls for {len(ks)} in the graphs: the all-reduce "
                         "inputs are not checked"]
-        mms += ks
-        mm_call.update({k.id: c for (g, k), c in zip(ks, calls.get(op, []))})
+        mm_call.update({k.id: c for k, c in zip(ks, calls.get(op, []))})
     if len(ar_calls) < len(reduces):
         return {}, [f"recorded {len(ar_calls)} all-reduce calls for {len(reduces)} in the graphs: the all-reduce "
                     "inputs are not checked"]
-    order = {k.id: i for i, (g, k) in enumerate(kernels)}
-    mms.sort(key=lambda gk: order[gk[1].id])
     out: dict[str, dict] = {}
-    for (g, k), c in zip(reduces, ar_calls):
-        nodes = g.node_map()
-        buf = _node_arg(nodes[k.nodes[0]].call, 1) if k.nodes else None
-        # the matmul whose out= buffer (or a view of it: AMX's weight_packed_linear writes through one) it reduces
-        writer = [m for gm, m in mms if gm is g and order[m.id] < order[k.id] and m.nodes and buf is not None
-                  and value_base(g, _node_arg(nodes[m.nodes[0]].call, 0) or "") == value_base(g, buf)]
-        ext: dict[str, Any] = {"buffer": buf, "partial": c["before"][1], "reduced": c["after"][1]}
-        if writer:
-            mc = mm_call[writer[-1].id]
-            ext.update(matmul=writer[-1].id, matmul_input=mc["before"][1])
-        out[k.id] = {"in": {}, "out": {}, "scalars": {}, "extern": ext}
+    for a, c in zip(reduces, ar_calls):
+        ext: dict[str, Any] = {"buffer": a.buffer, "partial": c["before"][1], "reduced": c["after"][1]}
+        if a.matmul in mm_call:
+            ext.update(matmul=a.matmul, matmul_input=mm_call[a.matmul]["before"][1])
+        out[a.kernel] = {"in": {}, "out": {}, "scalars": {}, "extern": ext}
     return out, []
 
 

@@ -212,8 +212,7 @@ class EngineRun:
     capture: Capture
     buffers: dict[str, dict[str, Record]]  # shape label -> kernel id -> that forward's record
     startup_s: float
-    graphs: list[Graph] = field(default_factory=list)  # the model's graphs, each with the recorder below
-    recorders: list[BufferRecorder] = field(default_factory=list)
+    recorders: list[BufferRecorder] = field(default_factory=list)  # one per capture graph, in order (TP: none here)
 
 
 @dataclass
@@ -373,19 +372,19 @@ def capture_vllm(model_dir: Path, shapes: list[Shape] | list[int], *, options: E
         compilation_config=asked_config(options.compilation_config, options.optimization_level),
         unread_params=unread_params(model, graphs),
     )
-    return EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup, graphs=graphs, recorders=recorders)
+    return EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup, recorders=recorders)
 
 
 def record_routing(run: EngineRun, samples: list[Any], progress: Progress = lambda m: None) -> None:
     """MoE: the top-k experts the engine's router chose for every token of each sample (prompt + continuation,
     scored in one prefill with the recorders armed) into `sample.routing` (layer -> [tokens][k]); nothing for a
-    model without a router kernel (graphdiff.moe.engine_routing)."""
+    model without a router kernel (graphdiff.moe.engine_routing), nor without recorders here (TP: in the workers)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from graphdiff.moe import engine_routing, has_router
 
-    if not samples or not any(has_router(g) for g in run.graphs):
+    if not samples or not run.recorders or not any(has_router(g) for g in run.capture.graphs):
         return
     progress(f"recording the engine's expert choices on the {len(samples)} samples")
     for sample in samples:
@@ -396,7 +395,7 @@ def record_routing(run: EngineRun, samples: list[Any], progress: Progress = lamb
         run.llm.generate([TokensPrompt(prompt_token_ids=llm_tokens)], SamplingParams(max_tokens=1, temperature=0.0),
                          use_tqdm=False)
         chosen: dict[int, list[torch.Tensor]] = {}
-        for graph, r in zip(run.graphs, run.recorders):
+        for graph, r in zip(run.capture.graphs, run.recorders):
             r.armed = False
             for forward in r.forwards:  # one forward, or a prefill chunked into several (tokens in order)
                 for layer, ids in engine_routing(graph, forward).items():
