@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from graphdiff.capture.cpu_kind import apply_forced_kind
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import save_json
 
@@ -685,6 +686,8 @@ def print_kl(result) -> None:  # noqa: ANN001 - KLResult
 
 
 def main() -> None:
+    with user_errors():  # GRAPHDIFF_CPU_KIND: run as another kind of CPU (the other kernel path), before anything
+        apply_forced_kind()
     app()
 
 

@@ -370,6 +370,8 @@ class ScanResult(BaseModel):
     prompt_tokens: list[int] = Field(default_factory=list)
     shapes: list[Shape] = Field(default_factory=list)  # the engine forwards analysed; the first is the trainer's
     engine_config: dict[str, object] = Field(default_factory=dict)  # the engine's effective compilation config
+    # the engine's attention kernel as its capture reports it (Capture.attention: backend, isa, CPU kind, ops build)
+    engine_attention: dict[str, str] = Field(default_factory=dict)
     compilation_config: dict[str, object] = Field(default_factory=dict)  # as asked (-O as "optimization_level")
     plan: list[Decision] = Field(default_factory=list)  # every trainer value decided on; codegen reads it
     sites: list[Site]

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from graphdiff.capture.cpu_kind import stores_truncate
 from graphdiff.model import Decision, Evidence, Graph, SideState, layer_of
 from graphdiff.ops import is_attention
 
@@ -53,6 +54,9 @@ class ExternRule:
     fp32_inside: bool  # FP32 from its inputs to its outputs, each output rounded once
     rounds: str  # what it rounds, in one line
     source: str  # where this is known from: a test against the real op (tests/test_opaque_ops_engine.py)
+    # the claim holds only where the op rounds to nearest even: not for vLLM CPU's `_C_AVX512` / `_C_AVX2` builds,
+    # which store BF16 by truncation (the patch's emulation rounds to nearest)
+    nearest_only: bool = False
 
 
 _TESTED = "tests/test_opaque_ops_engine.py, against the real op"
@@ -86,15 +90,24 @@ EXTERNS = (
                "gate/up GEMM and SiLU in FP32, silu(gate) * up rounded to BF16 once (the down GEMM's input), the "
                "down GEMM and the weighted sum over the top-k experts in FP32 with FP32 routing weights, output "
                "rounded once",
-               f"equals moe.engine_like_experts on the same inputs on 100% of outputs ({_TESTED})"),
+               f"equals moe.engine_like_experts on the same inputs on 100% of outputs ({_TESTED})", nearest_only=True),
     ExternRule("_C.shm_allreduce", "allreduce", True, "sums the ranks' BF16 partials in FP32, rounds once",
                "vLLM CPU's tensor-parallel all-reduce: output = bf16(FP32 sum of the ranks' BF16 inputs), checked on "
                "every call a TP scan records (scan.json replay) and in tests/test_tp_engine.py"),
 )
 
 
-def extern_rule(name: str) -> ExternRule | None:
-    return next((r for r in EXTERNS if r.op in name), None)
+def extern_rule(name: str, build: str = "") -> ExternRule | None:
+    """The registry entry of an extern by its name; none where the entry's claim does not hold for the engine's
+    ops `build` (cpu_kind.kernel_build)."""
+    rule = next((r for r in EXTERNS if r.op in name), None)
+    return None if rule is not None and rule.nearest_only and stores_truncate(build) else rule
+
+
+def truncates_output(info: dict[str, str]) -> bool:
+    """Does the engine's attention op store its output by truncation (vLLM CPU's `_C_AVX512` / `_C_AVX2` builds,
+    loaded on CPUs without AVX-512 BF16) rather than rounding to nearest even?"""
+    return info.get("backend") == "CPU_ATTN" and stores_truncate(info.get("build", ""))
 
 
 def attention_rule(info: dict[str, str]) -> AttentionRule | None:
@@ -151,7 +164,8 @@ def attention_decisions(info: dict[str, str], graph: Graph, gm: torch.fx.GraphMo
             id=ids[n.name], node=n.name, op=n.target, module=n.module, layer=layer_of(n.module),
             train=SideState(dtype=dtype, rounds=True, on_grid=True, changed=changed,
                             how=f"rounds P to BF16 inside (changes {changed:.0%} of its output vs FP32 inputs)"),
-            engine=SideState(dtype=dtype, how=f"P kept FP32 inside {label} (registry)"),
+            engine=SideState(dtype=dtype, how=f"P kept FP32 inside {label} (registry)" + (
+                f", output truncated to {dtype} ({info['build']})" if truncates_output(info) else "")),
             rule="opaque-registry", site=True,
             evidence=Evidence(engine_graph=graph_name, kernel=call, registry=f"engine {label}: {rule.source}")))
     return out, []
@@ -161,13 +175,25 @@ def attention_decisions(info: dict[str, str], graph: Graph, gm: torch.fx.GraphMo
 # calls the trainer's own attention op the way the registry says the engine computes it).
 ATTENTION_FN = "attention_fp32_inputs"
 ATTENTION_SOURCE = f'''
-def {ATTENTION_FN}(module, query, key, value, attention_mask, **kwargs):
-    """Attention as the engine computes it (softmax probabilities kept FP32 into P@V): HF's sdpa on FP32-upcast
-    q/k/v, the output rounded once to the value dtype. Registered as a transformers attention function."""
+def _attention_in_fp32(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()
-    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+
+
+def {ATTENTION_FN}(module, query, key, value, attention_mask, **kwargs):
+    """Attention as the engine computes it (softmax probabilities kept FP32 into P@V): HF's sdpa on FP32-upcast
+    q/k/v, the output rounded once to the value dtype. Registered as a transformers attention function."""
+    out, weights = _attention_in_fp32(module, query, key, value, attention_mask, **kwargs)
     return out.to(value.dtype), weights
+
+
+def {ATTENTION_FN}_truncated(module, query, key, value, attention_mask, **kwargs):
+    """As {ATTENTION_FN}, the output stored by truncation (round toward zero), as the engine's attention op
+    stores it on CPUs without AVX-512 BF16; the gradient passes the truncation as it passes a cast."""
+    out, weights = _attention_in_fp32(module, query, key, value, attention_mask, **kwargs)
+    truncated = (out.detach().view(torch.int32) & -65536).view(torch.float32)  # low 16 bits cleared: exact in BF16
+    return (out + (truncated - out.detach())).to(value.dtype), weights
 '''

@@ -149,21 +149,21 @@ def _site_plan(plan: list[Decision]) -> list[Decision]:
 
 
 def _proof(sites: list[Site], plan: list[Decision], replay: list[KernelEvidence],
-           graphs: list[Graph]) -> tuple[list[str], list[str], list[str]]:
+           graphs: list[Graph], build: str = "") -> tuple[list[str], list[str], list[str]]:
     """Mark unproven sites; returns (kernels not replayed, kernels replaying below PROVEN, unregistered externs)."""
     not_replayed = [f"{r.kernel} @ {r.shape}: {r.error}" for r in replay if r.error]
     bad = {r.kernel for r in replay if r.error or r.predicted_bitexact < PROVEN}
     unexplained = sorted({f"{r.kernel} ({min(x.predicted_bitexact for x in replay if x.kernel == r.kernel):.2%})"
                           for r in replay if not r.error and r.predicted_bitexact < PROVEN})
     externs = {k.id: k for g in graphs for k in g.kernels if k.kind == "extern"}
-    unregistered = sorted({k.name for k in externs.values() if extern_rule(k.name) is None})
+    unregistered = sorted({k.name for k in externs.values() if extern_rule(k.name, build) is None})
     kernel_of = {d.id: d.evidence.kernel for d in plan if d.site}
     for s in sites:
         k = kernel_of.get(s.id, "")
         if k in bad:
             s.proven, s.unproven = False, f"its engine side is computed in {k.split(':')[0]}, which does not replay " \
                                           "bit-exactly under the rounding model"
-        elif k in externs and extern_rule(externs[k].name) is None:
+        elif k in externs and extern_rule(externs[k].name, build) is None:
             s.proven, s.unproven = False, f"its engine side comes from {externs[k].name}, an opaque op no registry " \
                                           "entry describes"
     return not_replayed, unexplained, unregistered
@@ -284,7 +284,8 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
                                            tp.primary_graphs(engine_cap.graphs), ids)
     notes += attn_notes
     moe_calls = [(g.name, k.id) for g in engine_cap.graphs for k in g.kernels
-                 if k.kind == "extern" and (r := extern_rule(k.name)) is not None and r.kind == "moe"]
+                 if k.kind == "extern" and (r := extern_rule(k.name, engine_cap.attention.get("build", ""))) is not None
+                 and r.kind == "moe"]
     attn += experts_decisions(tgraph, train.values, train.changed, moe_calls, ids) if moe_calls else []
     others: dict[str, list[Decision]] = {}
     for label in labels[1:]:
@@ -298,7 +299,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     notes += tp_notes
     timings["shapes_s"] = time.perf_counter() - t
     sites, regions = _sites_and_regions(plan, tgraph, engine_cap, labels)
-    not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs)
+    not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs, engine_cap.attention.get("build", ""))
     _mark_regions(regions, sites, labels, replay)
     routing = [a for g in engine_cap.graphs if labels[0] in g.shapes or not g.shapes
                for a in routing_agreement(tgraph, train.values, engine_routing(g, buffers.get(labels[0], {})),
@@ -317,7 +318,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         layers_scanned=int(config.get("num_hidden_layers",
                                       len({s.layer for s in sites if s.layer is not None}) or layers_total)),
         layers_total=layers_total, prompt_tokens=engine_cap.prompt_tokens, shapes=engine_cap.shapes,
-        engine_config=engine_cap.engine_config, plan=plan, sites=sites, regions=regions, replay=replay,
+        engine_config=engine_cap.engine_config, engine_attention=engine_cap.attention, plan=plan, sites=sites, regions=regions, replay=replay,
         matched=sum(len(ms) for ms, _ in matched.values()),
         unmatched_train=[n.name for n in tgraph.nodes if n.name in unmatched_all and n.op == "call_function"][:500],
         unmatched_engine_kernels=[k.id for g in engine_cap.graphs for k in g.kernels

@@ -6,10 +6,18 @@ from pathlib import Path
 
 import pytest
 
+from graphdiff.capture.cpu_kind import FORCE_ENV, apply_forced_kind, cpu_kind, native_kind
 from graphdiff.tiny import make_tiny
+
+apply_forced_kind()  # GRAPHDIFF_CPU_KIND=avx512: this session and every engine it starts run as that CPU kind
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 PROMPT = [17, 912, 33, 1500, 7, 256, 1024, 3, 88, 640, 1999, 5, 42]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    forced = f" (forced by {FORCE_ENV}; the CPU is {native_kind()})" if cpu_kind() != native_kind() else ""
+    return f"graphdiff CPU kind: {cpu_kind()}{forced}"
 
 
 @pytest.fixture(scope="session")

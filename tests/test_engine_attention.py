@@ -4,10 +4,14 @@ Marked `engine`: it calls vLLM's CPU attention kernel (no engine start)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from graphdiff.capture.cpu_kind import store_like
 from graphdiff.model import EngineSample
 
 pytestmark = pytest.mark.engine
@@ -24,6 +28,14 @@ def _isa() -> str:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return _get_attn_isa(torch.bfloat16, 128, 64, "auto")
+
+
+def _build() -> str:
+    """The vLLM CPU ops build this process loaded (its attention op stores BF16 as the build does)."""
+    pytest.importorskip("vllm._custom_ops")
+    from graphdiff.capture.cpu_kind import kernel_build
+
+    return kernel_build()
 
 
 def test_the_engine_op_computes_as_the_registry_says():
@@ -43,7 +55,7 @@ def test_the_engine_op_computes_as_the_registry_says():
     else:
         ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1),
                                              v.float().repeat_interleave(2, 1), is_causal=True, scale=0.125)
-        assert torch.equal(out, ref.transpose(1, 2).to(torch.bfloat16))
+        assert torch.equal(out, store_like(ref.transpose(1, 2), _build()))  # truncated on _C_AVX512 builds
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 60:], v2[:, :, 60:] = 0, 0
     later, _ = engine_attention_fn()(_Layer(), q, k2, v2, None, scaling=0.125)
@@ -60,7 +72,13 @@ def test_the_patched_trainer_with_the_engine_op_runs_in_a_child(tiny_models, tmp
     from graphdiff.measure.kl import manifest_regions, train_logprobs, trainer
     from tests.conftest import FIXTURES
 
-    generate(FIXTURES / "scans" / "tiny-qwen3", tmp_path / "patch")
+    # the recorded scan, its engine attention as this machine's (the op the diagnostic runs here)
+    scan_dir = tmp_path / "scan"
+    shutil.copytree(FIXTURES / "scans" / "tiny-qwen3", scan_dir)
+    scan = json.loads((scan_dir / "scan.json").read_text())
+    scan["engine_attention"] = {"backend": "CPU_ATTN", "isa": _isa(), "build": _build()}
+    (scan_dir / "scan.json").write_text(json.dumps(scan))
+    generate(scan_dir, tmp_path / "patch")
     manifest = tmp_path / "patch" / "manifest.json"
     regions = manifest_regions(manifest)
     gen = torch.Generator().manual_seed(1)

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphdiff.opaque import attention_rule
+from graphdiff.capture.cpu_kind import KERNEL_BUILD, kernel_build, store_like
+from graphdiff.opaque import attention_rule, truncates_output
 
 pytestmark = pytest.mark.engine
 
@@ -44,11 +45,11 @@ def _heads(t: torch.Tensor, h: int) -> torch.Tensor:
     return t.repeat_interleave(h // t.shape[1], 1).transpose(0, 1)[None].contiguous()
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """torch's sdpa as HF calls it, causal ([S, H, D] in and out, BF16 out)."""
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, build: str = "_C") -> torch.Tensor:
+    """torch's sdpa as HF calls it, causal ([S, H, D] in and out), stored in BF16 as the ops `build` stores."""
     h = q.shape[1]
     out = F.scaled_dot_product_attention(_heads(q, h), _heads(k, h), _heads(v, h), is_causal=True, scale=scale)
-    return out[0].transpose(0, 1).to(torch.bfloat16)
+    return store_like(out[0].transpose(0, 1), build)
 
 
 def unnormalized_p_in_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -78,9 +79,17 @@ def _engine_case(want_isa: str, d: int = 64) -> tuple:
 
 
 def test_cpu_attention_vec_keeps_probabilities_fp32_as_the_registry_says() -> None:
+    """P kept FP32; the output stored as the loaded ops build stores BF16 (truncated on `_C_AVX512`, CPUs without
+    AVX-512 BF16: the capture records the build and the patch's attention truncates there too)."""
     rule, q, k, v, scale, engine = _engine_case("vec")
-    fp32_inputs = (sdpa(q.float(), k.float(), v.float(), scale) == engine).float().mean().item()
+    build = kernel_build()
+    fp32_inputs = (sdpa(q.float(), k.float(), v.float(), scale, build) == engine).float().mean().item()
     bf16_inputs = (sdpa(q, k, v, scale) == engine).float().mean().item()
+    info = {"backend": "CPU_ATTN", "isa": "vec", "build": build}
+    assert truncates_output(info) == (build == KERNEL_BUILD["avx512"] or build == KERNEL_BUILD["avx2"])
+    if truncates_output(info):  # rounding to nearest instead would be visibly different
+        nearest = (sdpa(q.float(), k.float(), v.float(), scale) == engine).float().mean().item()
+        assert nearest < 0.9, nearest
     assert rule is not None and rule.probabilities_fp32
     assert fp32_inputs >= 0.998, fp32_inputs  # the last bits of exp and summation order may differ rarely
     assert bf16_inputs < fp32_inputs - 0.05, (bf16_inputs, fp32_inputs)  # P rounded to BF16: visibly different

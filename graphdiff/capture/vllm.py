@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from graphdiff.capture.assemble import build_graph
+from graphdiff.capture.cpu_kind import cpu_kind, kernel_build
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import BufferRecorder, Record, inductor_hooks, weight_inputs
 from graphdiff.capture.vllm_cpu import as_asked, asked_config, check_options, effective_config
@@ -419,6 +420,10 @@ def attention_info(model: torch.nn.Module) -> dict[str, str]:
             value = getattr(mod, key, None)
             if value is not None:
                 info[key] = str(value)
+        # the CPU kind and the vLLM CPU ops build it loaded: the build decides how the op stores BF16
+        build = kernel_build()
+        if build:
+            info.update(build=build, cpu=cpu_kind())
         return info
     return {}
 

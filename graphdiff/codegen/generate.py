@@ -33,7 +33,7 @@ from graphdiff.model import (
     ScanResult,
     save_json,
 )
-from graphdiff.opaque import ATTENTION_FN, ATTENTION_SOURCE
+from graphdiff.opaque import ATTENTION_FN, ATTENTION_SOURCE, truncates_output
 from graphdiff.scandir import ScanDir
 
 MODULE_FILE = "graphdiff_patch.py"
@@ -94,12 +94,15 @@ def _compile(source: str, name: str) -> object:
     return scope[name]
 
 
-def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, str]) -> tuple[ManifestSplice, list]:
-    """An attention region is one opaque op: the trainer's own sdpa, called the way the engine computes it."""
+def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, str],
+                      engine: dict[str, str]) -> tuple[ManifestSplice, list]:
+    """An attention region is one opaque op: the trainer's own sdpa, called the way the engine computes it (its
+    output truncated where the engine's op stores it so)."""
     site = next((nodes[site_node[i]] for i in r.sites if site_node.get(i) in nodes), None)
     owner = (site.module_type if site else "") or ""
     splice = ManifestSplice(key="attention", target="attention", module=r.module, module_class=owner,
-                            regions=[r.name], function=SDPA_FUNCTION, torch_fn=ATTENTION_FN,
+                            regions=[r.name], function=SDPA_FUNCTION,
+                            torch_fn=f"{ATTENTION_FN}_truncated" if truncates_output(engine) else ATTENTION_FN,
                             triton_problem="calls torch's sdpa on FP32 inputs")
     # The runtime swaps the attention function transformers' attention interface dispatches to; a model whose
     # attention calls sdpa in its own code (FalconAttention) never reaches it.
@@ -192,7 +195,7 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) ->
     site_node = {s.id: s.train.node for s in scan.sites}
     status: dict[str, str] = {}
     for r in (r for r in wanted if r.kind == "attention"):
-        splice, lines = _attention_splice(r, nodes, site_node)
+        splice, lines = _attention_splice(r, nodes, site_node, scan.engine_attention)
         splices.append(splice)
         body += lines if not splice.problems else []
         status[r.name] = "; ".join(splice.problems)

@@ -1,0 +1,108 @@
+"""The CPU kind that decides vLLM CPU's kernels, and running as a lesser kind (the other path, for tests).
+
+vLLM CPU picks its kernels from three facts it reads through torch:
+- AMX tiles (`torch.cpu._is_amx_tile_supported`): the `amx` attention kernel and `_C.weight_packed_linear`
+  for weights up to 1 MiB; without them the `vec` attention and oneDNN GEMMs;
+- AVX-512 BF16 (`torch.cpu._is_avx512_bf16_supported`): which build of its C++ ops it loads, `_C`, else
+  `_C_AVX512` (or `_C_AVX2` without AVX-512), whose FP32 -> BF16 stores truncate (round toward zero) where `_C`
+  rounds to nearest even;
+- oneDNN picks its GEMM kernels from the CPU as well (`ONEDNN_MAX_CPU_ISA` caps it).
+
+`GRAPHDIFF_CPU_KIND=avx512` (or `avx512_bf16`, `avx2`) makes this process and every process it starts behave as
+that kind of CPU: the three torch predicates answer as that CPU would, oneDNN is capped at its ISA. A kind can
+only be forced downwards (an AVX-512 CPU cannot run AMX tiles). Inductor's own generated kernels do not depend on
+these (it rounds to nearest even on every x86 kind).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from graphdiff.errors import GraphdiffError
+
+KINDS = ("avx2", "avx512", "avx512_bf16", "amx")  # each has every feature of the kinds before it
+FORCE_ENV = "GRAPHDIFF_CPU_KIND"
+ONEDNN_ISA = {"avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16", "amx": "AVX512_CORE_AMX"}
+# the vLLM CPU ops library each kind loads (vllm/platforms/cpu.py import_kernels)
+KERNEL_BUILD = {"avx2": "_C_AVX2", "avx512": "_C_AVX512", "avx512_bf16": "_C", "amx": "_C"}
+_SITE = Path(__file__).with_name("forced_kind")  # its sitecustomize applies the forced kind in new processes
+_NATIVE: dict[str, bool] = {}
+
+
+def _features() -> dict[str, bool]:
+    """The CPU's own answers (kept from before any forcing)."""
+    if not _NATIVE:
+        _NATIVE.update(amx=bool(torch.cpu._is_amx_tile_supported()),
+                       bf16=bool(torch.cpu._is_avx512_bf16_supported()),
+                       avx512=bool(torch.cpu._is_avx512_supported()))
+    return _NATIVE
+
+
+def native_kind() -> str:
+    f = _features()
+    return "amx" if f["amx"] else "avx512_bf16" if f["bf16"] else "avx512" if f["avx512"] else "avx2"
+
+
+def forced_kind() -> str | None:
+    """The kind asked for with GRAPHDIFF_CPU_KIND, checked against this CPU; None when not asked."""
+    asked = os.environ.get(FORCE_ENV, "").strip()
+    if not asked:
+        return None
+    if asked not in KINDS:
+        raise GraphdiffError(f"{FORCE_ENV}={asked}: not a CPU kind; one of {', '.join(KINDS)}")
+    native = native_kind()
+    if KINDS.index(asked) > KINDS.index(native):
+        raise GraphdiffError(f"{FORCE_ENV}={asked}: this CPU is {native}, a kind can only be forced downwards")
+    return asked
+
+
+def cpu_kind() -> str:
+    """The kind this process runs as: the forced one, else the CPU's own."""
+    return forced_kind() or native_kind()
+
+
+def apply_forced_kind() -> str | None:
+    """Make this process, and the processes it starts, run as the forced kind; before vLLM loads its ops (and
+    before oneDNN's first GEMM, for its ISA cap). Does nothing when no kind is forced. Returns the kind."""
+    kind = forced_kind()
+    if kind is None:
+        return None
+    rank = KINDS.index(kind)
+    torch.cpu._is_amx_tile_supported = lambda: False if rank < KINDS.index("amx") else _features()["amx"]
+    torch.cpu._is_avx512_bf16_supported = lambda: rank >= KINDS.index("avx512_bf16")
+    torch.cpu._is_avx512_supported = lambda: rank >= KINDS.index("avx512")
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_ISA[kind])
+    path = os.environ.get("PYTHONPATH", "")
+    if str(_SITE) not in path.split(os.pathsep):  # worker processes vLLM spawns (tensor parallelism)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SITE), path) if p)
+    return kind
+
+
+def kernel_build() -> str:
+    """The vLLM CPU ops library loaded in this process (`_C`, `_C_AVX512`, `_C_AVX2`), '' if none is."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ""
+    for line in maps.splitlines():
+        name = line.rsplit("/", 1)[-1]
+        if "/vllm/" in line and name.startswith("_C") and name.endswith(".so"):
+            return name.split(".", 1)[0]
+    return ""
+
+
+def stores_truncate(build: str) -> bool:
+    """Does this vLLM CPU ops build store FP32 -> BF16 by truncation? (`_C_AVX512`, `_C_AVX2`: no AVX-512 BF16
+    conversion instruction; measured against the real ops in tests/test_opaque_ops_engine.py.)"""
+    return build in ("_C_AVX512", "_C_AVX2")
+
+
+def store_like(values: torch.Tensor, build: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """FP32 values stored in `dtype` as the vLLM CPU ops `build` stores them: truncated (BF16 on `_C_AVX512` /
+    `_C_AVX2`) or rounded to nearest even."""
+    if dtype == torch.bfloat16 and stores_truncate(build):
+        return (values.float().view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return values.to(dtype)
