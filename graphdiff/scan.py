@@ -299,7 +299,8 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     notes += tp_notes
     timings["shapes_s"] = time.perf_counter() - t
     sites, regions = _sites_and_regions(plan, tgraph, engine_cap, labels)
-    not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs, engine_cap.attention.get("build", ""))
+    not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs,
+                                                     engine_cap.attention.get("build", ""))
     _mark_regions(regions, sites, labels, replay)
     routing = [a for g in engine_cap.graphs if labels[0] in g.shapes or not g.shapes
                for a in routing_agreement(tgraph, train.values, engine_routing(g, buffers.get(labels[0], {})),
@@ -318,7 +319,8 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         layers_scanned=int(config.get("num_hidden_layers",
                                       len({s.layer for s in sites if s.layer is not None}) or layers_total)),
         layers_total=layers_total, prompt_tokens=engine_cap.prompt_tokens, shapes=engine_cap.shapes,
-        engine_config=engine_cap.engine_config, engine_attention=engine_cap.attention, plan=plan, sites=sites, regions=regions, replay=replay,
+        engine_config=engine_cap.engine_config, engine_attention=engine_cap.attention, plan=plan, sites=sites,
+        regions=regions, replay=replay,
         matched=sum(len(ms) for ms, _ in matched.values()),
         unmatched_train=[n.name for n in tgraph.nodes if n.name in unmatched_all and n.op == "call_function"][:500],
         unmatched_engine_kernels=[k.id for g in engine_cap.graphs for k in g.kernels
