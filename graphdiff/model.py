@@ -606,6 +606,9 @@ class ManifestSplice(BaseModel):
     # carry with torch_fn carry_fp32_rounded: child modules (paths relative to the module) that read the incoming
     # activation in FP32 while the module's own ops read it rounded (a piecewise engine's BF16 graph boundary)
     fp32_children: list[str] = Field(default_factory=list)
+    # the scanned decoder layers it serves, where its regions' layers run different rounding plans (one splice per
+    # group of layers: first / middle / last, alternating types); [] = every layer the pattern matches
+    layers: list[int] = Field(default_factory=list)
 
 
 class RegionEffect(BaseModel):
@@ -628,6 +631,8 @@ class ManifestRegion(BaseModel):
     layers: list[int | None]
     sites: list[str]
     splices: list[str]  # keys of the splices that align this region's sites
+    # its layers in groups that share one rounding plan, one splice each (ManifestSplice.layers); [] = one group
+    layer_groups: list[list[int]] = Field(default_factory=list)
     generated: bool
     reason: str = ""  # why not, when not generated
     enabled: bool = True  # applied by default (`runtime.apply(model, manifest)`); False: measured to widen the gap

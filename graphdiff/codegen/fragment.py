@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from graphdiff.model import Graph, Node, Region, ScanResult
+from graphdiff.model import Graph, Node, Region, ScanResult, Site
 from graphdiff.ops import MATMULS, is_heavy, op_name
 from graphdiff.reduction_order import is_row_reduction
 
@@ -63,6 +63,8 @@ class Fragment:
     # order's lanes per HF module (Region.reduction_lanes; the runtime passes each module's)
     ordered: dict[str, str] = field(default_factory=dict)
     lanes: dict[str, int] = field(default_factory=dict)
+    # the scanned decoder layers this splice serves (a group of layers sharing one rounding plan); [] = every layer
+    layers: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     compiled: object = None  # the emitted PyTorch function, once emitted (codegen uses it to verify bindings)
@@ -81,21 +83,51 @@ def _layer_nodes(graph: Graph, module: str) -> list[Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.module == module]
 
 
-def _representative_sites(scan: ScanResult, graph: Graph,
-                          region: Region) -> tuple[dict[str, str], list[str], list[str]]:
-    """The region's site nodes in its first layer (node -> the side that rounds it), problems (why they cannot
-    stand for every layer), notes.
+def _plan_signature(sites: list[Site]) -> tuple:
+    """What the generated code of one layer depends on: which ops round, on which side (not how the scan found
+    them: a value matched in one layer and computed inside a kernel in another is rounded alike)."""
+    return tuple(sorted((op_name(s.train.op), s.rounded_on) for s in sites))
+
+
+def layer_groups(scan: ScanResult, region: Region) -> list[list[int]]:
+    """The region's layers in groups that share one rounding plan, first layer first; [[]] when one code serves every
+    layer: its layers do not differ, or one engine kernel code serves them all (then a site seen in only some layers
+    is weak evidence, and the union is generated; `_representative_sites`)."""
+    layers = [ly for ly in region.layers if ly is not None]
+    if not region.differing_layers or len(region.kernels) == 1 or not layers:
+        return [[]]
+    sites = {s.id: s for s in scan.sites}
+    by_layer: dict[int, list[Site]] = {ly: [] for ly in layers}
+    for i in region.sites:
+        if i in sites and sites[i].layer in by_layer:
+            by_layer[sites[i].layer].append(sites[i])
+    groups: dict[tuple, list[int]] = {}
+    for ly in layers:
+        groups.setdefault(_plan_signature(by_layer[ly]), []).append(ly)
+    return [[]] if len(groups) == 1 else list(groups.values())
+
+
+def _representative_sites(scan: ScanResult, graph: Graph, region: Region,
+                          layers: list[int] | None = None) -> tuple[dict[str, str], list[str], list[str]]:
+    """The region's site nodes in its first layer, or in the first of `layers` (a group sharing one rounding plan)
+    (node -> the side that rounds it), problems (why they cannot stand for every layer), notes.
 
     Layers whose sites differ from the first: when the engine runs one kernel code for the region in every
     layer (and HF runs one module code), the rounding plan is the same in every layer, and a site seen in
     only some layers is one the scan could not confirm elsewhere (weak evidence). Those sites are mapped to
-    the first layer by their position in the layer's module and the union is generated. Otherwise refused."""
+    the first layer by their position in the layer's module and the union is generated. Layers whose sites
+    differ only in how the scan found them (matched or inside a kernel) share one plan. Otherwise refused
+    (`layer_groups` splits such a region into groups first)."""
     sites = {s.id: s for s in scan.sites}
-    members = [sites[i] for i in region.sites if i in sites]
-    layer = region.layers[0] if region.layers else None
+    members = [sites[i] for i in region.sites if i in sites and (not layers or sites[i].layer in layers)]
+    layer = (next((ly for ly in layers if ly in region.layers), layers[0]) if layers
+             else region.layers[0] if region.layers else None)
     first = [s for s in members if s.layer == layer]
     names = {s.train.node: s.rounded_on for s in first}
-    if not region.differing_layers:
+    by_layer: dict[int | None, list[Site]] = {}
+    for s in members:
+        by_layer.setdefault(s.layer, []).append(s)
+    if layers or not region.differing_layers or len({_plan_signature(v) for v in by_layer.values()}) == 1:
         return names, [], []
     if len(region.kernels) != 1 or not first:
         return names, [f"layers {region.differing_layers} differ from layer {layer} and run other engine "
@@ -145,10 +177,11 @@ def _boundary(graph: Graph, names: list[str]) -> tuple[list[str], list[str]]:
     return inputs, outputs
 
 
-def fragment_for(scan: ScanResult, graph: Graph, region: Region) -> Fragment:
-    """Cut the region's splice point out of the HF graph (representative layer: the region's first)."""
+def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[int] | None = None) -> Fragment:
+    """Cut the region's splice point out of the HF graph (representative layer: the region's first, or the first of
+    `layers`, a group of layers sharing one rounding plan, which the splice then serves alone)."""
     nodes = graph.node_map()
-    sides, problems, notes = _representative_sites(scan, graph, region)
+    sides, problems, notes = _representative_sites(scan, graph, region, layers)
     site_nodes = [n for n in sides if n in nodes]
     if not site_nodes:
         return Fragment(key=region.name, target="module", module=region.module, module_class="",
@@ -199,6 +232,8 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region) -> Fragment:
                                  "outputs: only one-in one-out module forwards are re-emitted")
     frag.problems += problems
     frag.notes += notes
+    if layers:
+        frag.key, frag.layers = f"{frag.key}@layers {','.join(map(str, layers))}", list(layers)
     return frag
 
 
@@ -246,12 +281,45 @@ def merge(frags: list[Fragment]) -> list[Fragment]:
 
 
 def cut_fragments(scan: ScanResult, graph: Graph, regions: list[str] | None = None) -> list[Fragment]:
-    """The splice points of `regions` (default all; attention regions are one opaque op, no fragment): cut,
-    merged per splice, boundary outputs decided. Generation and verification both cut them here."""
+    """The splice points of `regions` (default all; attention regions are one opaque op, no fragment): cut per
+    group of layers sharing one rounding plan, merged per splice, boundary outputs decided. Generation and
+    verification both cut them here."""
     wanted = [r for r in scan.regions if (regions is None or r.name in regions) and r.kind not in OPAQUE_KINDS]
-    frags = merge([fragment_for(scan, graph, r) for r in wanted])
+    cuts = [(r, g, fragment_for(scan, graph, r, g)) for r in wanted for g in layer_groups(scan, r)]
+    frags = merge(_common_groups(scan, graph, cuts))
     decide_outputs(graph, frags)
     return frags
+
+
+def _common_groups(scan: ScanResult, graph: Graph,
+                   cuts: list[tuple[Region, list[int], Fragment]]) -> list[Fragment]:
+    """Regions that share a splice point but group their layers differently are cut again on the groups common to
+    all of them (a module forward serves each layer with one function, which must hold every region's plan there)."""
+    base = {id(f): f.key.split("@", 1)[0] for _, _, f in cuts}
+    by_base: dict[str, list[tuple[Region, list[int], Fragment]]] = {}
+    for cut in cuts:
+        by_base.setdefault(base[id(cut[2])], []).append(cut)
+    out: list[Fragment] = []
+    for group in by_base.values():
+        if len({tuple(g) for _, g, _ in group}) == 1:
+            out += [f for _, _, f in group]
+            continue
+        layers = sorted({ly for r, _, _ in group for ly in r.layers if ly is not None})
+        # each layer's groups, one per region: layers with the same ones share one plan for all of them
+        names = list(dict.fromkeys(r.name for r, _, _ in group))
+        groups_of = {n: [g for r, g, _ in group if r.name == n] for n in names}
+        key_of = {ly: tuple(next((k for k, g in enumerate(groups_of[n]) if not g or ly in g), -1) for n in names)
+                  for ly in layers}
+        parts: dict[tuple, list[int]] = {}
+        for ly in layers:
+            parts.setdefault(key_of[ly], []).append(ly)
+        done: set[str] = set()
+        for r, _, _ in group:
+            if r.name not in done:
+                done.add(r.name)
+                out += [fragment_for(scan, graph, r, part) for part in parts.values()
+                        if any(ly in r.layers for ly in part)]
+    return out
 
 
 def rounding(frag: Fragment, node: str) -> Rounding | None:

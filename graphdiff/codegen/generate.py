@@ -149,7 +149,8 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node]) -> tuple[ManifestSplice
     """One splice point: its PyTorch function (bound against HF's own code) and, where possible, its Triton kernels."""
     slug = region_slug(frag.key.rsplit(".", 1)[-1] if frag.target == "function" else frag.key)
     splice = ManifestSplice(key=frag.key, target=frag.target, module=frag.module, module_class=frag.module_class,
-                            function=frag.function, regions=frag.regions, reduction_lanes=frag.lanes)
+                            function=frag.function, regions=frag.regions, reduction_lanes=frag.lanes,
+                            layers=frag.layers)
     body: list[str] = []
     if frag.target == "carry" and not frag.problems:
         splice.torch_fn = "carry_fp32_rounded" if frag.carry_rounded else "carry_fp32"
@@ -215,8 +216,9 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) ->
         splice, lines = _emit_splice(frag, nodes)
         splices.append(splice)
         body += lines
-        for r in frag.regions:
-            status[r] = "; ".join(frag.problems)
+        for r in frag.regions:  # a region is generated when every group of its layers is
+            where = f"layers {','.join(map(str, frag.layers))}: " if frag.layers and frag.problems else ""
+            status[r] = "; ".join(p for p in (status.get(r, ""), where + "; ".join(frag.problems)) if p.strip(": "))
     source = render_module(scan, body, any(s.triton_fn for s in splices))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MODULE_FILE).write_text(source)
@@ -228,6 +230,7 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) ->
         module_file=MODULE_FILE, module_sha256=hashlib.sha256(source.encode()).hexdigest(),
         regions=[ManifestRegion(name=r.name, kind=r.kind, module=r.module, layers=r.layers, sites=r.sites,
                                 splices=[s.key for s in splices if r.name in s.regions and not s.problems],
+                                layer_groups=[s.layers for s in splices if r.name in s.regions and s.layers],
                                 generated=not status.get(r.name), reason=status.get(r.name, ""),
                                 shapes=r.shapes if r.shape_dependent else [])
                  for r in wanted],

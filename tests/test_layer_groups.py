@@ -1,0 +1,96 @@
+"""Regions whose layers run different rounding plans: one splice per group of layers, installed on its own layers.
+
+No engine: the recorded 3-layer Cohere scan (fixtures/scans/tiny-cohere-3, a real scan) has a `residual_norm` region
+whose last layer holds a second site (the sum the final norm reads) in another engine kernel than layers 0 and 1.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphdiff import runtime
+from graphdiff.codegen import generate
+from graphdiff.codegen.fragment import layer_groups
+from graphdiff.model import ScanResult
+from graphdiff.runtime import PatchError, scanned_layer
+from graphdiff.tiny import make_tiny
+
+COHERE = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-cohere-3"
+RESIDUAL = "model.layers.*#residual_norm"
+
+
+@pytest.fixture(scope="module")
+def patch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cohere-patch")
+    generate(COHERE, out)
+    return out
+
+
+def _carried(model: torch.nn.Module) -> list[int]:
+    """The decoder layers whose forward pre-hooks include the generated carry."""
+    return [i for i, layer in enumerate(model.model.layers)
+            if any(getattr(h, "__name__", "") == "carry_fp32" for h in layer._forward_pre_hooks.values())]
+
+
+def _cohere(tmp: Path, layers: int) -> torch.nn.Module:
+    from graphdiff.capture.hf import load_hf_model
+
+    return load_hf_model(make_tiny("cohere", tmp / f"cohere-{layers}", layers=layers))
+
+
+def test_the_groups_come_from_the_sites_of_each_layer() -> None:
+    scan = ScanResult.model_validate_json((COHERE / "scan.json").read_text())
+    region = next(r for r in scan.regions if r.name == RESIDUAL)
+    assert region.differing_layers and len(region.kernels) > 1  # refused as "one code for all layers" before
+    assert layer_groups(scan, region) == [[0, 1], [2]]
+    one_kernel = region.model_copy(update={"kernels": region.kernels[:1]})  # one kernel code: the union, one group
+    assert layer_groups(scan, one_kernel) == [[]]
+
+
+def test_a_region_whose_layers_differ_is_generated_per_group(patch: Path) -> None:
+    manifest = json.loads((patch / "manifest.json").read_text())
+    region = next(r for r in manifest["regions"] if r["name"] == RESIDUAL)
+    assert region["generated"], region["reason"]
+    assert region["layer_groups"] == [[0, 1], [2]]
+    splices = [s for s in manifest["splices"] if RESIDUAL in s["regions"]]
+    assert sorted(s["layers"] for s in splices) == [[0, 1], [2]] and not any(s["problems"] for s in splices)
+    assert len({s["key"] for s in manifest["splices"]}) == len(manifest["splices"])
+
+
+def test_each_group_is_installed_on_its_own_layers(patch: Path, tmp_path: Path) -> None:
+    model = _cohere(tmp_path, 3)
+    runtime.apply(model, patch, regions=[RESIDUAL])
+    assert _carried(model) == [0, 1, 2]
+    runtime.remove(model)
+    assert _carried(model) == []
+
+
+def test_a_deeper_model_maps_first_middle_last(patch: Path, tmp_path: Path) -> None:
+    assert [scanned_layer(i, 6, 3) for i in range(6)] == [0, 1, 1, 1, 1, 2]
+    assert scanned_layer(3, 6, 2) is None  # a 2-layer scan has no middle layer
+    model = _cohere(tmp_path, 6)
+    runtime.apply(model, patch, regions=[RESIDUAL])
+    assert _carried(model) == list(range(6))
+
+
+def test_groups_that_alternate_refuse_a_model_of_another_depth(patch: Path, tmp_path: Path) -> None:
+    """Groups that alternate (Gemma-style layer types) cannot be mapped onto another depth: refused, named."""
+    alt = tmp_path / "alternating"
+    shutil.copytree(patch, alt)
+    manifest = json.loads((alt / "manifest.json").read_text())
+    manifest["layers_scanned"] = manifest["config"]["num_hidden_layers"] = 4  # as a 4-layer scan would hold them
+    for s in manifest["splices"]:
+        if RESIDUAL in s["regions"]:
+            s["layers"] = [0, 2] if s["layers"] == [0, 1] else [1, 3]
+    (alt / "manifest.json").write_text(json.dumps(manifest))
+    model = _cohere(tmp_path, 4)
+    runtime.apply(model, alt, regions=[RESIDUAL])  # the scanned depth: every layer its own group's plan
+    assert _carried(model) == [0, 1, 2, 3]
+    with pytest.raises(PatchError, match="rescan with --layers 6"):
+        runtime.apply(_cohere(tmp_path, 6), alt, regions=[RESIDUAL])
+    runtime.apply(_cohere(tmp_path, 6), alt, regions=[])  # not aligned: nothing to tell apart, HF's own code runs
