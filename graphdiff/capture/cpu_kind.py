@@ -106,3 +106,10 @@ def store_like(values: torch.Tensor, build: str, dtype: torch.dtype = torch.bflo
     if dtype == torch.bfloat16 and stores_truncate(build):
         return (values.float().view(torch.int32) & -65536).view(torch.float32).to(dtype)
     return values.to(dtype)
+
+
+def other_kind() -> str:
+    """The kind just below this CPU's own among those vLLM CPU runs BF16 models on (avx512, avx512_bf16, amx): the
+    other kernel path a test run can force here; '' where there is none."""
+    native = KINDS.index(native_kind())
+    return KINDS[native - 1] if native >= 2 else ""

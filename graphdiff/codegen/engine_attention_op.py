@@ -1,0 +1,125 @@
+"""The engine's own attention op as the trainer's attention: forward bit for bit the engine's, backward exact.
+
+Forward: vLLM CPU's prefill attention kernel (`cpu_attention_with_kv_cache` on the BF16 q/k/v, every query of a
+sequence at once, as the engine's prefill runs it): its key blocking, running max and rounding are the engine's
+own, so no emulation can drift from it. Backward: the engine has none; the gradient is that of attention in FP32
+(sdpa on FP32-upcast q/k/v), recomputed from the saved BF16 inputs, the same gradient the FP32 attention splice
+takes. A trainer that runs vLLM beside it (colocated RL trainers) has the op already; elsewhere `runtime.apply`
+refuses the splice and names the package to install.
+
+The functions below are copied into the generated module (`graphdiff patch --attention engine`) by their source:
+they import vLLM's op library (`vllm._custom_ops`, not an engine) when the attention first runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+KV_BLOCK = 128  # the KV-cache block size of vLLM's CPU attention backend
+
+
+def vllm_cpu_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                       softcap: float = 0.0) -> torch.Tensor:
+    """vLLM CPU's attention on causal sequences: query [batch, heads, seq, dim], key/value [batch, kv_heads, seq,
+    dim] -> [batch, seq, heads, dim] in BF16, each batch row one sequence of its own."""
+    import vllm._custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    batch, heads, seq, dim = query.shape
+    kv_heads = key.shape[1]
+    isa = _get_attn_isa(torch.bfloat16, KV_BLOCK, dim, "auto")
+    if isa == "amx":
+        torch.cpu._init_amx()  # a process asks the kernel for AMX tiles first (vLLM's worker does), else SIGILL
+    blocks = -(-seq // KV_BLOCK)
+    starts = torch.tensor([0, seq], dtype=torch.int32)
+    lengths = torch.tensor([seq], dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, seq_lens=lengths, dtype=torch.bfloat16,
+        query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
+    rows = []
+    for b in range(batch):
+        q, k, v = (t[b].transpose(0, 1).to(torch.bfloat16).contiguous() for t in (query, key, value))  # [seq, h, d]
+        cache = torch.zeros(blocks, kv_heads, 2 * KV_BLOCK, dim, dtype=torch.bfloat16)
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(seq), isa)
+        out = torch.zeros(seq, heads, dim, dtype=torch.bfloat16)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
+            seq_lens=lengths, scale=scaling, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=float(softcap or 0.0),
+            scheduler_metadata=meta, s_aux=None)
+        rows.append(out)
+    return torch.stack(rows)
+
+
+def _attention_fp32_for_backward(module, query, key, value, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query.float(), key.float(), value.float(), None, **kwargs)[0]
+
+
+class _EngineAttention(torch.autograd.Function):
+    """Forward: the engine's op. Backward: FP32 attention's exact gradient, recomputed from the saved inputs."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, module, kwargs):  # noqa: ANN001, ANN205 - autograd.Function signature
+        ctx.save_for_backward(query, key, value)
+        ctx.module, ctx.kwargs = module, kwargs
+        dim = query.shape[-1]
+        scaling = kwargs.get("scaling")
+        return vllm_cpu_attention(query, key, value, dim ** -0.5 if scaling is None else scaling,
+                                  kwargs.get("softcap") or 0.0).to(value.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: ANN001, ANN205
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().float().requires_grad_(t.requires_grad) for t in saved]
+            out = _attention_fp32_for_backward(ctx.module, *inputs, **ctx.kwargs)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_output.float()) if wanted else [])
+        return (*[next(grads).to(t.dtype) if t.requires_grad else None for t in saved], None, None)
+
+
+def _causal_only(mask: torch.Tensor | None, seq: int) -> bool:
+    """Is the attention mask plain causal attention over the whole row (no padding, no window)?"""
+    if mask is None:
+        return True
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    return bool((allowed[..., -seq:, -seq:] == torch.ones(seq, seq, dtype=torch.bool, device=mask.device).tril()
+                 ).all())
+
+
+def attention_engine_op(module, query, key, value, attention_mask, **kwargs):
+    """Attention as the engine computes it, by the engine's own op (vLLM CPU's prefill kernel): the forward is the
+    engine's bit for bit on causal rows without padding; the backward FP32 attention's exact gradient. Rows the op
+    cannot take (padding, a sliding window, non-causal attention) run the FP32 attention instead, with a warning."""
+    seq = query.shape[2]
+    why = ("a sliding window" if getattr(module, "sliding_window", None) else
+           "non-causal attention" if not getattr(module, "is_causal", True) else
+           "a padding mask" if not _causal_only(attention_mask, seq) else
+           "dropout" if kwargs.get("dropout") else "")
+    if why:
+        warnings.warn(f"graphdiff: the engine's attention op cannot take {why}: FP32 attention runs instead",
+                      stacklevel=2)
+        return attention_fp32_inputs(module, query, key, value, attention_mask, **kwargs)
+    kept = {k: kwargs[k] for k in ("scaling", "softcap") if kwargs.get(k) is not None}
+    out = _EngineAttention.apply(query, key, value, module, kept)
+    return out, None
+
+
+def attention_fp32_inputs(module, query, key, value, attention_mask, **kwargs):  # pragma: no cover - stand-in
+    """Stands for the generated module's FP32 attention (graphdiff.opaque.ATTENTION_SOURCE), which the generated
+    module defines beside these functions; this module's copy only serves imports outside a patch."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    return out.to(value.dtype), weights
+
+
+# What the generated module copies: everything but the stand-in above (the module defines the real one).
+SOURCE_PARTS = (vllm_cpu_attention, _attention_fp32_for_backward, _EngineAttention, _causal_only, attention_engine_op)
