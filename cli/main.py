@@ -699,8 +699,11 @@ def print_kl(result) -> None:  # noqa: ANN001 - KLResult
 
 
 def main() -> None:
-    with user_errors():  # GRAPHDIFF_CPU_KIND: run as another kind of CPU (the other kernel path), before anything
+    try:  # GRAPHDIFF_CPU_KIND: run as another kind of CPU (the other kernel path), before anything
         apply_forced_kind()
+    except GraphdiffError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
     app()
 
 

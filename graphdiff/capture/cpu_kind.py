@@ -6,12 +6,13 @@ vLLM CPU picks its kernels from three facts it reads through torch:
 - AVX-512 BF16 (`torch.cpu._is_avx512_bf16_supported`): which build of its C++ ops it loads, `_C`, else
   `_C_AVX512` (or `_C_AVX2` without AVX-512), whose FP32 -> BF16 stores truncate (round toward zero) where `_C`
   rounds to nearest even;
-- oneDNN picks its GEMM kernels from the CPU as well (`ONEDNN_MAX_CPU_ISA` caps it).
+- oneDNN picks its GEMM kernels from the CPU as well (`ONEDNN_MAX_CPU_ISA` caps it); Inductor compiles its own
+  kernels with `-mavx512bf16` only where the same torch predicate says so, and its AMX ones after `_init_amx`.
 
 `GRAPHDIFF_CPU_KIND=avx512` (or `avx512_bf16`, `avx2`) makes this process and every process it starts behave as
 that kind of CPU: the three torch predicates answer as that CPU would, oneDNN is capped at its ISA. A kind can
-only be forced downwards (an AVX-512 CPU cannot run AMX tiles). Inductor's own generated kernels do not depend on
-these (it rounds to nearest even on every x86 kind).
+only be forced downwards (an AVX-512 CPU cannot run AMX tiles). Inductor's generated kernels round to nearest even on
+every x86 kind, with or without the BF16 instructions.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def apply_forced_kind() -> str | None:
         return None
     rank = KINDS.index(kind)
     torch.cpu._is_amx_tile_supported = lambda: False if rank < KINDS.index("amx") else _features()["amx"]
+    if rank < KINDS.index("amx"):  # Inductor asks for AMX tiles through it before it picks its AMX kernels
+        torch.cpu._init_amx = lambda: False
     torch.cpu._is_avx512_bf16_supported = lambda: rank >= KINDS.index("avx512_bf16")
     torch.cpu._is_avx512_supported = lambda: rank >= KINDS.index("avx512")
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_ISA[kind])
