@@ -1,6 +1,7 @@
 """Training-step cost of the patch: forward+backward time (and peak memory on GPU), patched / unpatched.
 
     python benchmarks/patch_step_benchmark.py --scan fixtures/scans/tiny-qwen3 --arch qwen3
+    python benchmarks/patch_step_benchmark.py --scan SCAN_DIR --batch 1 --seq 1024 --attention engine
     python benchmarks/patch_step_benchmark.py --scan SCAN_DIR --config Qwen/Qwen3-8B --device cuda \\
         --batch 2 --seq 4096 --variants unpatched,rope,all
 
@@ -90,10 +91,12 @@ def main() -> None:
     ap.add_argument("--allow-version-mismatch", action="store_true",
                     help="apply although torch/transformers differ from the scan's (timing only)")
     ap.add_argument("--json", type=Path, help="also write the result here")
+    ap.add_argument("--attention", default="fp32", choices=("fp32", "engine"),
+                    help="the attention splice: FP32 sdpa, or the engine's own op forward (needs vLLM CPU)")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="gd-bench-"))
-    manifest = generate(args.scan, work / "patch")
+    manifest = generate(args.scan, work / "patch", attention=args.attention)
     model, label = load_model(args, work)
     variants = {v: regions_of(v, manifest) for v in args.variants.split(",")}
     gen = torch.Generator().manual_seed(0)
@@ -127,7 +130,7 @@ def main() -> None:
     result = {
         "model": label, "architecture": manifest.architecture, "layers": model.config.num_hidden_layers,
         "device": torch.cuda.get_device_name() if cuda else "cpu", "path": path, "batch": args.batch,
-        "seq": args.seq, "steps": args.steps, "threads": torch.get_num_threads(),
+        "seq": args.seq, "steps": args.steps, "threads": torch.get_num_threads(), "attention": args.attention,
         "torch": torch.__version__,
         "variants": {v: {"regions": len(r) if r is not None else 0, "median_s": round(med[v], 4),
                          "ratio": round(med[v] / base, 4) if base else None,

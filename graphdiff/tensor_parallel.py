@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from graphdiff.capture.cpu_kind import store_like
 from graphdiff.match import TOLERANCE, Match, _compatible, _kind, _sorted
 from graphdiff.match import match_values as match_replicated
 from graphdiff.model import Capture, Decision, Evidence, Graph, KernelEvidence, SideState, layer_of
@@ -198,13 +199,15 @@ def _eq(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.reshape(-1).view(torch.int16) == b.reshape(-1).view(torch.int16)).double().mean())
 
 
-def _check(records: list[dict], weight: torch.Tensor | None, tp: int) -> tuple[list[float], list[float], str]:
-    """Per rank: the recorded all-reduce output vs bf16(FP32 sum of the ranks' BF16 partials) ("predicted") and vs
+def _check(records: list[dict], weight: torch.Tensor | None, tp: int,
+           build: str = "") -> tuple[list[float], list[float], str]:
+    """Per rank: the recorded all-reduce output vs bf16(FP32 sum of the ranks' BF16 partials) ("predicted"; stored as
+    the engine's ops `build` stores: truncated on `_C_AVX512`) and vs
     one rounding of the FP32 sum of the partial products, recomputed from each rank's matmul input and its shard
     of the weight ("naive": one GEMM, as the trainer). And how each rank's partial relates to its FP32 product."""
     partials = [r["partial"] for r in records]
     dtype = partials[0].dtype
-    summed = sum(p.float() for p in partials).to(dtype)
+    summed = store_like(sum(p.float() for p in partials), build, dtype)
     predicted = [_eq(summed, r["reduced"]) for r in records]
     xs = [r.get("matmul_input") for r in records]
     if weight is None or any(x is None for x in xs) or weight.shape[1] != sum(x.shape[-1] for x in xs):
@@ -251,7 +254,8 @@ def allreduce_plan(plan: list[Decision], cap: Capture, buffers: dict[str, dict],
             group = [per_rank[r][index] for r in sorted(per_rank) if index < len(per_rank[r])]
             recs = [(records.get(a.kernel) or {}).get("extern") for a in group]
             if len(group) == tp and all(recs):
-                pred, naive, note = _check(recs, _weight(train_graph, train_values, d.node), tp)
+                pred, naive, note = _check(recs, _weight(train_graph, train_values, d.node), tp,
+                                           cap.attention.get("build", ""))
                 rows += [KernelEvidence(kernel=a.kernel, shape=ref, predicted_bitexact=round(p, 6),
                                         naive_bitexact=round(n, 6), elements=recs[0]["reduced"].numel(), note=note)
                          for a, p, n in zip(group, pred, naive)]

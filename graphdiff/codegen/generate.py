@@ -222,7 +222,8 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None,
         body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.moe)",
                  *moe.SOURCE.strip("\n").splitlines()]
     for r in (r for r in wanted if r.kind == "allreduce"):
-        splice, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config))
+        splice, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),
+                                                   scan.engine_attention.get("build", ""))
         splices.append(splice)
         if not splice.problems and not any(s.target == "linear" and not s.problems for s in splices[:-1]):
             body += lines  # one function serves every linear splice

@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 
+from graphdiff.capture.cpu_kind import stores_truncate
 from graphdiff.model import ManifestSplice, Node, Region
 
 SPLIT_K_FN = "linear_split_k"
 SPLIT_K_SOURCE = f'''
-def {SPLIT_K_FN}(module: torch.nn.Module, x: torch.Tensor, shards: int) -> torch.Tensor:
-    """nn.Linear as a tensor-parallel engine with `shards` ranks computes it: K split into `shards` equal parts,
-    each partial product rounded to the output dtype, the partials summed in FP32 (rank order), rounded once."""
+def _split_k_sum(module: torch.nn.Module, x: torch.Tensor, shards: int) -> torch.Tensor:
     weight, bias = module.weight, module.bias
     k = weight.shape[1]
     if k % shards:
@@ -38,7 +37,21 @@ def {SPLIT_K_FN}(module: torch.nn.Module, x: torch.Tensor, shards: int) -> torch
         part = F.linear(x[..., r * step:(r + 1) * step], weight[:, r * step:(r + 1) * step],
                         bias if r == 0 else None).float()
         total = part if total is None else total + part
-    return total.to(weight.dtype)
+    return total
+
+
+def {SPLIT_K_FN}(module: torch.nn.Module, x: torch.Tensor, shards: int) -> torch.Tensor:
+    """nn.Linear as a tensor-parallel engine with `shards` ranks computes it: K split into `shards` equal parts,
+    each partial product rounded to the output dtype, the partials summed in FP32 (rank order), rounded once."""
+    return _split_k_sum(module, x, shards).to(module.weight.dtype)
+
+
+def {SPLIT_K_FN}_truncated(module: torch.nn.Module, x: torch.Tensor, shards: int) -> torch.Tensor:
+    """As {SPLIT_K_FN}, the FP32 sum stored by truncation (round toward zero), as the engine's all-reduce stores it
+    on CPUs without AVX-512 BF16; the gradient passes the truncation as it passes a cast."""
+    total = _split_k_sum(module, x, shards)
+    truncated = (total.detach().view(torch.int32) & -65536).view(torch.float32)  # low 16 bits cleared: exact in BF16
+    return (total + (truncated - total.detach())).to(module.weight.dtype)
 '''
 
 
@@ -47,11 +60,13 @@ def shards_of(scan_config: dict) -> int:
 
 
 def allreduce_splice(region: Region, nodes: dict[str, Node], site_node: dict[str, str],
-                     shards: int) -> tuple[ManifestSplice, list[str]]:
-    """The splice of an allreduce region (its sites are the outputs of one module's matmul in every layer)."""
+                     shards: int, build: str = "") -> tuple[ManifestSplice, list[str]]:
+    """The splice of an allreduce region (its sites are the outputs of one module's matmul in every layer); its sum
+    stored as the engine's ops `build` stores (truncated on `_C_AVX512`)."""
     owner = next((nodes[site_node[i]].module_type for i in region.sites if site_node.get(i) in nodes), "") or ""
     splice = ManifestSplice(key=region.module, target="linear", module=region.module, module_class=owner,
-                            regions=[region.name], torch_fn=SPLIT_K_FN, shards=shards,
+                            regions=[region.name], shards=shards,
+                            torch_fn=f"{SPLIT_K_FN}_truncated" if stores_truncate(build) else SPLIT_K_FN,
                             triton_problem="torch matmuls on K shards (no elementwise kernel to generate)")
     if owner != "Linear":
         splice.problems.append(f"the region's matmul is computed by {owner or 'an unknown module'}, not nn.Linear")
