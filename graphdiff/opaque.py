@@ -55,7 +55,8 @@ class ExternRule:
     rounds: str  # what it rounds, in one line
     source: str  # where this is known from: a test against the real op (tests/test_opaque_ops_engine.py)
     # the claim holds only where the op rounds to nearest even: not for vLLM CPU's `_C_AVX512` / `_C_AVX2` builds,
-    # which store BF16 by truncation (the patch's emulation rounds to nearest)
+    # which store BF16 by truncation (a rounding in another mode than the trainer's, at the same place; the patch's
+    # emulations round to nearest): there the entry describes nothing and the op's sites are unproven
     nearest_only: bool = False
 
 
@@ -74,16 +75,20 @@ EXTERNS = (
     ExternRule("unified_kv_cache_update", "kv-cache", True, "copies BF16 keys/values into the paged KV cache",
                "a copy in the cache dtype: no arithmetic"),
     ExternRule("_C.rms_norm", "norm", True, "RMSNorm in FP32 (the weight multiply too), output rounded once",
-               _TESTED),
+               _TESTED, nearest_only=True),
     ExternRule("_C.fused_add_rms_norm", "norm", False,
                "writes residual = bf16(x + r); the norm applies the FP32 sum's variance to that BF16 sum, in FP32, "
-               "output rounded once", _TESTED),
-    ExternRule("_C.silu_and_mul", "activation", True, "silu(gate) * up in FP32, rounded once", _TESTED),
-    ExternRule("_C.gelu_and_mul", "activation", True, "gelu(gate) * up in FP32 (erf form), rounded once", _TESTED),
+               "output rounded once", _TESTED, nearest_only=True),
+    ExternRule("_C.silu_and_mul", "activation", True, "silu(gate) * up in FP32, rounded once", _TESTED,
+               nearest_only=True),
+    ExternRule("_C.gelu_and_mul", "activation", True, "gelu(gate) * up in FP32 (erf form), rounded once", _TESTED,
+               nearest_only=True),
     ExternRule("_C.gelu_tanh_and_mul", "activation", True,
-               "tanh-gelu(gate) * up in FP32 (the kernel's vectorized tanh), rounded once", _TESTED),
+               "tanh-gelu(gate) * up in FP32 (the kernel's vectorized tanh), rounded once", _TESTED,
+               nearest_only=True),
     ExternRule("_C.rotary_embedding", "rope", True,
-               "q/k rotated in FP32 with a BF16 cos/sin cache, each rounded once, in place", _TESTED),
+               "q/k rotated in FP32 with a BF16 cos/sin cache, each rounded once, in place", _TESTED,
+               nearest_only=True),
     ExternRule("aten.topk", "selection", False, "selects the k largest values and their indices: no arithmetic",
                "a selection (ATen topk)"),
     ExternRule("_C.cpu_fused_moe", "moe", False,

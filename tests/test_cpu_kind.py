@@ -66,3 +66,15 @@ def test_a_truncating_build_stores_toward_zero() -> None:
     assert store_like(values, "_C_AVX512").tolist() == [1.0078125, -1.0078125, 3.0, -2.984375]
     assert store_like(values, "_C").tolist() == [1.015625, -1.015625, 3.0, -3.0]
     assert store_like(values, "_C_AVX512", torch.float32).tolist() == values.tolist()
+
+
+def test_registry_claims_that_assume_rounding_to_nearest_hold_only_for_the_rounding_build() -> None:
+    from graphdiff.opaque import extern_rule, truncates_output
+
+    for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "cpu_fused_moe"):
+        assert extern_rule(f"torch.ops._C.{op}.default", "_C") is not None
+        assert extern_rule(f"torch.ops._C.{op}.default", "_C_AVX512") is None, op
+    assert extern_rule("torch.ops._C.onednn_mm.default", "_C_AVX512") is not None  # oneDNN rounds to nearest
+    assert truncates_output({"backend": "CPU_ATTN", "isa": "vec", "build": "_C_AVX512"})
+    assert not truncates_output({"backend": "CPU_ATTN", "isa": "vec", "build": "_C"})
+    assert not truncates_output({"backend": "FLASH_ATTN"})
