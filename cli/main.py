@@ -19,6 +19,7 @@ from rich.table import Table
 from graphdiff.capture.cpu_kind import apply_forced_kind
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import save_json
+from graphdiff.opaque import truncates_output
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Find where an inference engine and its trainer round to BF16 in different places.")
@@ -440,6 +441,11 @@ def print_scan(result, scan_dir: Path) -> None:  # noqa: ANN001 - ScanResult
     out.print(t)
     if result.shapes:
         out.print("shapes: " + ", ".join(s.label for s in result.shapes) + " (the trainer ran the first)")
+    attn = result.engine_attention
+    if attn.get("cpu"):  # the CPU kind decides vLLM CPU's kernels: the scan holds for this kind
+        out.print(f"engine kernels of a {attn['cpu']} CPU: {attn.get('backend')} ({attn.get('isa')}) attention, "
+                  f"vLLM ops build {attn.get('build')}"
+                  + (" (stores BF16 by truncation)" if truncates_output(attn) else ""))
     for i, line in enumerate(headline(result)):
         out.print(line if i == 0 else f"[yellow]{line}[/]", highlight=False)
     for note in result.notes:

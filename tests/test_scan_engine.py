@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from graphdiff.capture.cpu_kind import cpu_kind
 from graphdiff.model import ScanResult
 from graphdiff.scan import analyze, run_train_side
 
@@ -168,6 +169,9 @@ def test_scan_cli_on_qwen2_and_llama_finds_the_analogous_regions(arch, cli_scan)
     assert "qk_norm" not in kinds  # no q/k norm in these architectures
     assert all(r.predicted_bitexact >= 0.999 for r in result.replay)
     assert "sites in" in proc.stdout and "rope" in proc.stdout
+    attn = result.engine_attention  # the CPU kind and the vLLM ops build the scan holds for, recorded and said
+    assert attn["cpu"] == cpu_kind() and attn["build"] in ("_C", "_C_AVX512", "_C_AVX2")
+    assert f"engine kernels of a {attn['cpu']} CPU" in " ".join(proc.stdout.split())
 
 
 def test_scan_of_a_bundled_hf_id_runs_offline(tmp_path):
