@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from graphdiff.capture.cpu_kind import stores_truncate
 from graphdiff.model import CheckResult, ScanResult
 from tests.test_cli_errors import run_cli
 
@@ -78,8 +79,15 @@ def test_a_scan_with_every_custom_op_is_proven_or_names_what_it_cannot_explain(t
     scan = ScanResult.model_validate_json((out / "scan.json").read_text())
     assert "+rotary_embedding" in scan.engine_config["custom_ops"] or "all" in scan.engine_config["custom_ops"]
     assert all(not r.error and r.predicted_bitexact >= 0.999 for r in scan.replay)
-    assert not scan.unregistered_externs and not scan.not_replayed
+    assert not scan.not_replayed
     rope = [s for s in scan.sites if s.kind == "rope"]
-    assert rope and all(s.proven for s in rope)
+    if stores_truncate(scan.engine_attention.get("build", "")):
+        # a `_C_AVX512` build stores the rotated q/k truncated: the registry's claim (one rounding to nearest) does
+        # not hold there, so the op is named and its sites are unproven rather than claimed
+        assert any("rotary_embedding" in x for x in scan.unregistered_externs)
+        assert rope and not any(s.proven for s in rope)
+    else:
+        assert not scan.unregistered_externs
+        assert rope and all(s.proven for s in rope)
     assert all(d.rule == "opaque-registry" and "rotary_embedding" in d.evidence.kernel
                for d in scan.plan if d.site and d.kind == "rope")
