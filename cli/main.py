@@ -34,8 +34,12 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except GraphdiffError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        print_error(e)
         raise typer.Exit(2) from None
+
+
+def print_error(e: GraphdiffError) -> None:
+    console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -707,8 +711,8 @@ def print_kl(result) -> None:  # noqa: ANN001 - KLResult
 def main() -> None:
     try:  # GRAPHDIFF_CPU_KIND: run as another kind of CPU (the other kernel path), before anything
         apply_forced_kind()
-    except GraphdiffError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+    except GraphdiffError as e:  # outside the app: typer.Exit would surface as a traceback here
+        print_error(e)
         sys.exit(2)
     app()
 

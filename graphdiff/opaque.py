@@ -176,30 +176,3 @@ def attention_decisions(info: dict[str, str], graph: Graph, gm: torch.fx.GraphMo
             evidence=Evidence(engine_graph=graph_name, kernel=call, registry=f"engine {label}: {rule.source}")))
     return out, []
 
-
-# What `graphdiff patch` writes for an `attention` region (its subgraph is one opaque op: the generated code
-# calls the trainer's own attention op the way the registry says the engine computes it).
-ATTENTION_FN = "attention_fp32_inputs"
-ATTENTION_SOURCE = f'''
-def _attention_in_fp32(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.float()
-    return sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-
-
-def {ATTENTION_FN}(module, query, key, value, attention_mask, **kwargs):
-    """Attention as the engine computes it (softmax probabilities kept FP32 into P@V): HF's sdpa on FP32-upcast
-    q/k/v, the output rounded once to the value dtype. Registered as a transformers attention function."""
-    out, weights = _attention_in_fp32(module, query, key, value, attention_mask, **kwargs)
-    return out.to(value.dtype), weights
-
-
-def {ATTENTION_FN}_truncated(module, query, key, value, attention_mask, **kwargs):
-    """As {ATTENTION_FN}, the output stored by truncation (round toward zero), as the engine's attention op
-    stores it on CPUs without AVX-512 BF16; the gradient passes the truncation as it passes a cast."""
-    out, weights = _attention_in_fp32(module, query, key, value, attention_mask, **kwargs)
-    truncated = (out.detach().view(torch.int32) & -65536).view(torch.float32)  # low 16 bits cleared: exact in BF16
-    return (out + (truncated - out.detach())).to(value.dtype), weights
-'''

@@ -20,8 +20,10 @@ PROBE = ("import os, torch; from graphdiff.capture.cpu_kind import apply_forced_
 
 
 def _env(kind: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", FORCE_ENV)}
-    return {**env, FORCE_ENV: kind}
+    """This environment without any kind forced (this session may run forced), then `kind` asked for."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", FORCE_ENV, "PYTHONPATH")}
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and "forced_kind" not in p]
+    return {**env, FORCE_ENV: kind, **({"PYTHONPATH": os.pathsep.join(path)} if path else {})}
 
 
 def test_a_lesser_kind_reaches_this_process_and_the_ones_it_starts() -> None:
@@ -35,8 +37,8 @@ def test_a_lesser_kind_reaches_this_process_and_the_ones_it_starts() -> None:
 def test_the_cpus_own_kind_changes_nothing() -> None:
     out = subprocess.run([sys.executable, "-c", PROBE], env=_env(""), capture_output=True, text=True, timeout=120,
                          check=True).stdout.split()
-    bf16 = str(torch.cpu._is_avx512_bf16_supported())
-    assert out == [bf16, str(torch.cpu._is_amx_tile_supported()), "None", bf16]
+    bf16 = str(KINDS.index(native_kind()) >= KINDS.index("avx512_bf16"))  # the CPU's own, even in a forced session
+    assert out == [bf16, str(native_kind() == "amx"), "None", bf16]
 
 
 def test_unknown_and_higher_kinds_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +38,18 @@ def _build() -> str:
     from graphdiff.capture.cpu_kind import kernel_build
 
     return kernel_build()
+
+
+def _scan_with_this_engine_attention(tmp_path) -> Path:  # noqa: ANN001
+    """The recorded tiny Qwen3 scan, its engine attention as this machine's (the op the tests run here)."""
+    from tests.conftest import FIXTURES
+
+    scan_dir = tmp_path / "scan"
+    shutil.copytree(FIXTURES / "scans" / "tiny-qwen3", scan_dir)
+    scan = json.loads((scan_dir / "scan.json").read_text())
+    scan["engine_attention"] = {"backend": "CPU_ATTN", "isa": _isa(), "build": _build()}
+    (scan_dir / "scan.json").write_text(json.dumps(scan))
+    return scan_dir
 
 
 def test_the_engine_op_computes_as_the_registry_says():
@@ -71,14 +84,8 @@ def test_the_patched_trainer_with_the_engine_op_runs_in_a_child(tiny_models, tmp
     from graphdiff.codegen import generate
     from graphdiff.measure.engine_attention import patched_logprobs
     from graphdiff.measure.kl import manifest_regions, train_logprobs, trainer
-    from tests.conftest import FIXTURES
 
-    # the recorded scan, its engine attention as this machine's (the op the diagnostic runs here)
-    scan_dir = tmp_path / "scan"
-    shutil.copytree(FIXTURES / "scans" / "tiny-qwen3", scan_dir)
-    scan = json.loads((scan_dir / "scan.json").read_text())
-    scan["engine_attention"] = {"backend": "CPU_ATTN", "isa": _isa(), "build": _build()}
-    (scan_dir / "scan.json").write_text(json.dumps(scan))
+    scan_dir = _scan_with_this_engine_attention(tmp_path)
     generate(scan_dir, tmp_path / "patch")
     manifest = tmp_path / "patch" / "manifest.json"
     regions = manifest_regions(manifest)
@@ -102,7 +109,7 @@ def test_the_engine_op_splice_runs_the_engine_forward_and_fp32_attention_backwar
     pytest.importorskip("vllm._custom_ops")
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from graphdiff.codegen.engine_attention_op import attention_engine_op
+    from graphdiff.codegen.attention_splice import attention_engine_op
     from graphdiff.measure.engine_attention import engine_attention_fn
 
     gen = torch.Generator().manual_seed(3)
@@ -133,13 +140,8 @@ def test_a_patch_with_the_engine_op_attention_equals_the_diagnostic(tiny_models,
     from graphdiff.codegen import generate
     from graphdiff.measure.engine_attention import patched_logprobs
     from graphdiff.measure.kl import manifest_regions, train_logprobs, trainer
-    from tests.conftest import FIXTURES
 
-    scan_dir = tmp_path / "scan"
-    shutil.copytree(FIXTURES / "scans" / "tiny-qwen3", scan_dir)
-    scan = json.loads((scan_dir / "scan.json").read_text())
-    scan["engine_attention"] = {"backend": "CPU_ATTN", "isa": _isa(), "build": _build()}
-    (scan_dir / "scan.json").write_text(json.dumps(scan))
+    scan_dir = _scan_with_this_engine_attention(tmp_path)
     fp32, engine = tmp_path / "fp32", tmp_path / "engine"
     generate(scan_dir, fp32)
     manifest = generate(scan_dir, engine, attention="engine")

@@ -301,24 +301,21 @@ def _common_groups(scan: ScanResult, graph: Graph,
         by_base.setdefault(base[id(cut[2])], []).append(cut)
     out: list[Fragment] = []
     for group in by_base.values():
-        if len({tuple(g) for _, g, _ in group}) == 1:
+        names = list(dict.fromkeys(r.name for r, _, _ in group))
+        groups_of = {n: [g for r, g, _ in group if r.name == n] for n in names}
+        if len({tuple(map(tuple, gs)) for gs in groups_of.values()}) == 1:  # every region groups its layers alike
             out += [f for _, _, f in group]
             continue
         layers = sorted({ly for r, _, _ in group for ly in r.layers if ly is not None})
         # each layer's groups, one per region: layers with the same ones share one plan for all of them
-        names = list(dict.fromkeys(r.name for r, _, _ in group))
-        groups_of = {n: [g for r, g, _ in group if r.name == n] for n in names}
         key_of = {ly: tuple(next((k for k, g in enumerate(groups_of[n]) if not g or ly in g), -1) for n in names)
                   for ly in layers}
         parts: dict[tuple, list[int]] = {}
         for ly in layers:
             parts.setdefault(key_of[ly], []).append(ly)
-        done: set[str] = set()
-        for r, _, _ in group:
-            if r.name not in done:
-                done.add(r.name)
-                out += [fragment_for(scan, graph, r, part) for part in parts.values()
-                        if any(ly in r.layers for ly in part)]
+        regions = {r.name: r for r, _, _ in group}
+        out += [fragment_for(scan, graph, r, part) for r in regions.values() for part in parts.values()
+                if any(ly in r.layers for ly in part)]
     return out
 
 

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from graphdiff import moe
-from graphdiff.codegen import emit_torch, emit_triton, engine_attention_op, inductor_lowering, tp_linear
+from graphdiff.codegen import attention_splice, emit_torch, emit_triton, inductor_lowering, tp_linear
 from graphdiff.codegen.fragment import Fragment, cut_fragments, region_slug
 from graphdiff.errors import GraphdiffError
 from graphdiff.model import (
@@ -34,7 +34,7 @@ from graphdiff.model import (
     ScanResult,
     save_json,
 )
-from graphdiff.opaque import ATTENTION_FN, ATTENTION_SOURCE, truncates_output
+from graphdiff.opaque import truncates_output
 from graphdiff.scandir import ScanDir
 
 MODULE_FILE = "graphdiff_patch.py"
@@ -104,19 +104,19 @@ def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, st
     owner = (site.module_type if site else "") or ""
     splice = ManifestSplice(key="attention", target="attention", module=r.module, module_class=owner,
                             regions=[r.name], function=SDPA_FUNCTION,
-                            torch_fn=f"{ATTENTION_FN}_truncated" if truncates_output(engine) else ATTENTION_FN,
+                            torch_fn=(attention_splice.attention_fp32_inputs_truncated if truncates_output(engine)
+                                      else attention_splice.attention_fp32_inputs).__name__,
                             triton_problem="calls torch's sdpa on FP32 inputs")
-    lines = ["", "", f"# attention: region {r.name}", *ATTENTION_SOURCE.strip("\n").splitlines()]
+    lines = ["", "", f"# attention: region {r.name}", *attention_splice.source(attention_splice.FP32_PARTS)]
     if form == "engine":
-        splice.torch_fn, splice.imports = "attention_engine_op", ["vllm._custom_ops"]
+        splice.torch_fn, splice.imports = attention_splice.attention_engine_op.__name__, ["vllm._custom_ops"]
         splice.triton_problem = "runs the engine's own attention op (vLLM CPU)"
         if engine.get("backend") != "CPU_ATTN":
             splice.problems.append(f"--attention engine runs vLLM CPU's attention op; this engine ran "
                                    f"{engine.get('backend') or 'an unrecorded attention backend'}")
-        lines += ["", "", "# the engine's own attention op forward, FP32 attention's gradient backward "
-                  "(graphdiff.codegen.engine_attention_op)", "import warnings", "",
-                  f"KV_BLOCK = {engine_attention_op.KV_BLOCK}",
-                  *["\n\n" + inspect.getsource(part).rstrip("\n") for part in engine_attention_op.SOURCE_PARTS]]
+        lines += ["", "", "# the engine's own attention op forward, FP32 attention's gradient backward",
+                  "import warnings", "", f"KV_BLOCK = {attention_splice.KV_BLOCK}", "", "",
+                  *attention_splice.source(attention_splice.ENGINE_PARTS)]
     # The runtime swaps the attention function transformers' attention interface dispatches to; a model whose
     # attention calls sdpa in its own code (FalconAttention) never reaches it.
     called_from = Path(site.source.file).name if site is not None and site.source is not None else ""
@@ -234,8 +234,10 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None,
         splices.append(splice)
         body += lines
         for r in frag.regions:  # a region is generated when every group of its layers is
-            where = f"layers {','.join(map(str, frag.layers))}: " if frag.layers and frag.problems else ""
-            status[r] = "; ".join(p for p in (status.get(r, ""), where + "; ".join(frag.problems)) if p.strip(": "))
+            status.setdefault(r, "")
+            if frag.problems:
+                where = f"layers {','.join(map(str, frag.layers))}: " if frag.layers else ""
+                status[r] = "; ".join(filter(None, [status[r], where + "; ".join(frag.problems)]))
     source = render_module(scan, body, any(s.triton_fn for s in splices))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MODULE_FILE).write_text(source)

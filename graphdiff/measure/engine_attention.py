@@ -41,7 +41,7 @@ def unsupported(module: torch.nn.Module) -> str:
 
 def engine_attention_fn() -> Callable[..., tuple[torch.Tensor, None]]:
     """A transformers attention function computing as vLLM's CPU attention op does (batch 1, causal)."""
-    from graphdiff.codegen.engine_attention_op import vllm_cpu_attention
+    from graphdiff.codegen.attention_splice import vllm_cpu_attention
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, scaling: float | None = None, softcap: float | None = None,

@@ -58,7 +58,7 @@ import torch
 import torch.utils.checkpoint
 
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import MANIFEST_VERSION, Manifest, ManifestSplice
+from graphdiff.model import MANIFEST_VERSION, Manifest, ManifestSplice, layer_of
 from graphdiff.resolve import cut_layers
 
 __all__ = ["PatchError", "apply", "remove", "active_regions", "load_manifest", "load_generated", "scanned_config"]
@@ -454,13 +454,10 @@ def _require(splice: ManifestSplice) -> None:
                          "`graphdiff patch SCAN --attention fp32`")
 
 
-_LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)(?=\.|$)")
-
-
 def _layer_count(model: torch.nn.Module, named: list[tuple[str, torch.nn.Module]]) -> int:
     config = getattr(model, "config", None)
     count = getattr(getattr(config, "get_text_config", lambda: config)(), "num_hidden_layers", None)
-    return int(count) if count else len({m.group(1) for n, _ in named if (m := _LAYER.search(n))})
+    return int(count) if count else len({ly for n, _ in named if (ly := layer_of(n)) is not None})
 
 
 def scanned_layer(layer: int, total: int, scanned: int) -> int | None:
@@ -482,8 +479,8 @@ def _group_targets(targets: list[tuple[str, torch.nn.Module]], splice: ManifestS
     alternating = total != scanned and bool(middle & set(splice.layers)) and not middle <= set(splice.layers)
     out, unknown = [], []
     for name, mod in targets:
-        m = _LAYER.search(name)
-        at = scanned_layer(int(m.group(1)), total, scanned) if m else None
+        layer = layer_of(name)
+        at = scanned_layer(layer, total, scanned) if layer is not None else None
         if at is None or alternating:
             unknown.append(name)
         elif at in splice.layers:

@@ -1,18 +1,21 @@
-"""The engine's own attention op as the trainer's attention: forward bit for bit the engine's, backward exact.
+"""What an attention splice runs in the trainer: attention as the registry says the engine computes it, or the
+engine's own attention op. Their source is copied into the generated module (the runtime imports nothing of the
+scanner), so these are the functions the patch runs.
 
-Forward: vLLM CPU's prefill attention kernel (`cpu_attention_with_kv_cache` on the BF16 q/k/v, every query of a
-sequence at once, as the engine's prefill runs it): its key blocking, running max and rounding are the engine's
-own, so no emulation can drift from it. Backward: the engine has none; the gradient is that of attention in FP32
-(sdpa on FP32-upcast q/k/v), recomputed from the saved BF16 inputs, the same gradient the FP32 attention splice
-takes. A trainer that runs vLLM beside it (colocated RL trainers) has the op already; elsewhere `runtime.apply`
-refuses the splice and names the package to install.
-
-The functions below are copied into the generated module (`graphdiff patch --attention engine`) by their source:
-they import vLLM's op library (`vllm._custom_ops`, not an engine) when the attention first runs.
+- `attention_fp32_inputs`: HF's sdpa on FP32-upcast q/k/v, the output rounded once (an engine that keeps the softmax
+  probabilities FP32 into P@V: vLLM CPU's `vec` kernel); `attention_fp32_inputs_truncated` stores the output by
+  truncation, as that kernel does in vLLM's `_C_AVX512` build.
+- `attention_engine_op` (`graphdiff patch --attention engine`): forward, vLLM CPU's prefill attention kernel
+  (`cpu_attention_with_kv_cache` on the BF16 q/k/v, every query of a sequence at once, as the engine's prefill runs
+  it): its key blocking, running max and stores are the engine's own, so no emulation can drift from it. Backward:
+  the engine has none; the gradient is FP32 attention's, recomputed from the saved BF16 inputs, the gradient the FP32
+  splice takes. It imports vLLM's op library (`vllm._custom_ops`, not an engine) when it first runs: a trainer that
+  runs vLLM beside it (colocated RL trainers) has it; elsewhere `runtime.apply` refuses the splice.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
@@ -54,10 +57,27 @@ def vllm_cpu_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return torch.stack(rows)
 
 
-def _attention_fp32_for_backward(module, query, key, value, **kwargs):
+def _attention_in_fp32(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    return sdpa_attention_forward(module, query.float(), key.float(), value.float(), None, **kwargs)[0]
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    return sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+
+
+def attention_fp32_inputs(module, query, key, value, attention_mask, **kwargs):
+    """Attention as the engine computes it (softmax probabilities kept FP32 into P@V): HF's sdpa on FP32-upcast
+    q/k/v, the output rounded once to the value dtype. Registered as a transformers attention function."""
+    out, weights = _attention_in_fp32(module, query, key, value, attention_mask, **kwargs)
+    return out.to(value.dtype), weights
+
+
+def attention_fp32_inputs_truncated(module, query, key, value, attention_mask, **kwargs):
+    """As attention_fp32_inputs, the output stored by truncation (round toward zero), as the engine's attention op
+    stores it on CPUs without AVX-512 BF16; the gradient passes the truncation as it passes a cast."""
+    out, weights = _attention_in_fp32(module, query, key, value, attention_mask, **kwargs)
+    truncated = (out.detach().view(torch.int32) & -65536).view(torch.float32)  # low 16 bits cleared: exact in BF16
+    return (out + (truncated - out.detach())).to(value.dtype), weights
 
 
 class _EngineAttention(torch.autograd.Function):
@@ -77,7 +97,7 @@ class _EngineAttention(torch.autograd.Function):
         saved = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().float().requires_grad_(t.requires_grad) for t in saved]
-            out = _attention_fp32_for_backward(ctx.module, *inputs, **ctx.kwargs)
+            out = _attention_in_fp32(ctx.module, *inputs, None, **ctx.kwargs)[0]
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad_output.float()) if wanted else [])
         return (*[next(grads).to(t.dtype) if t.requires_grad else None for t in saved], None, None)
@@ -110,16 +130,10 @@ def attention_engine_op(module, query, key, value, attention_mask, **kwargs):
     return out, None
 
 
-def attention_fp32_inputs(module, query, key, value, attention_mask, **kwargs):  # pragma: no cover - stand-in
-    """Stands for the generated module's FP32 attention (graphdiff.opaque.ATTENTION_SOURCE), which the generated
-    module defines beside these functions; this module's copy only serves imports outside a patch."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.float()
-    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-    return out.to(value.dtype), weights
+FP32_PARTS = (_attention_in_fp32, attention_fp32_inputs, attention_fp32_inputs_truncated)
+ENGINE_PARTS = (vllm_cpu_attention, _EngineAttention, _causal_only, attention_engine_op)
 
 
-# What the generated module copies: everything but the stand-in above (the module defines the real one).
-SOURCE_PARTS = (vllm_cpu_attention, _attention_fp32_for_backward, _EngineAttention, _causal_only, attention_engine_op)
+def source(parts: tuple) -> list[str]:
+    """The lines the generated module carries for `parts` (their source, as written here, two blank lines apart)."""
+    return "\n\n\n".join(inspect.getsource(part).rstrip("\n") for part in parts).splitlines()
