@@ -175,7 +175,7 @@ def machine() -> str:
 
 
 def main() -> None:
-    from graphdiff.tiny import ARCHS
+    from graphdiff.models.tiny import ARCHS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("archs", nargs="*", help="architectures (default: all of `graphdiff make-tiny --list`)")

@@ -5,7 +5,7 @@
 Per head size and sequence length, the fraction of the kernel's BF16 outputs equal to: torch's sdpa on FP32-upcast
 inputs rounded once (P kept FP32: the `vec` registry entry), torch's sdpa on the BF16 inputs (HF's trainer), and
 scores/softmax in FP32 with the unnormalized probabilities exp(s - max) rounded to BF16 before P@V (the `amx` entry).
-The numbers back graphdiff.opaque.RULES; tests/test_opaque_engine.py checks the claim at one size.
+The numbers back graphdiff.analysis.opaque.RULES; tests/test_opaque_engine.py checks the claim at one size.
 """
 
 from __future__ import annotations

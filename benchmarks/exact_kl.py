@@ -36,7 +36,7 @@ def main() -> None:
     from graphdiff import runtime
     from graphdiff.capture.hf import load_hf_model
     from graphdiff.capture.vllm import engine_env
-    from graphdiff.scan import prepare_model
+    from graphdiff.pipeline import prepare_model
 
     resolved, _ = prepare_model(args.model, None, None, print)
     vocab = int(resolved.config["vocab_size"])

@@ -30,7 +30,7 @@ from graphdiff.codegen.verify import verify
 
 def whole_model(patch: Path, arch: str, work: Path, device: str) -> dict:
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.tiny import make_tiny
+    from graphdiff.models.tiny import make_tiny
 
     model = load_hf_model(make_tiny(arch, work / f"model-{arch}")).to(device)
     ids = torch.randint(0, model.config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0)).to(device)

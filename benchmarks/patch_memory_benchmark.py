@@ -96,7 +96,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.tiny import make_tiny
+    from graphdiff.models.tiny import make_tiny
 
     work = Path(tempfile.mkdtemp(prefix="graphdiff-mem-"))
     model = load_hf_model(make_tiny(args.arch, work / "model", layers=args.layers)).train()

@@ -26,7 +26,7 @@ import torch
 
 from graphdiff import runtime
 from graphdiff.codegen import generate
-from graphdiff.model import Manifest
+from graphdiff.records import Manifest
 
 
 def step(model: torch.nn.Module, ids: torch.Tensor) -> float:
@@ -57,7 +57,7 @@ def load_model(args: argparse.Namespace, work: Path) -> tuple[torch.nn.Module, s
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.config:  # bundled config (or a config dir), full depth, random weights made on the device
-        from graphdiff.resolve import bundled_config
+        from graphdiff.models.resolve import bundled_config
 
         published = bundled_config(args.config)
         cfg_dir = Path(args.config) if published is None else work / "config"
@@ -70,7 +70,7 @@ def load_model(args: argparse.Namespace, work: Path) -> tuple[torch.nn.Module, s
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
         return model.train(), args.config
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.tiny import make_tiny
+    from graphdiff.models.tiny import make_tiny
 
     model_dir = args.model or make_tiny(args.arch, work / "model", layers=args.layers)
     return load_hf_model(model_dir).to(args.device).train(), str(model_dir)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from graphdiff.explain import replay_one
-from graphdiff.scandir import ScanDir
+from graphdiff.artifacts import ScanDir
+from graphdiff.report.explain import replay_one
 
 TABLE_BYTES = 32 * 2**10  # inputs larger than this are pruned to the rows the call can index
 
@@ -119,7 +119,7 @@ def scan(arch: str, work: Path, layers: int) -> Path | None:
 
 
 def main() -> None:
-    from graphdiff.tiny import ARCHS
+    from graphdiff.models.tiny import ARCHS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("archs", nargs="*")

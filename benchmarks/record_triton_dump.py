@@ -30,7 +30,7 @@ def main() -> None:
     import torch._inductor.config as inductor_config
 
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.tiny import make_tiny
+    from graphdiff.models.tiny import make_tiny
 
     inductor_config.trace.provenance_tracking_level = 1
     model = load_hf_model(make_tiny("qwen3", debug / "model")).cuda()

@@ -25,8 +25,8 @@ ENGINE_ONLY = r"""
 import json, os, sys, time, tempfile
 from pathlib import Path
 from graphdiff.capture.vllm import engine_env
-from graphdiff.model import Shape
-from graphdiff.shapes import engine_limits
+from graphdiff.records import Shape
+from graphdiff.capture.shapes import engine_limits
 work = Path(tempfile.mkdtemp())
 os.environ.update(engine_env(work)); os.environ.pop("INDUCTOR_PROVENANCE", None)
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -39,8 +39,8 @@ print("ENGINE_STARTUP_S", time.perf_counter() - t)
 
 SCAN = r"""
 import resource, sys, json, time
-from graphdiff.scan import scan
-from graphdiff.shapes import parse_shapes
+from graphdiff.pipeline import scan
+from graphdiff.capture.shapes import parse_shapes
 t = time.perf_counter()
 shapes = parse_shapes(sys.argv[3], 16) if sys.argv[3] != "-" else None
 outcome = scan(sys.argv[1], layers=int(sys.argv[2]) if sys.argv[2] != "-" else None, shapes=shapes)
@@ -76,7 +76,7 @@ def wall(model: str, layers: str, shapes: str) -> dict:
 
 
 def depth(layer_counts: list[int]) -> list[dict]:
-    from graphdiff.tiny import make_tiny
+    from graphdiff.models.tiny import make_tiny
 
     rows = []
     root = Path(tempfile.mkdtemp())

@@ -16,10 +16,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from graphdiff.analysis.opaque import truncates_output
 from graphdiff.capture.cpu_kind import apply_forced_kind
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import save_json
-from graphdiff.opaque import truncates_output
+from graphdiff.records import save_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Find where an inference engine and its trainer round to BF16 in different places.")
@@ -59,13 +59,14 @@ def configs_cmd() -> None:
     import json
     from importlib import resources
 
-    from graphdiff.resolve import bundled_ids
+    from graphdiff.models.resolve import bundled_ids
 
     t = Table(title="bundled model configs (seeded random weights; no download)")
     for col in ("model id", "architecture", "layers", "hidden", "heads / kv", "vocab"):
         t.add_column(col)
     for model_id in bundled_ids():
-        cfg = json.loads((resources.files("graphdiff.configs") / (model_id.replace("/", "--") + ".json")).read_text())
+        name = model_id.replace("/", "--") + ".json"
+        cfg = json.loads((resources.files("graphdiff.models.configs") / name).read_text())
         t.add_row(model_id, cfg["architectures"][0], str(cfg.get("num_hidden_layers")), str(cfg.get("hidden_size")),
                   f"{cfg.get('num_attention_heads')} / {cfg.get('num_key_value_heads')}", str(cfg.get("vocab_size")))
     out.print(t)
@@ -83,7 +84,7 @@ def make_tiny_cmd(
     list_archs: bool = typer.Option(False, "--list", help="list the architectures (config classes) and exit"),
 ) -> None:
     """Write a seeded random-weight HF checkpoint small enough for tests."""
-    from graphdiff.tiny import ARCHS, make_tiny
+    from graphdiff.models.tiny import ARCHS, make_tiny
 
     if list_archs:
         t = Table(title="tiny architectures (seeded; `graphdiff make-tiny ARCH --out DIR` or MODEL = tiny:ARCH)")
@@ -120,7 +121,7 @@ def capture(
                                              "ranks, as for `vllm serve` (each rank captured in its worker)"),
 ) -> None:
     """Capture one side's graph and write OUT/capture.json."""
-    from graphdiff.scandir import ScanDir
+    from graphdiff.artifacts import ScanDir
 
     with user_errors():
         if engine not in ("vllm", "hf", "dump"):
@@ -132,8 +133,9 @@ def capture(
             cap = import_dump(Path(model))
             path = save_json(cap, out_dir / "capture.json")
         else:
-            from graphdiff.scan import config_sha256, prepare_model
-            from graphdiff.shapes import check_shapes, parse_shapes, prefill, with_prompts
+            from graphdiff.analysis.scan import config_sha256
+            from graphdiff.capture.shapes import check_shapes, parse_shapes, prefill, with_prompts
+            from graphdiff.pipeline import prepare_model
 
             resolved, _ = prepare_model(model, layers, None, lambda m: console.log(m))
             wanted = parse_shapes(shapes, tokens) if shapes else [prefill(tokens)]
@@ -192,8 +194,8 @@ def parse_json_option(text: str | None, name: str) -> dict:
 
 
 def prompt_tokens(model_dir: Path, n: int, seed: int = 0) -> list[int]:
-    from graphdiff import scan
-    from graphdiff.resolve import read_config
+    from graphdiff.analysis import scan
+    from graphdiff.models.resolve import read_config
 
     return scan.prompt_tokens(read_config(model_dir), n, seed)
 
@@ -227,9 +229,9 @@ def scan_cmd(
                                   "`graphdiff patch --attention`)"),
 ) -> None:
     """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
-    from graphdiff.scan import scan
-    from graphdiff.scandir import ScanDir
-    from graphdiff.shapes import parse_shapes
+    from graphdiff.artifacts import ScanDir
+    from graphdiff.capture.shapes import parse_shapes
+    from graphdiff.pipeline import scan
 
     with user_errors():
         if engine != "vllm":
@@ -283,7 +285,7 @@ def scan_cmd(
             result.kl = kl_result.model_dump(mode="json")
             path = d.save_scan(result)
         if report:
-            from graphdiff.report import write_report
+            from graphdiff.report.html import write_report
 
             html = write_report(d.root)[0]
     print_scan(result, d.root)
@@ -323,8 +325,8 @@ def explain_cmd(
     scan_dir: Path | None = typer.Argument(None, help="the scan directory (default: ., or the only one in ./scans)"),
 ) -> None:
     """One site on one screen: both values and source lines, the rule and evidence, the kernel and its replay."""
-    from graphdiff.explain import explain_lines, find_site
-    from graphdiff.scandir import ScanDir
+    from graphdiff.artifacts import ScanDir
+    from graphdiff.report.explain import explain_lines, find_site
 
     with user_errors():
         where = default_scan_dir(scan_dir)
@@ -341,7 +343,7 @@ def replay_cmd(
     shape: str | None = typer.Option(None, help="the recorded shape to replay it at (default: the first)"),
 ) -> None:
     """Replay one engine kernel on its recorded buffers under the predicted and the naive rounding model."""
-    from graphdiff.explain import replay_one
+    from graphdiff.report.explain import replay_one
 
     with user_errors():
         r = replay_one(scan_dir, kernel, shape)
@@ -402,7 +404,7 @@ def report_cmd(
                                          "SCAN_DIR/<region>.dot|svg, SCAN_DIR/node_data.json)"),
 ) -> None:
     """Render a scan: self-contained HTML report, DOT/SVG picture, or Model Explorer node data."""
-    from graphdiff.report import write_report
+    from graphdiff.report.html import write_report
 
     with user_errors():
         paths = write_report(scan_dir, fmt, region=region, layer=layer, out=out_path)
@@ -414,7 +416,7 @@ def report_cmd(
 
 
 def print_scan(result, scan_dir: Path) -> None:  # noqa: ANN001 - ScanResult
-    from graphdiff.headline import headline
+    from graphdiff.report.headline import headline
 
     evidence: dict[str, list] = {}
     for r in result.replay:
@@ -612,8 +614,8 @@ def kl_cmd(
 ) -> None:
     """Measure the engine-vs-trainer log-prob gap on engine samples; write OUT/kl.json."""
     from graphdiff.measure.kl import SAMPLES_FILE, measure, random_prompts, read_prompts
-    from graphdiff.model import save_json
-    from graphdiff.scan import prepare_model
+    from graphdiff.pipeline import prepare_model
+    from graphdiff.records import save_json
 
     with user_errors():
         if engine != "vllm":

@@ -14,10 +14,10 @@ import shlex
 from collections.abc import Callable
 from pathlib import Path
 
+from graphdiff.capture.shapes import parse_shapes
 from graphdiff.capture.vllm_cpu import split_level
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import CheckFinding, CheckResult, Manifest
-from graphdiff.shapes import parse_shapes
+from graphdiff.records import CheckFinding, CheckResult, Manifest
 
 Progress = Callable[[str], None]
 # The parts of the effective compilation config that decide where the engine rounds.
@@ -51,8 +51,8 @@ def version_findings(manifest: Manifest, installed: dict[str, str]) -> list[Chec
 
 def config_findings(manifest: Manifest, config: dict) -> list[CheckFinding]:
     """Model-config fields the patch depends on that the model has otherwise now."""
-    from graphdiff.resolve import cut_layers
-    from graphdiff.scan import scanned_config_of
+    from graphdiff.analysis.scan import scanned_config_of
+    from graphdiff.models.resolve import cut_layers
 
     normalized = scanned_config_of(cut_layers(config, manifest.layers_scanned))
     return [CheckFinding(kind="model config", what=key, was=json.dumps(made), now=json.dumps(normalized.get(key)))
@@ -74,9 +74,9 @@ def check(manifest_path: Path, *, model: str | None = None, compilation_config: 
           optimization_level: int | None = None, shapes: str | None = None, out: Path | None = None,
           progress: Progress = lambda m: None) -> CheckResult:
     """Re-scan the patched trainer against the engine; findings = why the patch must be regenerated."""
+    from graphdiff.artifacts import ScanDir
+    from graphdiff.pipeline import prepare_model, scan
     from graphdiff.runtime import load_manifest
-    from graphdiff.scan import prepare_model, scan
-    from graphdiff.scandir import ScanDir
 
     path = manifest_path / "manifest.json" if manifest_path.is_dir() else manifest_path
     manifest = load_manifest(path)

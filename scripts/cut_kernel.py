@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from graphdiff.explain import _evidence_at
-from graphdiff.kernel_replay import kernel_fragment
-from graphdiff.model import Graph, Node
-from graphdiff.rounding import buffer_nodes
-from graphdiff.scandir import ScanDir
+from graphdiff.analysis.rounding import buffer_nodes
+from graphdiff.artifacts import ScanDir
+from graphdiff.records import Graph, Node
+from graphdiff.replay.kernels import kernel_fragment
+from graphdiff.report.explain import _evidence_at
 
 
 def main(scan_dir: Path, kid: str, shape: str, out: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from graphdiff.capture.cpu_kind import FORCE_ENV, apply_forced_kind, cpu_kind, native_kind
-from graphdiff.tiny import make_tiny
+from graphdiff.models.tiny import make_tiny
 
 apply_forced_kind()  # GRAPHDIFF_CPU_KIND=avx512: this session and every engine it starts run as that CPU kind
 
@@ -28,8 +28,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def engine_shapes(model_dir: Path) -> list:
     """The session engine's recorded forwards: PROMPT (the trainer's), a 64-token prefill, a batched decode step."""
-    from graphdiff.resolve import read_config
-    from graphdiff.shapes import decode, prefill, with_prompts
+    from graphdiff.capture.shapes import decode, prefill, with_prompts
+    from graphdiff.models.resolve import read_config
 
     return with_prompts([prefill(len(PROMPT)), prefill(64), decode(4, 24)], read_config(model_dir), first=PROMPT)
 

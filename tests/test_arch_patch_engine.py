@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import pytest
 
+from graphdiff.artifacts import ScanDir
 from graphdiff.capture.hf import load_hf_model
+from graphdiff.capture.shapes import prefill
 from graphdiff.codegen import generate
 from graphdiff.measure.engine import random_prompts, sample_engine
 from graphdiff.measure.gate import gap, select_regions
 from graphdiff.measure.kl import _logprobs_and_routing, trainer
-from graphdiff.scan import scan
-from graphdiff.scandir import ScanDir
-from graphdiff.shapes import prefill
-from graphdiff.tiny import make_tiny
+from graphdiff.models.tiny import make_tiny
+from graphdiff.pipeline import scan
 
 pytestmark = pytest.mark.engine
 SAMPLE = dict(count=8, prompt_tokens=16, max_tokens=96, seed=0, temperature=1.0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graphdiff.capture.dump import import_dump
-from graphdiff.model import Graph, Kernel
+from graphdiff.records import Graph, Kernel
 from tests.conftest import reference_buffers
 
 pytestmark = pytest.mark.engine

@@ -11,8 +11,8 @@ import torch
 from graphdiff.capture.fx import target_name
 from graphdiff.capture.hf import capture_hf, load_hf_model, run_graph
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import Capture, load_capture, save_json
-from graphdiff.tiny import make_tiny
+from graphdiff.models.tiny import make_tiny
+from graphdiff.records import Capture, load_capture, save_json
 
 ARCHS = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from graphdiff.capture.cpu_kind import stores_truncate
-from graphdiff.model import CheckResult, ScanResult
+from graphdiff.records import CheckResult, ScanResult
 from tests.test_cli_errors import run_cli
 
 pytestmark = pytest.mark.engine

@@ -15,7 +15,7 @@ import pytest
 
 from graphdiff.codegen import generate
 from graphdiff.codegen.verify import GRAD_RTOL, verify
-from graphdiff.model import Manifest
+from graphdiff.records import Manifest
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 QWEN3 = FIXTURES / "scans" / "tiny-qwen3"

@@ -50,7 +50,7 @@ def test_patch_shrinks_the_log_prob_gap_to_the_engine(tiny_models: dict[str, Pat
     pytest.importorskip("vllm")
     from graphdiff.measure.engine import random_prompts
     from graphdiff.measure.kl import measure
-    from graphdiff.resolve import read_config
+    from graphdiff.models.resolve import read_config
 
     generate(cli_scan("qwen3")[0], tmp_path / "patch")
     model_dir = tiny_models["qwen3"]

@@ -71,7 +71,7 @@ def test_a_truncating_build_stores_toward_zero() -> None:
 
 
 def test_registry_claims_that_assume_rounding_to_nearest_hold_only_for_the_rounding_build() -> None:
-    from graphdiff.opaque import extern_rule, truncates_output
+    from graphdiff.analysis.opaque import extern_rule, truncates_output
 
     for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "cpu_fused_moe"):
         assert extern_rule(f"torch.ops._C.{op}.default", "_C") is not None

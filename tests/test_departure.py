@@ -1,12 +1,12 @@
-"""graphdiff.departure on hand-made graphs: the first matched low-precision value that differs, per engine graph."""
+"""analysis.departure on hand-made graphs: the first matched low-precision value that differs, per engine graph."""
 
 from __future__ import annotations
 
 import torch
 
-from graphdiff.departure import first_departure
-from graphdiff.match import Match
-from graphdiff.model import Graph, Node
+from graphdiff.analysis.departure import first_departure
+from graphdiff.analysis.match import Match
+from graphdiff.records import Graph, Node
 
 
 def _n(name: str, module: str) -> Node:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from graphdiff.capture.cpu_kind import store_like
-from graphdiff.model import EngineSample
+from graphdiff.records import EngineSample
 
 pytestmark = pytest.mark.engine
 

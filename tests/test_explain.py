@@ -7,9 +7,9 @@ import re
 
 import pytest
 
+from graphdiff.artifacts import ScanDir
 from graphdiff.errors import GraphdiffError
-from graphdiff.explain import explain_lines, find_site, replay_one
-from graphdiff.scandir import ScanDir
+from graphdiff.report.explain import explain_lines, find_site, replay_one
 from tests.conftest import FIXTURES
 from tests.test_cli_errors import one_error_line, run_cli
 

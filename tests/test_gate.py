@@ -14,9 +14,9 @@ from graphdiff.capture.hf import load_hf_model
 from graphdiff.codegen import generate
 from graphdiff.measure.gate import select_regions
 from graphdiff.measure.kl import train_logprobs, trainer
-from graphdiff.model import EngineSample
+from graphdiff.models.tiny import make_tiny
+from graphdiff.records import EngineSample
 from graphdiff.runtime import load_manifest
-from graphdiff.tiny import make_tiny
 from tests.conftest import FIXTURES
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from graphdiff.kernel_replay import kernel_fragment
-from graphdiff.model import Graph, Kernel, Node
+from graphdiff.records import Graph, Kernel, Node
+from graphdiff.replay.kernels import kernel_fragment
 
 
 def _call(name: str, target: str, args: list, dtype: str, shape: list) -> Node:
@@ -44,8 +44,8 @@ def test_a_value_one_loop_nest_stores_and_the_next_reads_back_is_read_rounded() 
     """xIELU (Apertus): a first loop nest computes a scalar from the parameters and stores it in BF16, the second
     reads it back (`= out_ptr1[0]`). With no reduction in between, every consumer reads the rounded copy; after a
     reduction (a norm's second nest), only the consumers past it do."""
-    from graphdiff.kernel_reload import SUFFIX, reload_variant, reloaded_stores
-    from graphdiff.model import BufferArg
+    from graphdiff.records import BufferArg
+    from graphdiff.replay.reload import SUFFIX, reload_variant, reloaded_stores
 
     def n(name: str, target: str, inputs: list[str]) -> Node:
         return Node(name=name, op="call_function", target=target, inputs=inputs, dtype="bfloat16", shape=[4])
@@ -163,10 +163,10 @@ def test_a_value_stored_by_a_loop_nest_without_a_reduction_is_read_rounded_befor
     reduction read the store)."""
     import torch
 
-    from graphdiff.kernel_reload import stored_alone
-    from graphdiff.kernel_replay import replay_kernel
-    from graphdiff.model import BufferArg
-    from graphdiff.reduction_order import ordered_sum
+    from graphdiff.records import BufferArg
+    from graphdiff.replay.kernels import replay_kernel
+    from graphdiff.replay.reload import stored_alone
+    from graphdiff.replay.sum_order import ordered_sum
 
     t, d = 32, 64
 
@@ -217,7 +217,7 @@ def _qk_norm_rope_kernel() -> tuple[Graph, Kernel, dict, set[str]]:
     the graph, the kernel, a record made as the kernel computes, and the kernel's nodes."""
     import torch
 
-    from graphdiff.model import BufferArg
+    from graphdiff.records import BufferArg
 
     t, d = 64, 64
 
@@ -271,7 +271,7 @@ def test_a_concatenation_of_the_kernels_stores_is_read_back_rounded() -> None:
     registers) stored in BF16 into views of its buffer, and the `* sin` nest loads that buffer: the cat is read
     rounded although no FX node rounds it (the real kernel's RoPE store: 93% replayed when the cat was taken from
     the registers)."""
-    from graphdiff.kernel_replay import Declared, replay_kernel, stored_concats
+    from graphdiff.replay.kernels import Declared, replay_kernel, stored_concats
 
     graph, k, record, owned = _qk_norm_rope_kernel()
     rep, _ = replay_kernel(graph, k, record, {b: b for b in ("x", "w", "cos", "sin")}, owned)
@@ -285,7 +285,7 @@ def test_an_fp32_store_of_a_mean_is_placed_at_the_mean_by_its_row_sum() -> None:
     """A q/k norm's sum of squares is stored in FP32 under no node name: Inductor's mean stores the row sum and
     divides where it is read, so it is placed by comparing the store with each mean's row sum too (it was placed at
     `mean + eps`, the value nearest the sum among the plain values, and its FP32 error read 1)."""
-    from graphdiff.kernel_replay import replay_kernel
+    from graphdiff.replay.kernels import replay_kernel
 
     graph, k, record, owned = _qk_norm_rope_kernel()
     rep, _ = replay_kernel(graph, k, record, {b: b for b in ("x", "w", "cos", "sin")}, owned)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from graphdiff.kernel_reload import SUFFIX, reload_variant, reloaded_stores
-from graphdiff.kernel_replay import replay_kernel
-from graphdiff.model import BufferArg, Graph, Kernel, Node
+from graphdiff.records import BufferArg, Graph, Kernel, Node
+from graphdiff.replay.kernels import replay_kernel
+from graphdiff.replay.reload import SUFFIX, reload_variant, reloaded_stores
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "captures" / "gpt2-final-layernorm"
 
@@ -36,7 +36,7 @@ def test_the_final_residual_sum_stored_in_place_is_read_back_rounded_by_the_whol
 
 
 def test_an_in_place_store_loaded_by_a_later_loop_nest_is_read_back_by_every_consumer() -> None:
-    from graphdiff.kernel_reload import stored_alone
+    from graphdiff.replay.reload import stored_alone
 
     graph, k, _, _, _ = _load()
     stored = next(a.node for a in k.args if a.role == "inout" and a.dtype == "bfloat16")
@@ -51,7 +51,7 @@ def test_an_in_place_store_loaded_by_a_later_loop_nest_is_read_back_by_every_con
 def test_a_store_inside_the_reductions_loop_nest_is_read_back_only_past_the_reduction() -> None:
     """Granite/Cohere: the first loop nest stores the residual sum and accumulates its squares from the FP32
     register; only the second nest re-loads it. A nest that also stores another value is not alone either."""
-    from graphdiff.kernel_reload import stored_alone
+    from graphdiff.replay.reload import stored_alone
 
     args = [BufferArg(name="buf0", role="out", dtype="bfloat16", node="s"),
             BufferArg(name="buf1", role="out", dtype="float32", node="m"),
@@ -86,7 +86,7 @@ def test_a_second_norm_of_the_stored_sum_in_a_later_nest_reads_it_back_from_its_
     variance, the second LayerNorm's mean and variance, both normalizations) loads the BF16 store. By dataflow
     alone the second mean (which depends on no reduction) would read the registers: 94% of its output replays; by
     loop nest, all of it (fixtures/captures/gpt-neox-two-layernorms, cut from a real scan as its README says)."""
-    from graphdiff.kernel_reload import nest_reductions
+    from graphdiff.replay.reload import nest_reductions
 
     graph, k, record, known, owned = _load(FIXTURE.parent / "gpt-neox-two-layernorms")
     (stored,) = reloaded_stores(k)

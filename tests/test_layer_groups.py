@@ -16,9 +16,9 @@ import torch
 from graphdiff import runtime
 from graphdiff.codegen import generate
 from graphdiff.codegen.fragment import layer_groups
-from graphdiff.model import ScanResult
+from graphdiff.models.tiny import make_tiny
+from graphdiff.records import ScanResult
 from graphdiff.runtime import PatchError, scanned_layer
-from graphdiff.tiny import make_tiny
 
 COHERE = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-cohere-3"
 RESIDUAL = "model.layers.*#residual_norm"

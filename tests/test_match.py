@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from graphdiff.match import TOLERANCE, match_values
-from graphdiff.model import Graph, Node
+from graphdiff.analysis.match import TOLERANCE, match_values
+from graphdiff.records import Graph, Node
 
 
 def _node(name: str, module: str, target: str = "aten.add.Tensor") -> Node:

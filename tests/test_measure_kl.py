@@ -25,9 +25,9 @@ from graphdiff.measure.kl import (
     train_logprobs,
 )
 from graphdiff.measure.shapley import attribute
-from graphdiff.model import EngineSample, EngineSamples, EngineSamplesFile, save_json
-from graphdiff.resolve import read_config
-from graphdiff.tiny import make_tiny
+from graphdiff.models.resolve import read_config
+from graphdiff.models.tiny import make_tiny
+from graphdiff.records import EngineSample, EngineSamples, EngineSamplesFile, save_json
 
 
 @pytest.fixture(scope="module")

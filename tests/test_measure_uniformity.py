@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from graphdiff.measure.uniformity import (
+from graphdiff.analysis.uniformity import (
     fourier_coefficients,
     histogram,
     median_over_layers,

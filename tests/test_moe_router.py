@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphdiff.moe import engine_like_router
+from graphdiff.analysis.moe import engine_like_router
 
 
 class _Router(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""The registry of opaque engine kernels (graphdiff.opaque) against the installed engine's real kernel.
+"""The registry of opaque engine kernels (graphdiff.analysis.opaque) against the installed engine's real kernel.
 
 Marked `engine` (needs vLLM's compiled CPU ops, not a running engine): vLLM's CPU attention op on seeded
 q/k/v is compared with torch's sdpa on FP32-upcast inputs rounded once (what the generated attention
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from graphdiff.analysis.opaque import attention_rule, truncates_output
 from graphdiff.capture.cpu_kind import KERNEL_BUILD, kernel_build, store_like
-from graphdiff.opaque import attention_rule, truncates_output
 
 pytestmark = pytest.mark.engine
 

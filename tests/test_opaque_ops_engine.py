@@ -1,4 +1,4 @@
-"""The registry of opaque engine ops (graphdiff.opaque.EXTERNS) against the installed engine's real kernels.
+"""The registry of opaque engine ops (graphdiff.analysis.opaque.EXTERNS) against the installed engine's real kernels.
 
 Marked `engine` (needs vLLM's compiled CPU ops, not a running engine): each real op (torch.ops._C.*, called the
 way vLLM's CPU path calls it, custom ops enabled) on seeded BF16 inputs is compared bit for bit with candidate
@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
+from graphdiff.analysis.opaque import extern_rule
 from graphdiff.capture.cpu_kind import kernel_build, store_like, stores_truncate
-from graphdiff.opaque import extern_rule
 
 pytestmark = pytest.mark.engine
 vllm_ops = pytest.importorskip("vllm._custom_ops")  # loads the CPU extension: torch.ops._C.*
@@ -324,9 +324,9 @@ def _hf_like_experts(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, ids: 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(16, 4, 2), (33, 8, 2), (5, 8, 4)])
 def test_cpu_fused_moe(tokens: int, experts: int, top_k: int) -> None:
-    """vLLM CPU's fused MoE (`vec` ISA, the weights prepacked as its loader does) equals graphdiff.moe's engine
+    """vLLM CPU's fused MoE (`vec` ISA, the weights prepacked as its loader does) equals graphdiff.analysis.moe's engine
     computation, the source the patch carries, bit for bit; transformers' all-BF16 experts do not."""
-    from graphdiff.moe import engine_like_experts
+    from graphdiff.analysis.moe import engine_like_experts
 
     hidden, inter = 64, 96  # multiples of the kernel's 32-wide output alignment
     w13 = seeded(experts, 2 * inter, hidden, seed=21, scale=hidden ** -0.5)
@@ -346,8 +346,8 @@ def test_cpu_fused_moe(tokens: int, experts: int, top_k: int) -> None:
 
     engine = bits_equal(engine_like_experts(Experts, x, ids, weights), real)
     hf = bits_equal(_hf_like_experts(w13, w2, x, ids, weights), real)
-    _report(f"cpu_fused_moe {tokens}x{experts} top-{top_k}", {"graphdiff.moe": engine, "all BF16 (HF)": hf})
-    if stores_truncate(BUILD):  # it truncates its stores; graphdiff.moe rounds to nearest: the registry must refuse
+    _report(f"cpu_fused_moe {tokens}x{experts} top-{top_k}", {"graphdiff.analysis.moe": engine, "all BF16 (HF)": hf})
+    if stores_truncate(BUILD):  # it truncates its stores; analysis.moe rounds to nearest: the registry must refuse
         assert engine < 0.99 and extern_rule("torch.ops._C.cpu_fused_moe.default", BUILD) is None
         return
     assert engine == 1.0

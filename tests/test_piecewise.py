@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from graphdiff import runtime
+from graphdiff.analysis.plan import mark_rounded_reads
 from graphdiff.codegen import generate
-from graphdiff.model import Capture, Decision, Evidence, Graph, Kernel, Node, SideState
-from graphdiff.sites import mark_rounded_reads
+from graphdiff.records import Capture, Decision, Evidence, Graph, Kernel, Node, SideState
 
 QWEN3 = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3"
 IDS = torch.tensor([[17, 912, 33, 1500, 7, 256, 1024, 3, 88, 640, 1999, 5, 42, 9, 77, 1200]])
@@ -186,7 +186,7 @@ def test_each_graphs_buffers_are_saved_apart(tmp_path: Path) -> None:
 
 def test_an_engine_dump_scan_keeps_the_compilation_config_it_was_captured_with() -> None:
     from graphdiff.errors import GraphdiffError
-    from graphdiff.scan import _dump_config
+    from graphdiff.pipeline import _dump_config
 
     recorded = Capture.model_validate({"side": "engine", "engine": "vllm", "model": "m", "architecture": "A",
                                        "graphs": [], "compilation_config": {"mode": 3, "optimization_level": 2}})

@@ -12,10 +12,10 @@ import re
 
 import pytest
 
+from graphdiff.analysis.match import match_values
+from graphdiff.analysis.plan import find_sites
+from graphdiff.analysis.rounding import eager_values, engine_rounding, train_rounding
 from graphdiff.capture.function import capture_compiled, trace_eager
-from graphdiff.match import match_values
-from graphdiff.rounding import eager_values, engine_rounding, train_rounding
-from graphdiff.sites import find_sites
 from tests.conftest import FIXTURES
 
 spec = importlib.util.spec_from_file_location("planted_pairs", FIXTURES / "planted" / "pairs.py")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from graphdiff.reduction_order import cpp_sum_lanes, ordered_mean, ordered_sum
+from graphdiff.replay.sum_order import cpp_sum_lanes, ordered_mean, ordered_sum
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "scans" / "tiny-qwen3" / "engine" / "capture.json"
 

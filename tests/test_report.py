@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from graphdiff import report_graphs
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import ScanResult
-from graphdiff.report import find_region, load_scan, model_explorer, region_dot, write_report
+from graphdiff.records import ScanResult
+from graphdiff.report import graphs as report_graphs
+from graphdiff.report.html import find_region, load_scan, model_explorer, region_dot, write_report
 
 SCAN = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -9,10 +9,10 @@ import pytest
 from transformers import AutoConfig
 
 from graphdiff.errors import GraphdiffError
-from graphdiff.resolve import bundled_ids, find_in_hf_cache, resolve_model
-from graphdiff.tiny import make_tiny
+from graphdiff.models.resolve import bundled_ids, find_in_hf_cache, resolve_model
+from graphdiff.models.tiny import make_tiny
 
-CONFIGS = Path(__file__).resolve().parent.parent / "graphdiff" / "configs"
+CONFIGS = Path(__file__).resolve().parent.parent / "graphdiff" / "models" / "configs"
 
 REQUIRED_IDS = [
     *(f"Qwen/Qwen3-{size}" for size in ("0.6B", "1.7B", "4B", "8B", "14B", "32B")),

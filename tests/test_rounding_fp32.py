@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphdiff import rounding
+from graphdiff.analysis import rounding
 
 
 def test_a_large_matmul_is_rerun_in_fp32_blockwise_with_the_same_result(monkeypatch) -> None:
@@ -21,8 +21,8 @@ def test_an_uninitialized_allocation_and_its_views_get_no_glue_value() -> None:
     """The attention output buffer (`empty`, written by the attention extern) with no recorded load: evaluating it
     gave `torch.empty`'s memory to it and its views, and the matcher then matched Qwen2-MoE's last residual sum to
     that garbage in some runs (not in others)."""
-    from graphdiff.model import Graph, Node
-    from graphdiff.rounding import _evaluate_glue
+    from graphdiff.analysis.rounding import _evaluate_glue
+    from graphdiff.records import Graph, Node
 
     nodes = [Node(name="n", op="placeholder", target="n", sym="s0"),
              Node(name="empty", op="call_function", target="aten.empty.memory_format", inputs=["n"],

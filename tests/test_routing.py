@@ -8,7 +8,7 @@ import torch
 
 from graphdiff.capture.hf import load_hf_model
 from graphdiff.measure.routing import agreement, differing, trainer_topk
-from graphdiff.tiny import make_tiny
+from graphdiff.models.tiny import make_tiny
 
 
 @pytest.fixture(scope="module")

@@ -149,7 +149,7 @@ def test_runtime_imports_neither_vllm_nor_the_scanner() -> None:
     import sys
 
     code = ("import sys, graphdiff.runtime; bad = [m for m in sys.modules if m == 'vllm' or m.startswith(("
-            "'vllm.', 'graphdiff.scan', 'graphdiff.capture', 'graphdiff.rounding', 'graphdiff.match', "
+            "'vllm.', 'graphdiff.analysis', 'graphdiff.capture', 'graphdiff.replay', 'graphdiff.pipeline', "
             "'graphdiff.codegen'))]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -163,9 +163,9 @@ def test_config_check_reads_the_published_config_form(patch_dir: Path, tmp_path:
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from graphdiff.resolve import _with_layers, bundled_config
+    from graphdiff.analysis.scan import scanned_config_of
+    from graphdiff.models.resolve import _with_layers, bundled_config
     from graphdiff.runtime import _check
-    from graphdiff.scan import scanned_config_of
 
     published = bundled_config("Qwen/Qwen3-8B")
     assert "torch_dtype" in published and "rope_theta" in published

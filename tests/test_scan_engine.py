@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from graphdiff.analysis.scan import analyze, run_train_side
 from graphdiff.capture.cpu_kind import cpu_kind
-from graphdiff.model import ScanResult
-from graphdiff.scan import analyze, run_train_side
+from graphdiff.records import ScanResult
 
 pytestmark = pytest.mark.engine
 
@@ -45,7 +45,7 @@ def test_attention_that_rounds_inside_is_a_site_per_layer(qwen3_scan, engine_run
     """vLLM's CPU vec attention keeps the softmax probabilities FP32 (registry, tests/test_opaque_engine.py); HF's
     BF16 sdpa stores them as BF16: the trainer's attention output differs from its FP32-input result. Its amx
     attention rounds them itself: no attention site."""
-    from graphdiff.opaque import attention_rule
+    from graphdiff.analysis.opaque import attention_rule
 
     info = engine_run.capture.attention
     assert info["backend"] == "CPU_ATTN" and info.get("isa")
@@ -148,7 +148,7 @@ def test_the_plan_decides_every_floating_trainer_value_once(qwen3_scan, engine_r
         if d.site:
             assert d.region and d.kind and d.engine is not None and d.train.on_grid != d.engine.on_grid
     # opaque-registry: the attention decisions, where the engine's attention keeps P in FP32 (vLLM CPU's vec kernel)
-    from graphdiff.opaque import attention_rule
+    from graphdiff.analysis.opaque import attention_rule
 
     rule = attention_rule(engine_run.capture.attention)
     assert {d.rule for d in qwen3_scan.plan} >= {"matched", "inside-kernel"} | (
@@ -200,8 +200,8 @@ def engine_capture_dir(engine_run, tmp_path_factory) -> Path:
 def test_scan_from_an_engine_capture_made_elsewhere(engine_capture_dir, tiny_models, tmp_path):
     """`capture --engine vllm` on the engine machine, `scan --engine-dump` on a laptop: same sites."""
     from graphdiff.errors import GraphdiffError
-    from graphdiff.scan import scan
-    from graphdiff.tiny import make_tiny
+    from graphdiff.models.tiny import make_tiny
+    from graphdiff.pipeline import scan
 
     outcome = scan(str(tiny_models["qwen3"]), engine_dump=engine_capture_dir)
     result = outcome.result
@@ -225,10 +225,10 @@ def test_scan_refuses_a_dump_without_buffers(tmp_path):
 def test_scan_of_the_patched_trainer_finds_no_site_left(engine_capture_dir, tiny_models, tmp_path):
     """The generated patch (from a scan against this machine's engine) leaves no one-sided rounding that the
     scanner can see: trainer and engine now round in the same places."""
+    from graphdiff.analysis.opaque import attention_rule
+    from graphdiff.artifacts import ScanDir
     from graphdiff.codegen import generate
-    from graphdiff.opaque import attention_rule
-    from graphdiff.scan import scan
-    from graphdiff.scandir import ScanDir
+    from graphdiff.pipeline import scan
 
     d = ScanDir(tmp_path / "scan")
     outcome = scan(str(tiny_models["qwen3"]), engine_dump=engine_capture_dir, out=d)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from graphdiff.capture.shapes import check_shapes, default_shapes, engine_limits, parse_shapes, with_prompts
 from graphdiff.errors import GraphdiffError
-from graphdiff.shapes import check_shapes, default_shapes, engine_limits, parse_shapes, with_prompts
 from tests.test_cli_errors import one_error_line, run_cli
 
 

@@ -3,9 +3,9 @@ when the trainer is traced on another number of tokens or when another kind is f
 
 from __future__ import annotations
 
+from graphdiff.analysis.plan import stable_ids
 from graphdiff.capture.hf import capture_hf
-from graphdiff.model import Graph, Node, Source
-from graphdiff.sites import stable_ids
+from graphdiff.records import Graph, Node, Source
 
 
 def test_ids_of_every_trainer_node_are_the_same_at_16_and_64_tokens(tiny_models):

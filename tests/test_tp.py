@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from graphdiff import runtime
+from graphdiff.analysis.tensor_parallel import match_shards, rank_of, same_weight
 from graphdiff.capture.tp import omp_bind, rank_kernel_ids
 from graphdiff.codegen import generate
 from graphdiff.codegen.tp_linear import SPLIT_K_FN, SPLIT_K_SOURCE
-from graphdiff.model import Decision, Evidence, Graph, Kernel, Node, Region, SideRef, SideState, Site
-from graphdiff.tensor_parallel import match_shards, rank_of, same_weight
+from graphdiff.records import Decision, Evidence, Graph, Kernel, Node, Region, SideRef, SideState, Site
 
 QWEN3 = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3"
 
@@ -169,9 +169,9 @@ TP2 = Path(__file__).resolve().parent.parent / "fixtures" / "captures" / "tiny-q
 def tp2_scan(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     """The recorded TP=2 capture of tiny Qwen3 (both ranks, with their all-reduce calls) analysed as
     `scan --engine-dump` does, into a scan directory."""
+    from graphdiff.artifacts import ScanDir
     from graphdiff.capture.engine_process import save_engine_capture
-    from graphdiff.scan import scan
-    from graphdiff.scandir import ScanDir
+    from graphdiff.pipeline import scan
 
     d = ScanDir(tmp_path_factory.mktemp("scan-tp2"))
     outcome = scan(str(tiny_models["qwen3"]), engine_dump=TP2, out=d)

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from graphdiff.analysis.opaque import attention_rule
+from graphdiff.analysis.tensor_parallel import allreduces, rank_of
 from graphdiff.capture.cpu_kind import stores_truncate
 from graphdiff.codegen.tp_linear import SPLIT_K_FN, SPLIT_K_SOURCE
-from graphdiff.model import Capture
-from graphdiff.opaque import attention_rule
-from graphdiff.tensor_parallel import allreduces, rank_of
+from graphdiff.records import Capture
 
 pytestmark = pytest.mark.engine
 

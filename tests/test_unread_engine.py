@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from graphdiff.tiny import make_tiny
+from graphdiff.models.tiny import make_tiny
 
 pytestmark = pytest.mark.engine
 
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.engine
 def test_the_engine_never_reads_ernie_moe_correction_bias(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     from graphdiff.capture.engine_process import capture_isolated
-    from graphdiff.resolve import read_config
-    from graphdiff.shapes import prefill, with_prompts
+    from graphdiff.capture.shapes import prefill, with_prompts
+    from graphdiff.models.resolve import read_config
 
     model = make_tiny("ernie4_5_moe", tmp_path / "model", layers=2)
     cap, _, _ = capture_isolated(model, with_prompts([prefill(16)], read_config(model)), tmp_path / "engine")

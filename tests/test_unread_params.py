@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from graphdiff.capture.vllm import unread_params
-from graphdiff.model import Graph
+from graphdiff.records import Graph
 
 
 class _Gate(nn.Module):

@@ -12,7 +12,7 @@ from pathlib import Path
 from graphdiff.capture.inductor_code import KernelCall, kernel_args, parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import Compiled
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import BufferArg, Graph, Kernel
+from graphdiff.records import BufferArg, Graph, Kernel
 
 
 def _extern_nodes(call: KernelCall, comp: Compiled, targets: dict[str, str]) -> list[str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from graphdiff.capture.assemble import assemble_graph
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import Capture, Node, Source
+from graphdiff.records import Capture, Node, Source
 
 REQUIRED = ("fx_graph_transformed.py", "output_code.py", "inductor_provenance_tracking_node_mappings.json")
 

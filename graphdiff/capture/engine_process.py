@@ -22,7 +22,7 @@ import torch
 from graphdiff import child
 from graphdiff.capture.inductor_hooks import Record, weight_inputs
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import Capture, Shape, load_capture, save_json
+from graphdiff.records import Capture, Shape, load_capture, save_json
 
 BUFFERS_FILE = "buffers.pt"
 INLINE_WEIGHT_BYTES = 256 * 2**10  # larger recorded weights are saved as references to the checkpoint

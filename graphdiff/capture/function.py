@@ -20,7 +20,7 @@ from graphdiff.capture.fx import graph_from_fx
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, weight_inputs
 from graphdiff.capture.vllm import input_names
-from graphdiff.model import Graph
+from graphdiff.records import Graph
 
 
 def trace_eager(module: torch.nn.Module, args: tuple[torch.Tensor, ...],

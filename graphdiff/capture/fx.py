@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from graphdiff.model import Graph, Node, Source
+from graphdiff.records import Graph, Node, Source
 
 # Graph inputs that carry data rather than weights; every other mapped placeholder is a parameter/buffer.
 DATA_INPUTS = frozenset({"input_ids", "positions", "position_ids", "inputs_embeds", "attention_mask"})

@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import graphdiff
 from graphdiff.capture.fx import graph_from_fx
 from graphdiff.errors import GraphdiffError, first_line
-from graphdiff.model import Capture
+from graphdiff.records import Capture
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -17,7 +17,7 @@ import ast
 import re
 from dataclasses import dataclass, field
 
-from graphdiff.model import BufferArg
+from graphdiff.records import BufferArg
 
 # C++ and Triton element types -> torch dtype names.
 _DTYPES = {

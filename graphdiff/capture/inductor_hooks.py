@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from graphdiff.capture.inductor_code import KernelCall, arg_role
-from graphdiff.model import Graph
+from graphdiff.records import Graph
 
 Record = dict[str, Any]  # {"in": {buffer: tensor}, "out": {buffer: tensor}, "scalars": {name: value}}
 

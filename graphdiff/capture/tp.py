@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import Capture, Graph, PackedParam, Shape
+from graphdiff.records import Capture, Graph, PackedParam, Shape
 
 WORKER_EXTENSION = "graphdiff.capture.tp_worker.GraphdiffWorkerExtension"  # never imported in the driver
 WORKER_ENV = "GRAPHDIFF_TP_WORKER"  # a worker installs graphdiff's Inductor hooks when it imports the extension
@@ -107,7 +107,7 @@ def capture_vllm_tp(model_dir: Path, shapes: list[Shape], options: Any, progress
 
     from graphdiff.capture import vllm as cv
     from graphdiff.capture.vllm_cpu import effective_config, on_cpu_platform, wants_vllm_compile
-    from graphdiff.resolve import architecture, read_config
+    from graphdiff.models.resolve import architecture, read_config
 
     tp = options.tensor_parallel_size
     work = Path(tempfile.mkdtemp(prefix="graphdiff-engine-tp-"))

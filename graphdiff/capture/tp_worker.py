@@ -13,7 +13,7 @@ memoryviews): each rank writes its graphs and buffers to files, and the RPC retu
 Besides the generated kernels' buffers, each rank records the calls of the extern ops a tensor-parallel forward
 adds rounding in (`EXTERN_OPS`: the all-reduce and the matmuls that write what it reduces), at the first recorded
 shape: each all-reduce's BF16 partial (its input), its output, and the input of the matmul that wrote the
-partial. The analysis checks the registry's description of the all-reduce on them (graphdiff.tensor_parallel).
+partial. The analysis checks the registry's description of the all-reduce on them (graphdiff.analysis.tensor_parallel).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from graphdiff.capture.assemble import build_graph
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, weight_inputs
 from graphdiff.capture.tp import BUFFERS_FILE, GRAPHS_FILE, META_FILE, VLLM_COMPILE_ENV, WORKER_ENV, rank_kernel_ids
-from graphdiff.model import Graph
+from graphdiff.records import Graph
 
 MATMUL_OPS = ("_C.onednn_mm", "_C.weight_packed_linear")  # out= buffer first, the input second (AMX: the latter)
 EXTERN_OPS = ("_C.shm_allreduce", *MATMUL_OPS)
@@ -98,10 +98,10 @@ class _Packet:
 def extern_records(graphs: list[Graph], calls: dict[str, list[dict]]) -> tuple[dict[str, dict], list[str]]:
     """Kernel id of each all-reduce -> its record: {"in": {}, "out": {}, "scalars": {}, "extern": {...}} with the
     BF16 partial it reduced, its output, and the matmul that wrote the partial (kernel id, its input: the writer as
-    graphdiff.tensor_parallel.allreduces finds it). Calls are matched to the graphs' extern kernels in execution
+    analysis.tensor_parallel.allreduces finds it). Calls are matched to the graphs' extern kernels in execution
     order (the wrapper is straight-line code; calls after the graphs', e.g. the LM head's matmul, are not the
     graphs')."""
-    from graphdiff.tensor_parallel import allreduces
+    from graphdiff.analysis.tensor_parallel import allreduces
 
     reduces = [a for g in graphs for a in allreduces(g) if "shm_allreduce" in a.kernel]
     ar_calls = calls.get("_C.shm_allreduce", [])

@@ -26,11 +26,11 @@ from graphdiff.capture.assemble import build_graph
 from graphdiff.capture.cpu_kind import cpu_kind, kernel_build
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import BufferRecorder, Record, inductor_hooks, weight_inputs
+from graphdiff.capture.shapes import engine_limits, prefill, with_prompts
 from graphdiff.capture.vllm_cpu import as_asked, asked_config, check_options, effective_config
 from graphdiff.errors import GraphdiffError, first_line
-from graphdiff.model import Capture, Graph, PackedParam, Shape
-from graphdiff.resolve import architecture, read_config
-from graphdiff.shapes import engine_limits, prefill, with_prompts
+from graphdiff.models.resolve import architecture, read_config
+from graphdiff.records import Capture, Graph, PackedParam, Shape
 
 Progress = Callable[[str], None]
 
@@ -379,11 +379,11 @@ def capture_vllm(model_dir: Path, shapes: list[Shape] | list[int], *, options: E
 def record_routing(run: EngineRun, samples: list[Any], progress: Progress = lambda m: None) -> None:
     """MoE: the top-k experts the engine's router chose for every token of each sample (prompt + continuation,
     scored in one prefill with the recorders armed) into `sample.routing` (layer -> [tokens][k]); nothing for a
-    model without a router kernel (graphdiff.moe.engine_routing), nor without recorders here (TP: in the workers)."""
+    model without a router kernel (analysis.moe.engine_routing), nor without recorders here (TP: in the workers)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from graphdiff.moe import engine_routing, has_router
+    from graphdiff.analysis.moe import engine_routing, has_router
 
     if not samples or not run.recorders or not any(has_router(g) for g in run.capture.graphs):
         return
@@ -408,7 +408,7 @@ def record_routing(run: EngineRun, samples: list[Any], progress: Progress = lamb
 
 def attention_info(model: torch.nn.Module) -> dict[str, str]:
     """The engine's attention kernel, as its first attention layer reports it (its internals are opaque to the
-    scan; graphdiff.opaque knows what some backends round inside)."""
+    scan; graphdiff.analysis.opaque knows what some backends round inside)."""
     for mod in model.modules():
         backend = getattr(mod, "attn_backend", None)
         impl = getattr(mod, "impl", None)

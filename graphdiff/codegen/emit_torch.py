@@ -8,9 +8,9 @@ of model templates. Casts are identities (the value is FP32 throughout); the pla
 from __future__ import annotations
 
 from graphdiff.codegen.fragment import Fragment, rounding
-from graphdiff.model import Node
 from graphdiff.ops import is_low, op_name
-from graphdiff.reduction_order import MEAN_FN, SOURCE, SUM_FN
+from graphdiff.records import Node
+from graphdiff.replay.sum_order import MEAN_FN, SOURCE, SUM_FN
 
 BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 UNARY = {"rsqrt": "torch.rsqrt", "sqrt": "torch.sqrt", "exp": "torch.exp", "sigmoid": "torch.sigmoid",

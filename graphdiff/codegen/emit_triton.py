@@ -26,8 +26,8 @@ from graphdiff.codegen import inductor_lowering
 from graphdiff.codegen.emit_torch import Unsupported, expression
 from graphdiff.codegen.fragment import Fragment, rounding
 from graphdiff.codegen.inductor_lowering import Step
-from graphdiff.model import Node
 from graphdiff.ops import EXACT, is_low, op_name
+from graphdiff.records import Node
 
 MOVES = EXACT - {"neg", "clone", "alias", "contiguous"}  # data movement: only in the prologue
 

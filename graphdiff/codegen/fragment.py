@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from graphdiff.model import Graph, Node, Region, ScanResult, Site
 from graphdiff.ops import MATMULS, is_heavy, op_name
-from graphdiff.reduction_order import is_row_reduction
+from graphdiff.records import Graph, Node, Region, ScanResult, Site
+from graphdiff.replay.sum_order import is_row_reduction
 
 Target = Literal["module", "function", "carry"]
 # Regions whose engine side is one opaque op: the patch calls a function that computes as the registry says the op

@@ -18,11 +18,13 @@ from typing import Literal
 
 import torch
 
-from graphdiff import moe
+from graphdiff.analysis import moe
+from graphdiff.analysis.opaque import truncates_output
+from graphdiff.artifacts import ScanDir
 from graphdiff.codegen import attention_splice, emit_torch, emit_triton, inductor_lowering, tp_linear
 from graphdiff.codegen.fragment import Fragment, cut_fragments, region_slug
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import (
+from graphdiff.records import (
     MANIFEST_VERSION,
     Capture,
     Graph,
@@ -34,8 +36,6 @@ from graphdiff.model import (
     ScanResult,
     save_json,
 )
-from graphdiff.opaque import truncates_output
-from graphdiff.scandir import ScanDir
 
 MODULE_FILE = "graphdiff_patch.py"
 AttentionForm = Literal["fp32", "engine"]
@@ -133,7 +133,7 @@ def _module_class(graph: Graph, pattern: str) -> str:
 
 
 def _moe_splice(r: Region, graph: Graph) -> ManifestSplice:
-    """A router or experts region: the module's forward replaced by the engine's computation (graphdiff.moe)."""
+    """A router or experts region: the module's forward replaced by the engine's computation (analysis.moe)."""
     target, fn = ("router", moe.ROUTER_FN) if r.kind == "router" else ("experts", moe.EXPERTS_FN)
     return ManifestSplice(key=f"{target} {r.module}", target=target, module=r.module,
                           module_class=_module_class(graph, r.module), regions=[r.name], torch_fn=fn,
@@ -219,7 +219,7 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None,
     moe_regions = [r for r in wanted if r.kind in ("router", "expert_combine")]
     splices += [_moe_splice(r, graph) for r in moe_regions]
     if moe_regions:
-        body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.moe)",
+        body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.analysis.moe)",
                  *moe.SOURCE.strip("\n").splitlines()]
     for r in (r for r in wanted if r.kind == "allreduce"):
         splice, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),

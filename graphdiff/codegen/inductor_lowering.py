@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from graphdiff.model import Node
 from graphdiff.ops import IDENTITY, op_name
+from graphdiff.records import Node
 
 
 class Unsupported(Exception):

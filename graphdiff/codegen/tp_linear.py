@@ -3,7 +3,7 @@ engine computes it.
 
 The engine splits the matmul's K (input) dimension over its ranks: rank r multiplies its K/shards columns of the
 input by its shard of the weight, its GEMM accumulates in FP32 and stores the partial product in BF16, and the
-all-reduce sums the BF16 partials in FP32 and rounds once more (graphdiff.tensor_parallel). The generated function
+all-reduce sums the BF16 partials in FP32 and rounds once more (analysis.tensor_parallel). The generated function
 does exactly that with the trainer's own weight:
 
     y = bf16( sum_r fp32( bf16( x[..., K_r] @ W[:, K_r].T ) ) )      (bias, if any, in rank 0's partial, as vLLM)
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from graphdiff.capture.cpu_kind import stores_truncate
-from graphdiff.model import ManifestSplice, Node, Region
+from graphdiff.records import ManifestSplice, Node, Region
 
 SPLIT_K_FN = "linear_split_k"
 SPLIT_K_SOURCE = f'''
@@ -80,11 +80,11 @@ def allreduce_splice(region: Region, nodes: dict[str, Node], site_node: dict[str
 def verify_splice(scan_dir: Path, gen: Any, splice: ManifestSplice, device: str = "cpu") -> list:
     """The generated split-K linear against the engine's own all-reduce outputs recorded by the scan (every rank's
     matmul input concatenated along K is the trainer's input; the weight from the checkpoint): bit for bit."""
+    from graphdiff.analysis.tensor_parallel import allreduces, rank_of
+    from graphdiff.artifacts import ScanDir
     from graphdiff.capture.engine_process import _checkpoint_tensor
     from graphdiff.codegen.verify import Check
     from graphdiff.runtime import _pattern
-    from graphdiff.scandir import ScanDir
-    from graphdiff.tensor_parallel import allreduces, rank_of
 
     d = ScanDir(scan_dir)
     if not d.engine_capture.is_file():

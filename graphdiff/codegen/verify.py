@@ -27,8 +27,8 @@ from graphdiff.codegen import emit_triton
 from graphdiff.codegen.emit_torch import Unsupported
 from graphdiff.codegen.fragment import Fragment, cut_fragments, ordered_points, rounding_points
 from graphdiff.codegen.generate import load_scan_dir
-from graphdiff.model import Manifest, Node
-from graphdiff.replay import RoundingInterpreter, fragment_graph
+from graphdiff.records import Manifest, Node
+from graphdiff.replay.interpreter import RoundingInterpreter, fragment_graph
 from graphdiff.runtime import load_generated, load_manifest
 
 GRAD_RTOL = 2e-2  # BF16 storage of the forward values and (PyTorch path) of the gradients: ~2^-8 each

@@ -26,7 +26,7 @@ import torch
 from graphdiff import child
 from graphdiff.capture.vllm_cpu import split_level
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import EngineMode, EngineSample, EngineSamples, EngineSamplesFile, save_json
+from graphdiff.records import EngineMode, EngineSample, EngineSamples, EngineSamplesFile, save_json
 
 Progress = Callable[[str], None]
 SAMPLES_FILE = "engine_samples.json"
@@ -288,7 +288,7 @@ def _sample_here(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[
 def is_moe(model_dir: Path) -> bool:
     """A mixture-of-experts config: some `...experts` count above 1 (num_experts, num_local_experts,
     n_routed_experts, moe_num_experts; not the shared experts or the experts per token)."""
-    from graphdiff.resolve import read_config
+    from graphdiff.models.resolve import read_config
 
     config = read_config(model_dir)
     config = {**config, **(config.get("text_config") or {})}
@@ -302,9 +302,9 @@ def _sample_recording_routing(model_dir: Path, prompts: Sequence[list[int]], *, 
     """A compiled MoE engine started as the scan's capture starts it (its kernels wrapped by recorders), so that
     after sampling it can record which experts it chose for every token of each sample (capture.vllm.record_routing).
     The kernels are the same; only the capture's recorders wrap their calls."""
+    from graphdiff.capture.shapes import prefill, with_prompts
     from graphdiff.capture.vllm import EngineOptions, capture_vllm, record_routing
-    from graphdiff.resolve import read_config
-    from graphdiff.shapes import prefill, with_prompts
+    from graphdiff.models.resolve import read_config
 
     config, level = split_level(compilation_config)
     options = EngineOptions(compilation_config=config, optimization_level=level, min_seqs=len(prompts),

@@ -24,7 +24,7 @@ import torch
 
 from graphdiff import child
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import EngineSample
+from graphdiff.records import EngineSample
 
 Progress = Callable[[str], None]
 NAME = "graphdiff_engine_attention"

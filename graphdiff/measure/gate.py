@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from graphdiff.measure.kl import engine_logprobs, per_token, train_logprobs, trainer
-from graphdiff.model import EngineSample, Manifest, RegionEffect, save_json
+from graphdiff.records import EngineSample, Manifest, RegionEffect, save_json
 
 Progress = Callable[[str], None]
 BOOTSTRAP = 400
@@ -120,11 +120,11 @@ def gate_patch(scan_dir: Path, patch_dir: Path, *, max_tokens: int = GATE_TOKENS
                model_dir: Path | None = None, progress: Progress = lambda m: None) -> Manifest:
     """Measure the patch generated from `scan_dir` on the engine's samples (the scan directory's cached samples, else
     the engine, started as the scan configured it) and leave out the regions that widen the gap."""
+    from graphdiff.artifacts import ScanDir
     from graphdiff.capture.hf import load_hf_model
     from graphdiff.measure.engine import random_prompts, sample_engine
-    from graphdiff.resolve import read_config
-    from graphdiff.scan import prepare_model
-    from graphdiff.scandir import ScanDir
+    from graphdiff.models.resolve import read_config
+    from graphdiff.pipeline import prepare_model
 
     scan = ScanDir(scan_dir).load_scan()
     if model_dir is None:

@@ -28,7 +28,7 @@ from graphdiff import runtime
 from graphdiff.errors import GraphdiffError
 from graphdiff.measure import routing
 from graphdiff.measure.engine import SAMPLES_FILE, random_prompts, read_prompts, sample_engine
-from graphdiff.model import (
+from graphdiff.records import (
     Attribution,
     EngineMode,
     EngineSample,
@@ -211,7 +211,7 @@ def manifest_regions(manifest: Path) -> list[str]:
 def check_request(config: dict, prompts: Sequence[list[int]], max_tokens: int, metric: str, attribute: bool,
                   manifest: Path | None) -> None:
     """Refuse, before any engine starts, a measurement that cannot run."""
-    from graphdiff.shapes import max_positions
+    from graphdiff.capture.shapes import max_positions
 
     if max_tokens < 1:
         raise GraphdiffError("--max-tokens must be at least 1")
@@ -340,7 +340,7 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
 
     import graphdiff
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.resolve import architecture, read_config
+    from graphdiff.models.resolve import architecture, read_config
 
     config = read_config(model_dir)
     check_request(config, prompts, max_tokens, metric, attribute, manifest)

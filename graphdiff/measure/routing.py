@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from graphdiff.model import EngineSample, RoutingAgreement, layer_of
+from graphdiff.records import EngineSample, RoutingAgreement, layer_of
 
 
 class _TopkRecorder(TorchFunctionMode):

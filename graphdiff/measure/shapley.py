@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from graphdiff.model import Attribution, ShapleyValue
+from graphdiff.records import Attribution, ShapleyValue
 
 MAX_EXACT = 6  # 64 subsets: each one is a trainer pass over all sequences
 DEFAULT_PERMUTATIONS = 256

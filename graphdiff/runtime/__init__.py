@@ -16,7 +16,7 @@ How the generated code is spliced in (no per-model code; everything comes from t
   eager type promotion keeps the residual sums in FP32, as the engine does; for a piecewise engine, which stores
   the residual in BF16 where it crosses a graph split (attention), the layer's own residual add gets it rounded
   (held in FP32) and the child modules the manifest names (`fp32_children`, the input norm) the FP32 value;
-- attention splice (an engine whose attention keeps the softmax probabilities FP32, graphdiff.opaque): the
+- attention splice (an engine whose attention keeps the softmax probabilities FP32, graphdiff.analysis.opaque): the
   generated attention function is registered with transformers' AttentionInterface and set as the model's
   attention implementation (HF's sdpa on FP32-upcast q/k/v, output rounded once);
 - linear splices (a tensor-parallel engine's row-parallel matmuls, `allreduce` regions): the nn.Linear's forward
@@ -58,8 +58,8 @@ import torch
 import torch.utils.checkpoint
 
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import MANIFEST_VERSION, Manifest, ManifestSplice, layer_of
-from graphdiff.resolve import cut_layers
+from graphdiff.models.resolve import cut_layers
+from graphdiff.records import MANIFEST_VERSION, Manifest, ManifestSplice, layer_of
 
 __all__ = ["PatchError", "apply", "remove", "active_regions", "load_manifest", "load_generated", "scanned_config"]
 

@@ -11,7 +11,7 @@ HERE = Path(__file__).parent
 
 
 def models() -> dict[str, type[BaseModel]]:
-    from graphdiff import model
+    from graphdiff import records as model
 
     found = {"capture": model.Capture, "scan": model.ScanResult}
     for name in ("KLResult", "Manifest"):  # written by later stages, when present

@@ -11,9 +11,9 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from graphdiff.artifacts import ScanDir
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import Decision, Kernel, KernelEvidence, ScanResult, SideRef, Site
-from graphdiff.scandir import ScanDir
+from graphdiff.records import Decision, Kernel, KernelEvidence, ScanResult, SideRef, Site
 
 
 def find_site(scan: ScanResult, query: str) -> Site:
@@ -98,8 +98,8 @@ class OneReplay:
 def replay_one(scan_dir: Path, kernel_id: str, shape: str | None = None) -> OneReplay:
     """Re-run one kernel's fragment on its recorded buffers at `shape` (default: the first it ran at), with the
     buffer placements of the other kernels as the scan found them."""
-    from graphdiff.kernel_replay import replay_kernel
-    from graphdiff.rounding import buffer_nodes
+    from graphdiff.analysis.rounding import buffer_nodes
+    from graphdiff.replay.kernels import replay_kernel
 
     d = ScanDir(scan_dir)
     scan = d.load_scan()

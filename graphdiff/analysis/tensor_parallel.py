@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from graphdiff.analysis.match import TOLERANCE, Match, _compatible, _kind, _sorted
+from graphdiff.analysis.match import match_values as match_replicated
+from graphdiff.analysis.opaque import extern_rule
+from graphdiff.analysis.rounding import is_view
 from graphdiff.capture.cpu_kind import store_like
-from graphdiff.match import TOLERANCE, Match, _compatible, _kind, _sorted
-from graphdiff.match import match_values as match_replicated
-from graphdiff.model import Capture, Decision, Evidence, Graph, KernelEvidence, SideState, layer_of
-from graphdiff.opaque import extern_rule
 from graphdiff.ops import CASTS, MATMULS, op_name
-from graphdiff.rounding import is_view
+from graphdiff.records import Capture, Decision, Evidence, Graph, KernelEvidence, SideState, layer_of
 
 ALLREDUCE_REASON = ("a row-parallel matmul's output: the engine's all-reduce sums the ranks' partial products, each "
                     "stored in BF16 by its matmul (the all-reduce extern reads the buffer a matmul extern wrote)")
@@ -61,7 +61,7 @@ def primary_graphs(graphs: list[Graph]) -> list[Graph]:
 
 def match_values(train: Graph, train_values: dict[str, object], engine: Graph, engine_values: dict[str, torch.Tensor],
                  tp: int = 1) -> tuple[list[Match], list[str]]:
-    """graphdiff.match.match_values, and with `tp` > 1 the trainer values it left unmatched matched to this rank's
+    """match.match_values, and with `tp` > 1 the trainer values it left unmatched matched to this rank's
     shard of them."""
     matches, unmatched = match_replicated(train, train_values, engine, engine_values)
     if tp <= 1:

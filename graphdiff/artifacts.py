@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import Capture, ScanResult, load_versioned, save_json
+from graphdiff.records import Capture, ScanResult, load_versioned, save_json
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from graphdiff.match import Match
-from graphdiff.model import Departure, Graph, layer_of
+from graphdiff.analysis.match import Match
+from graphdiff.records import Departure, Graph, layer_of
 
 LOW = ("bfloat16", "float16")
 

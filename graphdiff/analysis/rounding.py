@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from graphdiff.kernel_replay import Declared, KernelReplay, Record, is_view, replay_kernel
-from graphdiff.model import Graph, Kernel
 from graphdiff.ops import EXACT, UNINITIALIZED, is_low, op_name
-from graphdiff.replay import LOW, run_fragment
+from graphdiff.records import Graph, Kernel
+from graphdiff.replay.interpreter import LOW, run_fragment
+from graphdiff.replay.kernels import Declared, KernelReplay, Record, is_view, replay_kernel
 
 __all__ = ["EngineRounding", "KernelReplay", "buffer_nodes", "engine_rounding", "eager_values", "is_view",
            "rerun_fp32", "train_rounding"]

@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from graphdiff.kernel_forms import SUFFIX as FORM_SUFFIX
-from graphdiff.kernel_forms import two_step_variance
-from graphdiff.kernel_reload import SUFFIX, nest_reductions, reload_variant, reloaded_stores, stored_alone
-from graphdiff.model import Graph, Kernel, Node
 from graphdiff.ops import UNINITIALIZED, VIEWS, is_low, op_name
-from graphdiff.reduction_order import cpp_sum_lanes, is_row_reduction
-from graphdiff.replay import LOW, SUM, bits_equal_fraction, run_fragment, to_dtype
+from graphdiff.records import Graph, Kernel, Node
+from graphdiff.replay.forms import SUFFIX as FORM_SUFFIX
+from graphdiff.replay.forms import two_step_variance
+from graphdiff.replay.interpreter import LOW, SUM, bits_equal_fraction, run_fragment, to_dtype
+from graphdiff.replay.reload import SUFFIX, nest_reductions, reload_variant, reloaded_stores, stored_alone
+from graphdiff.replay.sum_order import cpp_sum_lanes, is_row_reduction
 
 MAX_PERMUTATIONS = 120
 FP32_ORDER_TOLERANCE = 1e-5  # FP32 stores agreeing within this (relative) differ only in summation order

@@ -13,7 +13,7 @@ import re
 import torch
 
 from graphdiff.errors import GraphdiffError
-from graphdiff.model import Shape
+from graphdiff.records import Shape
 
 LONG_PREFILLS = (512, 2048)
 DECODE = (8, 64)  # sequences, context

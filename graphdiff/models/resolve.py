@@ -52,7 +52,7 @@ def check_decoder_lm(config: dict, where: object) -> None:
 
 # --- Resolving a model spec to a checkpoint directory, never touching the network ---------------------------
 
-CONFIGS_PACKAGE = "graphdiff.configs"
+CONFIGS_PACKAGE = "graphdiff.models.configs"
 
 
 @dataclass
@@ -183,7 +183,7 @@ def resolve_model(spec: str, work_dir: Path | None = None, layers: int | None = 
 
 
 def _resolve_tiny(spec: str, layers: int | None) -> ResolvedModel:
-    from graphdiff.tiny import tiny_path
+    from graphdiff.models.tiny import tiny_path
 
     arch, _, n = spec.removeprefix("tiny:").partition(":")
     if n and not n.isdigit():

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from graphdiff.model import Graph, Node, layer_of
+from graphdiff.analysis.rounding import is_view
 from graphdiff.ops import CASTS, op_name
-from graphdiff.rounding import is_view
+from graphdiff.records import Graph, Node, layer_of
 
 TOLERANCE = 0.015  # relative L2 distance of sorted values accepted as "the same value"
 SAME_LAYER_PREFERENCE = 1.5  # a neighbouring layer's candidate must be this much closer to win

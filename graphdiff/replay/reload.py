@@ -18,8 +18,8 @@ from __future__ import annotations
 import copy
 import re
 
-from graphdiff.model import Kernel, Node
 from graphdiff.ops import is_low, op_name
+from graphdiff.records import Kernel, Node
 
 REDUCTIONS = frozenset({"mean", "sum", "amax", "amin", "var", "var_mean", "max", "min", "prod", "logsumexp"})
 SAME_VALUE = frozenset({"convert_element_type", "_to_copy", "view", "reshape", "_unsafe_view", "expand", "permute",

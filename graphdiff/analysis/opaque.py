@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from graphdiff.capture.cpu_kind import stores_truncate
-from graphdiff.model import Decision, Evidence, Graph, SideState, layer_of
 from graphdiff.ops import is_attention
+from graphdiff.records import Decision, Evidence, Graph, SideState, layer_of
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def attention_rule(info: dict[str, str]) -> AttentionRule | None:
 def _changed_fraction(n: torch.fx.Node, values: dict[str, Any]) -> tuple[float, str] | None:
     """Fraction of the attention output that differs from the same op on FP32 inputs rounded once, and the
     output's dtype."""
-    from graphdiff.rounding import rerun_fp32
+    from graphdiff.analysis.rounding import rerun_fp32
 
     out = values.get(n.name)
     out = out[0] if isinstance(out, tuple | list) else out

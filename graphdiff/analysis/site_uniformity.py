@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from graphdiff.measure.uniformity import median_over_layers, nonuniformity
-from graphdiff.model import Graph, Site, layer_of
+from graphdiff.analysis.rounding import rerun_fp32
+from graphdiff.analysis.uniformity import median_over_layers, nonuniformity
 from graphdiff.ops import MATMULS, op_name
-from graphdiff.rounding import rerun_fp32
+from graphdiff.records import Graph, Site, layer_of
 
 
 def _fp32_values(fx_nodes: dict[str, torch.fx.Node], values: dict[str, Any], name: str,

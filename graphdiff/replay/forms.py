@@ -6,13 +6,13 @@ of squared deviations from it (`lowering.var_mean_sum_`, chosen by `use_two_step
 `config.cpp.use_two_step_variance_threshold`; a kernel that does not shows `welford` in its code). As one ATen
 node the replay can neither compute it that way nor say that the second pass reads a value re-loaded from its
 rounded store while the first read the FP32 register (Nemotron's residual + LayerNorm kernel: 97.8% replayed as
-one node). Written as the two passes, the re-loaded-store rule (graphdiff.kernel_reload) applies to the second.
+one node). Written as the two passes, the re-loaded-store rule (graphdiff.replay.reload) applies to the second.
 """
 
 from __future__ import annotations
 
-from graphdiff.model import Node
 from graphdiff.ops import op_name
+from graphdiff.records import Node
 
 SUFFIX = "__form"  # names of the nodes a rewrite adds (not values of the captured graph)
 

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import graphviz
 from markupsafe import Markup
 
-from graphdiff.model import Graph, Node, Site, layer_of
 from graphdiff.ops import ALLOCATIONS, VIEWS, is_heavy, op_name
+from graphdiff.records import Graph, Node, Site, layer_of
 
 TRAIN_COLOR, TRAIN_FILL = "#e8710a", "#fde3cc"  # train = orange
 ENGINE_COLOR, ENGINE_FILL = "#1a73e8", "#d2e3fc"  # engine = blue

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from graphdiff.model import ScanResult, layer_of
-from graphdiff.sites import module_pattern
+from graphdiff.analysis.plan import module_pattern
+from graphdiff.records import ScanResult, layer_of
 
 
 def replay_claim(scan: ScanResult) -> str:

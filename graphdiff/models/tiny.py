@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from graphdiff.errors import GraphdiffError
-from graphdiff.tiny_recipes import ARCHS, ONE_PLUS_NORM, TINY_SHAPE
+from graphdiff.models.recipes import ARCHS, ONE_PLUS_NORM, TINY_SHAPE
 
 __all__ = ["ARCHS", "TINY_SHAPE", "make_tiny", "seeded_init", "tiny_path", "write_random_weights"]
 

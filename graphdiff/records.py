@@ -332,7 +332,7 @@ class KernelEvidence(BaseModel):
     outputs: dict[str, str] = Field(default_factory=dict)  # stored buffer -> the FX node it holds (as replayed)
     per_output: dict[str, tuple[float, float]] = Field(default_factory=dict)  # low-precision store -> (pred, naive)
     note: str = ""  # how it was checked, where not by re-running its fragment ("a copy: ...")
-    # Its row sums replayed in the order its code sums (graphdiff.reduction_order: lanes, then a halving tree);
+    # Its row sums replayed in the order its code sums (graphdiff.replay.sum_order: lanes, then a halving tree);
     # 0: ATen's order. With the lanes, the same replay in ATen's order (the evidence for the order).
     reduction_lanes: int = 0
     aten_order_bitexact: float | None = None
@@ -341,7 +341,7 @@ class KernelEvidence(BaseModel):
 
 class Departure(BaseModel):
     """The first matched trainer value (graph order) that is not bit-identical to its engine value, both in one
-    dtype, on the scan's tokens: everything upstream of it is equal (graphdiff.departure)."""
+    dtype, on the scan's tokens: everything upstream of it is equal (graphdiff.analysis.departure)."""
 
     node: str
     op: str

@@ -3,7 +3,7 @@
 A scan directory holds scan.json plus the two captured graphs (engine.capture.json,
 train.capture.json) that the pictures are drawn from. The HTML report inlines its CSS, JS and
 SVG (no CDN, no web fonts) so it can be mailed or attached to an issue and opened offline.
-Templates live in graphdiff/report_templates/ so they ship inside the package.
+Templates live in graphdiff/report/templates/ so they ship inside the package.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from pathlib import Path
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
-from graphdiff import report_graphs as rg
+from graphdiff.artifacts import ScanDir
 from graphdiff.errors import GraphdiffError
-from graphdiff.headline import headline
-from graphdiff.model import Capture, Graph, Region, ScanResult, Site
-from graphdiff.scandir import ScanDir
+from graphdiff.records import Capture, Graph, Region, ScanResult, Site
+from graphdiff.report import graphs as rg
+from graphdiff.report.headline import headline
 
-TEMPLATES = Path(__file__).parent / "report_templates"
+TEMPLATES = Path(__file__).parent / "templates"
 FORMATS = ("html", "dot", "svg", "model-explorer")
 MAX_FIGURES = 3  # per region: the first layer plus layers whose sites differ
 KIND_HELP = {

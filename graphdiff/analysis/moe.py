@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from graphdiff.model import Decision, Evidence, Graph, Node, RoutingAgreement, SideState, layer_of
+from graphdiff.analysis.rounding import is_view
 from graphdiff.ops import CASTS, EXACT, is_heavy, is_low, op_name
-from graphdiff.rounding import is_view
+from graphdiff.records import Decision, Evidence, Graph, Node, RoutingAgreement, SideState, layer_of
 
 ROUTER_FN, EXPERTS_FN = "moe_router_like_engine", "moe_experts_like_engine"
 SOURCE = f'''
@@ -63,7 +63,7 @@ def {EXPERTS_FN}(module, hidden_states, top_k_index, top_k_weights):
     return out.to(hidden_states.dtype)
 '''
 _scope: dict[str, Any] = {"torch": torch}
-exec(compile(SOURCE, "<graphdiff.moe>", "exec"), _scope)  # noqa: S102 - our own source, the patch's too
+exec(compile(SOURCE, "<graphdiff.analysis.moe>", "exec"), _scope)  # noqa: S102 - our own source, the patch's too
 engine_like_router, engine_like_experts = _scope[ROUTER_FN], _scope[EXPERTS_FN]
 _ACTS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "relu": torch.relu}
 

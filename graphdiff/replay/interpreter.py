@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from graphdiff.inductor_math import INDUCTOR_MATH, inductor_unary
-from graphdiff.model import Node
 from graphdiff.ops import DATA_MOVEMENT, op_name
-from graphdiff.reduction_order import ordered_mean, ordered_sum
+from graphdiff.records import Node
+from graphdiff.replay.inductor_math import INDUCTOR_MATH, inductor_unary
+from graphdiff.replay.sum_order import ordered_mean, ordered_sum
 
 LOW = (torch.bfloat16, torch.float16)
 SUM = "#sum"  # values[mean + SUM]: a mean's row sum (what a kernel that computes the mean stores)

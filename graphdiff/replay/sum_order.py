@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from graphdiff.model import Node
+from graphdiff.records import Node
 
 SUM_FN, MEAN_FN = "_ordered_sum", "_ordered_mean"
 
@@ -45,7 +45,7 @@ def {MEAN_FN}(x: torch.Tensor, dims, keepdim: bool, lanes: int) -> torch.Tensor:
 '''
 
 _scope: dict = {"torch": torch}
-exec(compile(SOURCE, "<graphdiff.reduction_order>", "exec"), _scope)  # noqa: S102 - our own source, the patch's too
+exec(compile(SOURCE, "<graphdiff.replay.sum_order>", "exec"), _scope)  # noqa: S102 - our own source, the patch's too
 ordered_sum = _scope[SUM_FN]
 ordered_mean = _scope[MEAN_FN]
 

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from graphdiff.kernel_replay import KernelReplay
-from graphdiff.match import Match
-from graphdiff.model import Decision, Evidence, Graph, Node, Region, SideRef, SideState, Site, layer_of
-from graphdiff.opaque import ExternRule, extern_rule
+from graphdiff.analysis.match import Match
+from graphdiff.analysis.opaque import ExternRule, extern_rule
+from graphdiff.analysis.rounding import EngineRounding, is_view
 from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, ROUTING, is_attention, is_heavy, is_low, op_name
-from graphdiff.replay import LOW
-from graphdiff.rounding import EngineRounding, is_view
+from graphdiff.records import Decision, Evidence, Graph, Node, Region, SideRef, SideState, Site, layer_of
+from graphdiff.replay.interpreter import LOW
+from graphdiff.replay.kernels import KernelReplay
 
 MAX_HOPS = 12
 NORMS = frozenset({"rsqrt", "native_layer_norm"})  # where a normalization shows in an ATen graph (RMSNorm, LayerNorm)
@@ -446,7 +446,7 @@ def summary(d: Decision) -> str:
     if d.rule == "inside-kernel":
         return (f"no engine node computes this value (other decomposition); the engine computes {e.stretch[0]} -> "
                 f"{e.stretch[1]} inside {e.kernel.split(':')[0]} in FP32 (replay-verified)")
-    if d.rule == "opaque-registry" and d.kind == "allreduce":  # graphdiff.tensor_parallel
+    if d.rule == "opaque-registry" and d.kind == "allreduce":  # graphdiff.analysis.tensor_parallel
         checked = (f"; on the recorded partials the all-reduce output is that on {e.replay_predicted:.2%}, one "
                    f"rounding of the FP32 sum (one GEMM) on {e.replay_naive:.2%}") if e.replay_naive is not None else ""
         return f"matched {e.engine_node}: {d.engine.how if d.engine else ''}{checked}; {e.registry}"
