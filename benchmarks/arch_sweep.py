@@ -95,7 +95,7 @@ def sweep_one(arch: str, root: Path, args: argparse.Namespace) -> dict:
     model, scan, kl = d / "model", d / "scan", d / "kl"
     res: dict = dict(arch=arch, steps=[])
     steps = [("make-tiny", ["make-tiny", arch, "--out", str(model), "--layers", str(args.layers)], 300),
-             ("scan", ["scan", str(model), "--out", str(scan), "--patch"], args.timeout)]
+             ("scan", ["scan", str(model), "--out", str(scan), "--patch", "--attention", args.attention], args.timeout)]
     for name, cli, limit in steps:
         step = run_step(name, cli, d / f"{name}.log", limit)
         res["steps"].append(step)
@@ -187,6 +187,8 @@ def main() -> None:
     p.add_argument("--kl-seed", type=int, default=1, help="held out from the gate's seed 0")
     p.add_argument("--resume", action="store_true", help="keep OUT/ARCH/result.json of archs already swept")
     p.add_argument("--table", type=Path, help="also write the markdown table here")
+    p.add_argument("--attention", choices=("fp32", "engine"), default="fp32",
+                   help="the attention splice's form (`graphdiff patch --attention`)")
     args = p.parse_args()
     archs = args.archs or list(ARCHS)
     results = []

@@ -34,9 +34,9 @@ def main() -> None:
     tp = args.tensor_parallel_size
 
     from graphdiff import runtime
+    from graphdiff.capture.engine import engine_env
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.capture.vllm import engine_env
-    from graphdiff.pipeline import prepare_model
+    from graphdiff.models.prepare import prepare_model
 
     resolved, _ = prepare_model(args.model, None, None, print)
     vocab = int(resolved.config["vocab_size"])

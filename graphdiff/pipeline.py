@@ -1,6 +1,6 @@
 """The whole scan as one process runs it: resolve the model, run the engine (in a child process) and the
 trainer on the same weights and tokens, analyze; and the chain after it (patch, gate, kl, report) that the
-CLI's `scan` runs.
+CLI's `scan --patch --kl --report` runs (`write_outputs`).
 
 `graphdiff.analysis.scan.analyze` is the part after both sides have run.
 """
@@ -18,37 +18,28 @@ import torch
 
 from graphdiff.analysis import tensor_parallel as tp
 from graphdiff.analysis.scan import (
-    DEFAULT_LAYERS,
-    Buffers,
-    Progress,
     TrainSide,
     analyze,
     config_sha256,
     run_train_side,
 )
-from graphdiff.artifacts import ScanDir
+from graphdiff.artifacts import ScanDir, new_scan_id
 from graphdiff.capture.shapes import check_shapes, default_shapes, with_prompts
 from graphdiff.capture.vllm_cpu import asked_config, check_options, split_level
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import Capture, ScanResult, Shape
-
-
-def prepare_model(spec: str, layers: int | None, work_dir: Path | None, progress: Progress) -> tuple[Any, list[str]]:
-    """Resolve a model spec to a checkpoint dir both sides can load (seeded weights if it has none)."""
-    from graphdiff.models.resolve import resolve_model
-    from graphdiff.models.tiny import write_random_weights
-
-    resolved = resolve_model(spec, work_dir=work_dir, layers=layers if layers is not None else DEFAULT_LAYERS)
-    total = int(resolved.config.get("num_hidden_layers", 0))
-    notes = []
-    if resolved.origin == "bundled" or resolved.origin == "hf-cache":
-        notes.append(f"config from {resolved.origin}; decoder layers are identical, so {total} layer(s) are "
-                     "scanned and regions are collapsed across them")
-    if not resolved.has_weights:
-        progress("writing seeded random weights (same on both sides; no download)")
-        write_random_weights(resolved.path)
-        notes.append("weights: seeded random (graphdiff.models.tiny.write_random_weights), identical on both sides")
-    return resolved, notes
+from graphdiff.models.prepare import prepare_model
+from graphdiff.records import (
+    AttentionForm,
+    Buffers,
+    Capture,
+    Departure,
+    KLResult,
+    Manifest,
+    Progress,
+    ScanResult,
+    Shape,
+    save_json,
+)
 
 
 def check_same_weights(engine_cap: Capture, buffers: Buffers, train: TrainSide) -> None:
@@ -58,7 +49,7 @@ def check_same_weights(engine_cap: Capture, buffers: Buffers, train: TrainSide) 
     for g in engine_cap.graphs:
         for records in buffers.values():
             for rec in (records.get(k.id) for k in g.kernels):
-                for buf, t in (rec or {}).get("in", {}).items():
+                for buf, t in (rec["in"] if rec is not None else {}).items():
                     name = g.inputs.get(buf, "")
                     ref = by_name.get(name) if "." in name else None  # weights only, not the token ids
                     if isinstance(ref, torch.Tensor) and isinstance(t, torch.Tensor) and not tp.same_weight(ref, t):
@@ -95,56 +86,78 @@ def _dump_config(engine_dump: Path, cap: Capture, given: dict | None,
     return split_level(recorded)
 
 
+def _engine_from_dump(engine_dump: Path, resolved: Any, spec: str, compilation_config: dict | None,
+                      optimization_level: int | None, notes: list[str]) -> tuple[Capture, Buffers, dict | None,
+                                                                             int | None]:
+    """The engine side taken from a capture made elsewhere: it must have run this model config and checkpoint."""
+    from graphdiff.capture.engine_process import load_engine_capture
+    from graphdiff.models.resolve import model_fingerprint
+
+    cap, buffers = load_engine_capture(engine_dump, resolved.path)
+    if cap.config_sha256 and cap.config_sha256 != config_sha256(resolved.config):
+        raise GraphdiffError(f"{engine_dump} was captured from another model config than {spec} "
+                             f"(layers, sizes or architecture differ)")
+    if cap.fingerprint and cap.fingerprint != model_fingerprint(resolved.path):
+        raise GraphdiffError(f"{engine_dump} was captured from another checkpoint than {spec} (fingerprint "
+                             f"{cap.fingerprint}, this one {model_fingerprint(resolved.path)}): capture this one")
+    notes.append(f"engine side from {engine_dump} (captured with {cap.versions.get('vllm', '?')}); "
+                 "the engine was not started")
+    compilation_config, optimization_level = _dump_config(engine_dump, cap, compilation_config, optimization_level)
+    return cap, buffers, compilation_config, optimization_level
+
+
+def _engine_run(resolved: Any, shapes: list[Shape] | None, tokens: int, out: ScanDir | None, progress: Progress,
+                sample: dict | None, compilation_config: dict | None, optimization_level: int | None,
+                tensor_parallel_size: int) -> tuple[Capture, Buffers, float]:
+    """The engine side run now, in a child process, into `out`'s engine dir (else a temporary one)."""
+    import tempfile
+
+    from graphdiff.capture.engine_process import capture_isolated
+
+    config = resolved.config
+    shapes = shapes or default_shapes(tokens, config)
+    check_shapes(shapes, config)
+    shapes = with_prompts(shapes, config)
+    directory = out.engine_dir if out is not None else Path(tempfile.mkdtemp(prefix="graphdiff-engine-"))
+    progress("starting the engine in its own process (compile)")
+    if sample is not None:
+        from graphdiff.measure.engine import random_prompts
+        from graphdiff.measure.kl import check_request
+
+        prompts = random_prompts(config, sample["count"], sample["prompt_tokens"], sample["seed"])
+        check_request(config, prompts, sample["max_tokens"], "k3", False, None)
+        sample = dict(prompts=prompts, max_tokens=sample["max_tokens"], seed=sample["seed"],
+                      temperature=sample["temperature"], out_dir=str(out.root if out is not None else directory))
+    return capture_isolated(resolved.path, shapes, directory, progress=progress,
+                            compilation_config=compilation_config, optimization_level=optimization_level,
+                            config_sha256=config_sha256(config), sample=sample,
+                            tensor_parallel_size=tensor_parallel_size)
+
+
 def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list[Shape] | None = None,
          out: ScanDir | None = None, work_dir: Path | None = None, progress: Progress = lambda m: None,
          argv: list[str] | None = None, engine_dump: Path | None = None, manifest: Path | None = None,
          compilation_config: dict | None = None, optimization_level: int | None = None,
          allow_version_mismatch: bool = False, sample: dict | None = None,
-         tensor_parallel_size: int = 1) -> ScanOutcome:
+         tensor_parallel_size: int = 1, random_weights: bool = False) -> ScanOutcome:
     """Resolve `spec`, run the real engine (in a child process; or take its capture from `engine_dump`) and the
     HF trainer on the same weights and tokens, analyze. The engine capture is written to `out`'s engine dir.
     `sample` ({"count", "prompt_tokens", "max_tokens", "seed", "temperature"}): the same engine then samples that
     many seeded prompts, into `out`/engine_samples.json (the patch's measurement and `kl` read them: one engine
-    start)."""
-    import tempfile
-
-    from graphdiff.capture.engine_process import capture_isolated, load_engine_capture
+    start). Every capture and the result record the scan id and the model fingerprint."""
+    from graphdiff.models.resolve import model_fingerprint
 
     t_start = time.perf_counter()
-    resolved, notes = prepare_model(spec, layers, work_dir, progress)
-    config = resolved.config
-    total = int(config.get("num_hidden_layers", 0))
-    if engine_dump is None:
-        check_options(compilation_config or {}, optimization_level)
+    resolved, notes = prepare_model(spec, layers, work_dir, progress, random_weights)
+    identity = dict(scan_id=new_scan_id(), fingerprint=model_fingerprint(resolved.path))
     if engine_dump is not None:
-        cap, buffers = load_engine_capture(engine_dump, resolved.path)
-        if cap.config_sha256 and cap.config_sha256 != config_sha256(config):
-            raise GraphdiffError(f"{engine_dump} was captured from another model config than {spec} "
-                                 f"(layers, sizes or architecture differ)")
+        cap, buffers, compilation_config, optimization_level = _engine_from_dump(
+            engine_dump, resolved, spec, compilation_config, optimization_level, notes)
         startup = 0.0
-        notes.append(f"engine side from {engine_dump} (captured with {cap.versions.get('vllm', '?')}); "
-                     "the engine was not started")
-        compilation_config, optimization_level = _dump_config(engine_dump, cap, compilation_config,
-                                                              optimization_level)
     else:
-        shapes = shapes or default_shapes(tokens, config)
-        check_shapes(shapes, config)
-        shapes = with_prompts(shapes, config)
-        directory = out.engine_dir if out is not None else Path(tempfile.mkdtemp(prefix="graphdiff-engine-"))
-        progress("starting the engine in its own process (compile)")
-        if sample is not None:
-            from graphdiff.measure.engine import random_prompts
-            from graphdiff.measure.kl import check_request
-
-            prompts = random_prompts(config, sample["count"], sample["prompt_tokens"], sample["seed"])
-            check_request(config, prompts, sample["max_tokens"], "k3", False, None)
-            sample = dict(prompts=prompts, max_tokens=sample["max_tokens"], seed=sample["seed"],
-                          temperature=sample["temperature"], out_dir=str(out.root if out is not None else directory))
-        cap, buffers, startup = capture_isolated(resolved.path, shapes, directory, progress=progress,
-                                                 compilation_config=compilation_config,
-                                                 optimization_level=optimization_level,
-                                                 config_sha256=config_sha256(config), sample=sample,
-                                                 tensor_parallel_size=tensor_parallel_size)
+        check_options(compilation_config or {}, optimization_level)
+        cap, buffers, startup = _engine_run(resolved, shapes, tokens, out, progress, sample, compilation_config,
+                                            optimization_level, tensor_parallel_size)
     t_engine = time.perf_counter()
     progress("tracing the trainer's eager forward")
     train = run_train_side(resolved.path, cap.prompt_tokens, manifest, allow_version_mismatch)
@@ -155,17 +168,31 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
     t_train = time.perf_counter()
     progress(f"replaying kernels at {len(cap.shapes) or 1} shape(s), matching values, deciding the plan")
     reproduce = "graphdiff " + shlex.join(argv) if argv else f"graphdiff scan {shlex.quote(spec)} --engine vllm"
-    result = analyze(cap, buffers, train, model=spec, layers_total=_published_layers(spec, total),
-                     config=config, reproduce=reproduce, notes=notes)
+    result = analyze(cap, buffers, train, model=spec, layers_total=_published_layers(spec, total_layers(resolved)),
+                     config=resolved.config, reproduce=reproduce, notes=notes)
+    _finish(result, manifest, compilation_config, optimization_level)
+    result.timings.update(engine_startup_s=round(startup, 3), wall_s=round(time.perf_counter() - t_start, 3),
+                          engine_total_s=round(t_engine - t_start, 3), train_s=round(t_train - t_engine, 3))
+    for record in (result, cap, train.capture):
+        record.scan_id, record.fingerprint = identity["scan_id"], identity["fingerprint"]
+    if engine_dump is None and out is not None:  # the child wrote it before the scan had an id
+        save_json(cap, out.engine_capture)
+    return ScanOutcome(result, cap, buffers, train, resolved.path, resolved.config, engine_dump is None)
+
+
+def total_layers(resolved: Any) -> int:
+    return int(resolved.config.get("num_hidden_layers", 0))
+
+
+def _finish(result: ScanResult, manifest: Path | None, compilation_config: dict | None,
+            optimization_level: int | None) -> None:
+    """What the analysis leaves to the scan: who the trainer was, the config as asked; no kernels: refused."""
     for a in result.routing if manifest is not None else []:
         a.trainer = "patched"
     result.compilation_config = {**(compilation_config or {}), **(
         {"optimization_level": optimization_level} if optimization_level is not None else {})}
-    result.timings.update(engine_startup_s=round(startup, 3), wall_s=round(time.perf_counter() - t_start, 3),
-                          engine_total_s=round(t_engine - t_start, 3), train_s=round(t_train - t_engine, 3))
     if not result.sites and not result.replay:
         raise GraphdiffError("the engine graph had no generated kernels to compare (is compile disabled?)")
-    return ScanOutcome(result, cap, buffers, train, resolved.path, config, engine_dump is None)
 
 
 def _published_layers(spec: str, scanned: int) -> int:
@@ -173,3 +200,93 @@ def _published_layers(spec: str, scanned: int) -> int:
 
     cfg = bundled_config(spec) if "/" in spec else None
     return int(cfg.get("num_hidden_layers", scanned)) if cfg else scanned
+
+
+# --- after the scan: patch, gate, gap, report ----------------------------------------------------------------
+
+@dataclass
+class Extras:
+    """What `scan --patch/--kl/--report` asks for besides scan.json."""
+
+    patch: bool = False
+    kl: bool = False
+    report: bool = False
+    attention: AttentionForm = "fp32"
+    gap_tokens: int = 256  # continuation tokens the gate and the gap sample (one engine run serves both)
+    tensor_parallel_size: int = 1
+    reproduce: str = ""
+
+
+def write_outputs(d: ScanDir, outcome: ScanOutcome, engine_dump: Path | None, extras: Extras,
+                  progress: Progress = lambda m: None) -> tuple[Manifest | None, KLResult | None]:
+    """The chain after the scan, into the (staging) scan directory `d`: scan.json and both captures, then the patch
+    measured region by region (gate), the log-prob gap (kl) with the patched trainer's first departure where an
+    unnamed rest is left, and the report."""
+    result = outcome.result
+    if engine_dump is not None:  # the report draws the engine graph from the scan directory
+        from graphdiff.capture.engine_process import save_engine_capture
+
+        save_engine_capture(outcome.engine, outcome.buffers, d.engine_dir)
+    d.save_train(outcome.train.capture)
+    d.save_scan(result)
+    made = kl_result = None
+    if extras.patch:
+        from graphdiff.codegen import generate
+        from graphdiff.measure.gate import gate_patch
+
+        generate(d.root, d.patch_dir, None, extras.attention)
+        progress("measuring the patch region by region")
+        made = gate_patch(d.root, d.patch_dir, max_tokens=extras.gap_tokens, model_dir=outcome.model_dir,
+                          progress=progress)
+    if extras.kl:
+        kl_result = _gap(d, outcome, extras, progress)
+        save_json(kl_result, d.kl_json)
+        result.kl = kl_result
+        d.save_scan(result)
+    if extras.report:
+        from graphdiff.report.html import write_report
+
+        write_report(d.root)
+    return made, kl_result
+
+
+def _gap(d: ScanDir, outcome: ScanOutcome, extras: Extras, progress: Progress) -> KLResult:
+    from graphdiff.measure.gate import GATE_PROMPTS
+    from graphdiff.measure.kl import measure, random_prompts
+
+    progress("measuring the log-prob gap")
+    manifest = d.patch_dir / "manifest.json" if extras.patch else None
+    result = measure(outcome.model_dir, random_prompts(outcome.config, GATE_PROMPTS, 16, 0),
+                     max_tokens=extras.gap_tokens, manifest=manifest, out_dir=d.root, progress=progress,
+                     reproduce=extras.reproduce, compilation_config=outcome.result.compilation_config,
+                     tensor_parallel_size=extras.tensor_parallel_size)
+    result.scan_id, result.fingerprint = outcome.result.scan_id, outcome.result.fingerprint
+    if manifest is not None:
+        result.departure, result.departure_note = patched_departure(d, outcome, manifest, result, progress)
+    return result
+
+
+def patched_departure(d: ScanDir, outcome: ScanOutcome, manifest: Path, gap: KLResult,
+                      progress: Progress) -> tuple[Departure | None, str]:
+    """Where more than REST_LIMIT of the patched gap is unnamed in some bucket: the patched trainer scanned against
+    the scan's own engine capture (no engine start), and the first value where it departs from the engine."""
+    from graphdiff.measure.kl import REST_LIMIT, rest_buckets
+
+    over = rest_buckets(gap.sources)
+    if not over:
+        return None, ""
+    where = ", ".join(f"{i * gap.bucket}-{(i + 1) * gap.bucket - 1}" for i in over)
+    progress("scanning the patched trainer against the engine capture: where the rest departs")
+    if outcome.engine.graphs and len({tp.rank_of(g) for g in outcome.engine.graphs}) > 1:
+        return None, f"the rest is over {REST_LIMIT:.0%} of the patched gap at positions {where}; a tensor-parallel " \
+                     "capture's departure is not searched"
+    patched = scan(str(outcome.model_dir), engine_dump=d.engine_dir, manifest=manifest, progress=progress)
+    departure = patched.result.departure
+    if departure is None:
+        return None, (f"the rest is over {REST_LIMIT:.0%} of the patched gap at positions {where}, but the patched "
+                      "trainer equals the engine on every matched value of the scan's tokens: it departs at longer "
+                      "positions or in what the engine computes outside its compiled graphs (sampling, logits)")
+    return departure, (f"the rest is over {REST_LIMIT:.0%} of the patched gap at positions {where}; the patched "
+                       f"trainer first departs from the engine at layer {departure.layer} {departure.op} "
+                       f"({departure.module or departure.node}; {departure.source or 'no source line'}): "
+                       f"{departure.differing:.1%} of its elements differ")

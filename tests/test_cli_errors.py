@@ -118,5 +118,6 @@ def test_a_causal_lm_vllm_does_not_run_is_refused_by_name(tmp_path):
     """BertLMHeadModel is a transformers causal LM, but not a vLLM text-generation model: the engine's child
     process says so in one line (the engine is not started)."""
     pytest.importorskip("vllm")
-    msg = one_error_line(run_cli("scan", str(_bert(tmp_path, "BertLMHeadModel")), "--out", str(tmp_path / "o")))
+    msg = one_error_line(run_cli("scan", str(_bert(tmp_path, "BertLMHeadModel")), "--random-weights", "--out",
+                                 str(tmp_path / "o")))
     assert "does not run BertLMHeadModel" in msg

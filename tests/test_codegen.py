@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,59 @@ def test_every_qwen3_region_is_generated(qwen3_patch) -> None:
     assert rope.function.endswith("modeling_qwen3.apply_rotary_pos_emb")
     assert sorted(rope.inputs) == ["arg:cos", "arg:k", "arg:q", "arg:sin"]
     assert hashlib.sha256((out / manifest.module_file).read_bytes()).hexdigest() == manifest.module_sha256
+
+
+def test_the_module_carries_its_helpers_as_written_and_defines_every_name_it_calls(qwen3_patch) -> None:
+    """The functions a patch runs besides its emitted regions are real ones, copied in as their source; the module
+    defines every name its code uses (pyflakes' checks, as ruff runs them: a helper carried without one it calls
+    fails here)."""
+    import inspect
+
+    from graphdiff.codegen import attention_splice, carry, prelude
+
+    out, manifest = qwen3_patch
+    text = (out / manifest.module_file).read_text()
+    for part in (*prelude.PARTS, carry.carry_fp32, *attention_splice.FP32_PARTS):
+        assert inspect.getsource(part) in text, part.__name__
+    assert "exec(" not in text
+    lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", "--select", "F", "--output-format",
+                           "concise", str(out / manifest.module_file)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_generated_code_names_arguments_and_values_by_role(qwen3_patch) -> None:
+    """The emitted functions name their arguments as the replaced code does (the norm forward's `hidden_states`
+    and its `weight`, apply_rotary_pos_emb's own parameters) and their values after the variables the model's source
+    lines assign, never by graph node (`x0`, `v_mul_9`, `arg10_1`)."""
+    import ast
+
+    out, manifest = qwen3_patch
+    tree = ast.parse((out / manifest.module_file).read_text())
+    fns = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+    emitted = [f for name, f in fns.items() if name.startswith(("torch_", "triton_", "_triton_", "_k_"))]
+    assert len(emitted) > 10
+    graph_like = re.compile(r"^(v_\w*|a_v_\w*|arg\d+_\d+|_\w+_\d+)$")  # v_mul_9, arg10_1, _to_copy_1
+    for f in emitted:
+        args = {a.arg for a in ast.walk(f) if isinstance(a, ast.arg)}
+        used = {n.id for n in ast.walk(f) if isinstance(n, ast.Name)} | args
+        assert not {n for n in used if graph_like.match(n)}, f.name
+        assert not {a for a in args if re.match(r"^x\d+$", a)}, f.name  # positional placeholders x0, x1, ...
+
+    def params(name: str) -> list[str]:
+        return [a.arg for a in fns[name].args.args]
+
+    def assigned(name: str) -> set[str]:
+        return {t.id for n in ast.walk(fns[name]) if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Name)}
+
+    for fn in ("torch_model_norm", "triton_model_norm", "torch_model_layers_N_self_attn_q_norm"):
+        assert params(fn) == ["hidden_states", "weight", "align", "lanes"], fn
+    assert {"variance", "hidden_states_1"} <= assigned("torch_model_norm")
+    rope = next(s for s in manifest.splices if s.target == "function")
+    assert params(rope.torch_fn)[:-2] == [i.removeprefix("arg:") for i in rope.inputs]  # the binding's order
+    assert params(rope.triton_fn)[:-2] == params(rope.torch_fn)[:-2]
+    assert {"q_embed", "k_embed", "q_embed_mul", "x1", "x2"} <= assigned(rope.torch_fn)
+    assert params("torch_model_layers_N_mlp_act_fn")[0] == "input"  # SiLUActivation.forward(self, input)
 
 
 def test_manifest_matches_its_schema(qwen3_patch) -> None:
@@ -109,9 +163,10 @@ def test_codegen_rounds_where_the_plan_says_not_where_an_op_list_would(tmp_path:
     (edited / "scan.json").write_text(json.dumps(data))
     generate(edited, tmp_path / "after")
     before, after = ((tmp_path / x / "graphdiff_patch.py").read_text() for x in ("before", "after"))
-    node = silu[0]["node"]
-    assert f"v_{node} = _round(v_{node}" in before and f"v_{node} = _round(v_{node}" not in after
-    assert f"v_{node} = _rne(v_{node})" in before and f"v_{node} = _rne(v_{node})" not in after  # Triton too
+    # the SiLU node's variable, as the PyTorch function (first) and the Triton kernels name it
+    var = re.search(r"^    (\w+) = F\.silu\(.*  # aten\.silu\.default: ", before, re.M).group(1)
+    assert f"{var} = _round({var}" in before and f"{var} = _round({var}" not in after
+    assert f"{var} = _rne({var})" in before and f"{var} = _rne({var})" not in after  # Triton too
 
 
 def triton_in_interpreter(scan_dir: Path, out: Path) -> list[dict]:

@@ -83,7 +83,8 @@ def test_the_patched_trainer_with_the_engine_op_runs_in_a_child(tiny_models, tmp
     from graphdiff.capture.hf import load_hf_model
     from graphdiff.codegen import generate
     from graphdiff.measure.engine_attention import patched_logprobs
-    from graphdiff.measure.kl import manifest_regions, train_logprobs, trainer
+    from graphdiff.measure.kl import manifest_regions
+    from graphdiff.measure.logprobs import train_logprobs, trainer
 
     scan_dir = _scan_with_this_engine_attention(tmp_path)
     generate(scan_dir, tmp_path / "patch")
@@ -139,7 +140,8 @@ def test_a_patch_with_the_engine_op_attention_equals_the_diagnostic(tiny_models,
     from graphdiff.capture.hf import load_hf_model
     from graphdiff.codegen import generate
     from graphdiff.measure.engine_attention import patched_logprobs
-    from graphdiff.measure.kl import manifest_regions, train_logprobs, trainer
+    from graphdiff.measure.kl import manifest_regions
+    from graphdiff.measure.logprobs import train_logprobs, trainer
 
     scan_dir = _scan_with_this_engine_attention(tmp_path)
     fp32, engine = tmp_path / "fp32", tmp_path / "engine"

@@ -13,7 +13,7 @@ import torch
 from graphdiff.capture.hf import load_hf_model
 from graphdiff.codegen import generate
 from graphdiff.measure.gate import select_regions
-from graphdiff.measure.kl import train_logprobs, trainer
+from graphdiff.measure.logprobs import train_logprobs, trainer
 from graphdiff.models.tiny import make_tiny
 from graphdiff.records import EngineSample
 from graphdiff.runtime import load_manifest

@@ -15,19 +15,14 @@ import torch
 from graphdiff.capture.hf import load_hf_model
 from graphdiff.errors import GraphdiffError
 from graphdiff.measure import engine as eng
-from graphdiff.measure import kl
+from graphdiff.measure import kl, logprobs
 from graphdiff.measure.engine import random_prompts, read_prompts
-from graphdiff.measure.kl import (
-    engine_logprobs,
-    gap_metrics,
-    manifest_regions,
-    position_curve,
-    train_logprobs,
-)
+from graphdiff.measure.kl import gap_metrics, manifest_regions, position_curve
+from graphdiff.measure.logprobs import engine_logprobs, train_logprobs
 from graphdiff.measure.shapley import attribute
 from graphdiff.models.resolve import read_config
 from graphdiff.models.tiny import make_tiny
-from graphdiff.records import EngineSample, EngineSamples, EngineSamplesFile, save_json
+from graphdiff.records import EngineSample, EngineSamples, EngineSamplesFile, KLMeasurement, PositionBin, save_json
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +130,7 @@ def test_manifest_region_names_are_the_generated_regions(tmp_path):
     assert manifest_regions(tmp_path / "patch" / "manifest.json") == [r.name for r in manifest.regions if r.generated]
     f = tmp_path / "m.json"
     f.write_text("{}")
-    with pytest.raises(GraphdiffError, match="not a graphdiff manifest"):
+    with pytest.raises(GraphdiffError, match="not a patch manifest"):
         manifest_regions(f)
 
 
@@ -163,6 +158,7 @@ def _fake_runtime(monkeypatch) -> list[list[str]]:
     module.remove = lambda model: applied.append(["<removed>"])
     module.load_manifest = load_manifest
     monkeypatch.setattr(kl, "runtime", module)
+    monkeypatch.setattr(logprobs, "runtime", module)  # the trainer side applies patches through it
     return applied
 
 
@@ -240,8 +236,38 @@ def test_measure_with_a_manifest_adds_the_patched_trainer(monkeypatch, tmp_path,
     assert result.measurements[1].bitexact_fraction < 1.0
     assert result.attribution is not None and result.attribution.regions == ["rope", "swiglu"]
     assert result.attribution.baseline == 0.0
-    # no attention region in the patch: the attention-order diagnostic says why it is not separated
-    assert result.sources == [] and "no attention region" in result.sources_note
+    # no attention region in the patch: the gap is floor + rest (attention's order inside it), and the note says why
+    assert [s.name for s in result.sources] == ["engine floor", "rest"] and "no attention region" in result.sources_note
+    assert result.left_out == []
+
+
+def _bucketed(ms: list[float]) -> KLMeasurement:
+    return KLMeasurement(label="m", engine_mode="compiled", trainer_mode="eager", tokens=10, sequences=1, k1=0.0,
+                         k3=0.0, rms=0.0, max_abs=0.0, bitexact_fraction=0.0,
+                         position=[PositionBin(start=128 * i, stop=128 * (i + 1), tokens=5, rms=m ** 0.5, k1=0.0)
+                                   for i, m in enumerate(ms)])
+
+
+def test_the_patched_gap_splits_into_attention_order_floor_and_rest_per_bucket() -> None:
+    patched, with_engine_op, engine_floor = _bucketed([4.0, 4.0]), _bucketed([1.0, 0.1]), _bucketed([0.5, 0.0])
+    sources = {s.name: s.share for s in kl.gap_sources(patched, with_engine_op, engine_floor)}
+    assert sources["attention order"] == pytest.approx([0.75, 0.975])
+    assert sources["engine floor"] == pytest.approx([0.125, 0.0])
+    assert sources["rest"] == pytest.approx([0.125, 0.025])
+    # more than 5% of the gap unnamed in bucket 0 only: that is where the departure is looked for
+    assert kl.rest_buckets(kl.gap_sources(patched, with_engine_op, engine_floor)) == [0]
+    # without the engine's attention op, attention's order is in the rest
+    assert {s.name: s.share for s in kl.gap_sources(patched, None, engine_floor)}["rest"] == pytest.approx([0.875, 1.0])
+
+
+def test_regions_the_patch_does_not_apply_are_named_with_why(monkeypatch, tmp_path) -> None:
+    manifest = tmp_path / "manifest.json"
+    regions = [types.SimpleNamespace(name="a#rope", generated=False, enabled=False, reason="PyTorch emitter: x"),
+               types.SimpleNamespace(name="b#attention", generated=True, enabled=False, reason=""),
+               types.SimpleNamespace(name="c#norm", generated=True, enabled=True, reason="")]
+    monkeypatch.setattr(kl, "runtime", types.SimpleNamespace(load_manifest=lambda p: types.SimpleNamespace(
+        regions=regions)))
+    assert kl.left_out(manifest) == ["a#rope: PyTorch emitter: x", "b#attention: left out: measured to widen the gap"]
 
 
 @pytest.mark.engine

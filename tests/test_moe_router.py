@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphdiff.analysis.moe import engine_like_router
+from graphdiff.analysis.moe_engine import moe_experts_like_engine, moe_router_like_engine
 
 
 class _Router(torch.nn.Module):
@@ -24,7 +24,7 @@ def test_qwen_and_granite_orders_with_an_fp32_input() -> None:
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))  # FP32: the carried residual stream's norm
     for order in [("logits", "weights", "indices"), ("indices", "weights", "logits")]:
         r = _Router(order)
-        out = dict(zip(order, engine_like_router(r, x)))
+        out = dict(zip(order, moe_router_like_engine(r, x)))
         own = dict(zip(order, r(x.bfloat16())))
         assert torch.equal(out["indices"], own["indices"]), order
         assert out["weights"].dtype == torch.float32 and out["weights"].shape == (5, 2)
@@ -55,5 +55,36 @@ def test_the_router_learns_its_module_s_output_order_once() -> None:
 
     r = Counted(("indices", "weights", "logits"))
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(2))
-    first, second = engine_like_router(r, x), engine_like_router(r, x)
+    first, second = moe_router_like_engine(r, x), moe_router_like_engine(r, x)
     assert len(calls) == 1 and all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_the_experts_round_the_activation_product_and_the_output_once() -> None:
+    """moe_experts_like_engine (what an experts splice runs) against the same computation in float64, rounded only
+    at the activation product and the output (small probes on a k/8 grid, so the FP32 sums it keeps round to the
+    same BF16 as float64's). All-BF16 experts (the trainer's) round more and differ."""
+    gen = torch.Generator().manual_seed(3)
+
+    def probe(*shape: int) -> torch.Tensor:  # k/8, |k| <= 8: exact in BF16, small exact products
+        return (torch.randint(-8, 9, shape, generator=gen).double() / 8).to(torch.bfloat16)
+
+    class Experts:
+        gate_up_proj, down_proj, act_fn = probe(4, 2 * 6, 8), probe(4, 8, 6), staticmethod(torch.relu)
+
+    x, index = probe(10, 8), torch.randint(0, 4, (10, 2), generator=gen)
+    weights = torch.tensor([0.75, 0.25]).expand(10, 2)  # routing weights exact in BF16 too
+    got = moe_experts_like_engine(Experts, x, index, weights)
+    want = torch.zeros(10, 8, dtype=torch.float64)
+    for t in range(10):
+        for slot in range(2):
+            gate_up = x[t].double() @ Experts.gate_up_proj[index[t, slot]].double().T
+            act = (torch.relu(gate_up[:6]) * gate_up[6:]).to(torch.bfloat16).double()  # the one inner rounding
+            want[t] += weights[t, slot].double() * (act @ Experts.down_proj[index[t, slot]].double().T)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+    all_bf16 = torch.zeros(10, 8, dtype=torch.bfloat16)
+    for t in range(10):
+        for slot in range(2):
+            gate_up = x[t] @ Experts.gate_up_proj[index[t, slot]].T
+            act = torch.relu(gate_up[:6]) * gate_up[6:]
+            all_bf16[t] += weights[t, slot].to(torch.bfloat16) * (act @ Experts.down_proj[index[t, slot]].T)
+    assert not torch.equal(got, all_bf16), "the probe must make the trainer's extra roundings visible"

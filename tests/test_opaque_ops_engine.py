@@ -326,7 +326,7 @@ def _hf_like_experts(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, ids: 
 def test_cpu_fused_moe(tokens: int, experts: int, top_k: int) -> None:
     """vLLM CPU's fused MoE (`vec` ISA, the weights prepacked as its loader does) equals graphdiff.analysis.moe's engine
     computation, the source the patch carries, bit for bit; transformers' all-BF16 experts do not."""
-    from graphdiff.analysis.moe import engine_like_experts
+    from graphdiff.analysis.moe_engine import moe_experts_like_engine
 
     hidden, inter = 64, 96  # multiples of the kernel's 32-wide output alignment
     w13 = seeded(experts, 2 * inter, hidden, seed=21, scale=hidden ** -0.5)
@@ -344,7 +344,7 @@ def test_cpu_fused_moe(tokens: int, experts: int, top_k: int) -> None:
     class Experts:
         gate_up_proj, down_proj, act_fn = w13, w2, torch.nn.functional.silu
 
-    engine = bits_equal(engine_like_experts(Experts, x, ids, weights), real)
+    engine = bits_equal(moe_experts_like_engine(Experts, x, ids, weights), real)
     hf = bits_equal(_hf_like_experts(w13, w2, x, ids, weights), real)
     _report(f"cpu_fused_moe {tokens}x{experts} top-{top_k}", {"graphdiff.analysis.moe": engine, "all BF16 (HF)": hf})
     if stores_truncate(BUILD):  # it truncates its stores; analysis.moe rounds to nearest: the registry must refuse

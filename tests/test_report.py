@@ -38,6 +38,19 @@ def scan() -> ScanResult:
     return load_scan(SCAN)[0]
 
 
+def _kl(**fields: object) -> dict:
+    """A KLResult as scan.json embeds it (`scan --kl`): the fields every one has, then `fields`."""
+    return {"model": "tiny:qwen3", "architecture": "Qwen3ForCausalLM", "seed": 0, "temperature": 1.0,
+            "max_tokens": 128, "prompts": 8, "method": "prompt_logprobs vs HF forward", "measurements": [], **fields}
+
+
+def _attribution(names: list[str], values: list[float]) -> dict:
+    return {"metric": "k1", "regions": names, "method": "exact", "baseline": 3.7e-3, "aligned": 2e-5,
+            "reduction": 3.68e-3, "confidence": 0.95, "minimal_set": names[:1], "tokens": 1024, "sequences": 8,
+            "bootstrap": 200, "seed": 0, "target": 0.9,
+            "values": [{"region": n, "value": v, "ci_low": v / 2, "ci_high": v * 1.5} for n, v in zip(names, values)]}
+
+
 def _node(dot: str, side: str, name: str) -> bool:
     return re.search(rf'(?m)^\s*"?{side}__{re.escape(name)}"? \[', dot) is not None
 
@@ -175,16 +188,16 @@ def test_model_explorer_uses_model_node_data_for_several_graphs(scan: ScanResult
 
 def test_measured_kl_is_shown_with_shapley_and_nonuniformity_charts(scan_dir: Path, scan: ScanResult) -> None:
     raw = json.loads((scan_dir / "scan.json").read_text())
-    raw["nonuniformity"] = {}  # only the Shapley chart in this page
-    raw["kl"] = {"kl_before": 3.1e-3, "kl_after": 2.5e-5,
-                 "shapley": {r.name: 1e-4 * (i + 1) for i, r in enumerate(scan.regions)},
-                 "nonuniformity": {"mul": 0.8, "add": -0.1}, "per_prompt": [1, 2]}
+    raw["nonuniformity"] = {"mul": 0.8, "add": -0.1}
+    names = [r.name for r in scan.regions]
+    raw["kl"] = _kl(attribution=_attribution(names, [1e-4 * (i + 1) for i in range(len(names))]),
+                    manifest="patches/manifest.json", compilation_config={"mode": 3, "custom_ops_seen": ["none"]})
     (scan_dir / "scan.json").write_text(json.dumps(raw))
     text = write_report(scan_dir)[0].read_text()
-    assert "kl before" in text and "0.0031" in text
+    assert "patches/manifest.json" in text  # a string field as a card
     assert text.count('<svg class="chart"') == 2
     assert '<a href="#model.layers.self_attn.q_norm-qk_norm"><text' in text  # shapley bars link to their region
-    assert "per_prompt" in text  # anything else is shown as JSON
+    assert "custom_ops_seen" in text  # anything else is shown as JSON
 
 
 def test_kl_result_shows_measurements_and_shapley_with_intervals(scan_dir: Path, scan: ScanResult) -> None:
@@ -194,15 +207,8 @@ def test_kl_result_shows_measurements_and_shapley_with_intervals(scan_dir: Path,
             "bitexact_fraction": 0.0, "tokens": 1024, "sequences": 8}
     raw = json.loads((scan_dir / "scan.json").read_text())
     raw["nonuniformity"] = {}  # only the Shapley chart in this page
-    raw["kl"] = {
-        "schema_version": 1, "kind": "graphdiff.kl", "model": "tiny:qwen3", "seed": 0, "temperature": 1.0,
-        "max_tokens": 128, "prompts": 8, "method": "prompt_logprobs vs HF forward",
-        "measurements": [meas | {"regions": None, "k1": 3.7e-3}, meas | {"regions": names, "k1": 2.0e-5}],
-        "attribution": {"metric": "k1", "regions": names, "method": "exact", "baseline": 3.7e-3, "aligned": 2e-5,
-                        "reduction": 3.68e-3, "confidence": 0.95, "minimal_set": names[:1],
-                        "values": [{"region": n, "value": v, "ci_low": v / 2, "ci_high": v * 1.5}
-                                   for n, v in zip(names, (2e-3, 1e-3, 6.8e-4))]},
-    }
+    raw["kl"] = _kl(measurements=[meas | {"regions": None, "k1": 3.7e-3}, meas | {"regions": names, "k1": 2.0e-5}],
+                    attribution=_attribution(names, [2e-3, 1e-3, 6.8e-4]))
     (scan_dir / "scan.json").write_text(json.dumps(raw))
     text = write_report(scan_dir)[0].read_text()
     # the headline is k3 with its standard error (>= 0 per token), not k1
@@ -259,11 +265,11 @@ def test_the_gap_by_position_is_plotted_with_the_floor_and_its_sources(scan_dir:
                 "sequences": 8, "position": curve(rms, exact), **kw}
 
     raw = json.loads((scan_dir / "scan.json").read_text())
-    raw["kl"] = {"max_tokens": 256, "prompts": 8, "bucket": 128,
-                 "measurements": [meas(None, [0.04, 0.041], [0.0, 0.0]), meas(["a"], [0.009, 0.012], [0.3, 0.1])],
-                 "engine_attention": meas(["a"], [0.002, 0.003], [0.7, 0.6]),
-                 "floor": meas(None, [0.0, 0.001], [1.0, 0.98], trainer_mode="engine-prefill"),
-                 "sources": [{"name": "attention order", "what": "", "ms": [7.7e-5, 1.3e-4], "share": [0.95, 0.94]}]}
+    raw["kl"] = _kl(max_tokens=256, bucket=128,
+                    measurements=[meas(None, [0.04, 0.041], [0.0, 0.0]), meas(["a"], [0.009, 0.012], [0.3, 0.1])],
+                    engine_attention=meas(["a"], [0.002, 0.003], [0.7, 0.6]),
+                    floor=meas(None, [0.0, 0.001], [1.0, 0.98], trainer_mode="engine-prefill"),
+                    sources=[{"name": "attention order", "what": "", "ms": [7.7e-5, 1.3e-4], "share": [0.95, 0.94]}])
     (scan_dir / "scan.json").write_text(json.dumps(raw))
     text = write_report(scan_dir)[0].read_text()
     assert "The gap by position" in text
@@ -282,10 +288,10 @@ def test_moe_routing_agreement_is_tabled_and_absent_for_a_dense_model(scan_dir: 
     text = write_report(scan_dir)[0].read_text()
     assert "MoE routing agreement" in text and "18.75%" in text
     # the gap's samples too (kl.json routing, embedded by scan --kl), unpatched and patched, not as raw JSON
-    kl = {"routing": [{"layer": 0, "shape": "4 samples x 272 tokens", "tokens": 1088, "differing": 17,
+    kl = _kl(routing=[{"layer": 0, "shape": "4 samples x 272 tokens", "tokens": 1088, "differing": 17,
                        "fraction": 17 / 1088, "trainer": "unpatched"},
                       {"layer": 0, "shape": "4 samples x 272 tokens", "tokens": 1088, "differing": 4,
-                       "fraction": 4 / 1088, "trainer": "patched"}]}
+                       "fraction": 4 / 1088, "trainer": "patched"}])
     raw["kl"] = kl
     (scan_dir / "scan.json").write_text(json.dumps(raw))
     text = write_report(scan_dir)[0].read_text()

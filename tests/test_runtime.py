@@ -83,6 +83,33 @@ def test_patched_models_in_one_process_do_not_affect_each_other(tiny_models: dic
     assert torch.equal(logits(b), base)
 
 
+def test_apply_and_remove_leave_transformers_globals_as_they_were(tiny_models: dict[str, Path],
+                                                                   patch_dir: Path) -> None:
+    """The attention function apply registers with transformers and the module-level function it replaces are
+    there while a patched model uses them, and gone once the last one is removed (nothing leaks across applies)."""
+    from transformers import AttentionInterface
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from graphdiff.capture.hf import load_hf_model
+
+    a, b = (load_hf_model(tiny_models["qwen3"]) for _ in range(2))
+    registry, rope, impl = dict(AttentionInterface._global_mapping), modeling_qwen3.apply_rotary_pos_emb, \
+        a.config._attn_implementation
+    runtime.apply(a, patch_dir)
+    runtime.apply(b, patch_dir)
+    name = a.config._attn_implementation  # the patch's attention function, registered under its own name
+    assert name != impl and name.startswith("graphdiff_") and name in AttentionInterface._global_mapping
+    assert modeling_qwen3.apply_rotary_pos_emb is not rope
+    runtime.remove(a)
+    assert b.config._attn_implementation == name and name in AttentionInterface._global_mapping  # b still runs it
+    assert a.config._attn_implementation == impl
+    runtime.remove(b)
+    assert dict(AttentionInterface._global_mapping) == registry and modeling_qwen3.apply_rotary_pos_emb is rope
+    runtime.apply(a, patch_dir)
+    runtime.remove(a)
+    assert dict(AttentionInterface._global_mapping) == registry
+
+
 def loss_and_grads(model) -> tuple[float, dict[str, torch.Tensor]]:  # noqa: ANN001
     model.zero_grad(set_to_none=True)
     out = model(input_ids=IDS, labels=IDS, use_cache=False)

@@ -14,16 +14,10 @@ from graphdiff import runtime
 from graphdiff.analysis.tensor_parallel import match_shards, rank_of, same_weight
 from graphdiff.capture.tp import omp_bind, rank_kernel_ids
 from graphdiff.codegen import generate
-from graphdiff.codegen.tp_linear import SPLIT_K_FN, SPLIT_K_SOURCE
+from graphdiff.codegen.tp_linear import SPLIT_K_FN, linear_split_k, linear_split_k_truncated
 from graphdiff.records import Decision, Evidence, Graph, Kernel, Node, Region, SideRef, SideState, Site
 
 QWEN3 = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3"
-
-
-def split_k() -> object:
-    scope: dict = {"torch": torch, "F": F}
-    exec(SPLIT_K_SOURCE, scope)  # noqa: S102 - the generated function's own source
-    return scope[SPLIT_K_FN]
 
 
 def exact_probe(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -38,7 +32,7 @@ def test_split_k_linear_rounds_each_rank_partial_then_their_fp32_sum(shards: int
     with torch.no_grad():
         lin.weight.copy_(exact_probe((48, 64), gen))
     x = exact_probe((3, 5, 64), gen)
-    got = split_k()(lin, x, shards)
+    got = linear_split_k(lin, x, shards)
     # reference in float64 (exact here): each rank's partial product rounded once to BF16, summed, rounded again
     step = 64 // shards
     partials = [(x[..., r * step:(r + 1) * step].double() @ lin.weight[:, r * step:(r + 1) * step].double().T)
@@ -51,7 +45,7 @@ def test_split_k_linear_rounds_each_rank_partial_then_their_fp32_sum(shards: int
     else:
         assert (got != one).any(), "the probe must make the partials' rounding visible"
     x.requires_grad_(True)
-    split_k()(lin, x, shards).float().sum().backward()  # differentiable: a training step can run through it
+    linear_split_k(lin, x, shards).float().sum().backward()  # differentiable: a training step can run through it
     assert torch.isfinite(x.grad).all()
 
 
@@ -61,9 +55,23 @@ def test_split_k_linear_bias_goes_into_rank_0_partial_and_refuses_uneven_shards(
     x = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
     p0 = F.linear(x[:, :32], lin.weight[:, :32], lin.bias).float()
     p1 = F.linear(x[:, 32:], lin.weight[:, 32:]).float()
-    assert torch.equal(split_k()(lin, x, 2), (p0 + p1).to(torch.bfloat16))
+    assert torch.equal(linear_split_k(lin, x, 2), (p0 + p1).to(torch.bfloat16))
     with pytest.raises(ValueError, match="not divisible"):
-        split_k()(lin, x, 3)
+        linear_split_k(lin, x, 3)
+
+
+def test_split_k_truncated_stores_the_fp32_sum_toward_zero_and_passes_the_gradient() -> None:
+    gen = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(64, 16, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(8, 64, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    total = sum(F.linear(x[:, r * 32:(r + 1) * 32], lin.weight[:, r * 32:(r + 1) * 32]).float() for r in (0, 1))
+    got = linear_split_k_truncated(lin, x, 2)
+    # toward zero on the BF16 grid: |total| in [2^(e-1), 2^e) has BF16 spacing 2^(e-8)
+    spacing = torch.ldexp(torch.ones_like(total.double()), torch.frexp(total.double()).exponent - 8)
+    toward_zero = (total.double().abs() / spacing).floor() * spacing * total.double().sign()
+    assert torch.equal(got.double(), toward_zero) and not torch.equal(got, linear_split_k(lin, x, 2))
+    got.float().sum().backward()
+    assert torch.equal(x.grad, (torch.ones(8, 16) @ lin.weight.float()).to(torch.bfloat16))
 
 
 def _with_allreduce_region(src: Path, dst: Path) -> list[str]:

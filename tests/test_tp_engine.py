@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from graphdiff.analysis.opaque import attention_rule
 from graphdiff.analysis.tensor_parallel import allreduces, rank_of
 from graphdiff.capture.cpu_kind import stores_truncate
-from graphdiff.codegen.tp_linear import SPLIT_K_FN, SPLIT_K_SOURCE
+from graphdiff.codegen.tp_linear import linear_split_k, linear_split_k_truncated
 from graphdiff.records import Capture
 
 pytestmark = pytest.mark.engine
@@ -84,10 +84,8 @@ def test_split_k_linear_equals_the_recorded_allreduce_outputs_bit_for_bit(tp_sca
     cap = Capture.model_validate_json((tp_scan / "engine" / "capture.json").read_text())
     records = next(iter(torch.load(tp_scan / "engine" / "buffers.pt", weights_only=False).values()))
     weights = load_file(str(tiny_models["qwen3"] / "model.safetensors"))
-    scope: dict = {"torch": torch, "F": F}
-    exec(SPLIT_K_SOURCE, scope)  # noqa: S102 - the generated function
     # the all-reduce stores as the capture's ops build does (truncated on _C_AVX512): so does the patch's splice
-    split_k = scope[SPLIT_K_FN + ("_truncated" if stores_truncate(cap.attention.get("build", "")) else "")]
+    split_k = linear_split_k_truncated if stores_truncate(cap.attention.get("build", "")) else linear_split_k
     ranks = [[a for g in cap.graphs if rank_of(g) == r for a in allreduces(g)] for r in (0, 1)]
     nodes = {g.name: g.node_map() for g in cap.graphs}
     checked = 0

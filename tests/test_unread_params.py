@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphdiff.capture.vllm import unread_params
+from graphdiff.capture.engine import unread_params
 from graphdiff.records import Graph
 
 

@@ -35,7 +35,7 @@ class Match:
     runner_up: float = TOLERANCE  # distance of the next distinct candidate (the tolerance when there is none)
 
 
-def _compatible(a: str | None, b: str | None, same_layer: bool) -> bool:
+def modules_compatible(a: str | None, b: str | None, same_layer: bool) -> bool:
     la, lb = layer_of(a), layer_of(b)
     if same_layer:
         if la != lb:
@@ -48,7 +48,7 @@ def _compatible(a: str | None, b: str | None, same_layer: bool) -> bool:
     return la != lb and (la is None or lb is None or abs(la - lb) == 1)
 
 
-def _kind(node: Node) -> str:
+def op_kind(node: Node) -> str:
     name = op_name(node.target)
     return "cast" if name in CASTS else name
 
@@ -56,7 +56,7 @@ def _kind(node: Node) -> str:
 FINGERPRINT_POINTS = 4096
 
 
-def _sorted(v: torch.Tensor) -> torch.Tensor:
+def sorted_fingerprint(v: torch.Tensor) -> torch.Tensor:
     """Sorted values, reduced to evenly spaced quantiles for large tensors (the distance is a
     relative L2 norm, which the quantiles estimate without comparing millions of values)."""
     s = v.detach().float().reshape(-1).sort().values.double()
@@ -71,14 +71,14 @@ def match_values(train: Graph, train_values: dict[str, object], engine: Graph,
     enodes = engine.node_map()
     # Candidates indexed by (element count, layer): the layer anchor keeps matching linear in depth.
     by_key: dict[tuple[int, int | None], list[str]] = {}
-    for name, v in engine_values.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and name in enodes:
-            by_key.setdefault((v.numel(), layer_of(enodes[name].module)), []).append(name)
+    for name, ev in engine_values.items():
+        if isinstance(ev, torch.Tensor) and ev.is_floating_point() and name in enodes:
+            by_key.setdefault((ev.numel(), layer_of(enodes[name].module)), []).append(name)
     cache: dict[str, torch.Tensor] = {}
 
     def fingerprint(name: str, v: torch.Tensor) -> torch.Tensor:
         if name not in cache:
-            cache[name] = _sorted(v)
+            cache[name] = sorted_fingerprint(v)
         return cache[name]
 
     matches: list[Match] = []
@@ -102,11 +102,11 @@ def match_values(train: Graph, train_values: dict[str, object], engine: Graph,
                     {k[1] for k in by_key if k[0] == v.numel() and k[1] is not None})
             found = []
             for e in (e for ly in layers for e in by_key.get((v.numel(), ly), [])):
-                if _compatible(t.module, enodes[e].module, same_layer):
+                if modules_compatible(t.module, enodes[e].module, same_layer):
                     d = float((fingerprint("e:" + e, engine_values[e]) - tv).norm()) / scale
                     # Equal values are common (a cast that is a no-op in FP32, a view): prefer the
                     # same kind of op, then the later node (the value as its consumers see it).
-                    found.append((round(d, 6), _kind(enodes[e]) != _kind(t), -engine.position(e), e))
+                    found.append((round(d, 6), op_kind(enodes[e]) != op_kind(t), -engine.position(e), e))
             near[same_layer] = sorted(found)
         # The own layer wins unless a neighbouring layer's value is much closer: a residual sum the engine
         # re-computes in the next layer's norm kernel can otherwise lose to an unrelated own-layer value that is

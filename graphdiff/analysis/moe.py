@@ -4,10 +4,9 @@ vLLM CPU (compiled) routes with the top-k of the BF16 router logits and a softma
 renormalized, their share of all), and keeps the routing weights FP32 (Inductor drops the softmax's BF16 round
 trip); its fused-MoE op (`_C.cpu_fused_moe`) keeps the gate/up GEMM and SiLU in FP32, rounds silu(gate) * up to
 BF16 once, keeps the down GEMM and the weighted sum over the k experts in FP32 and rounds the output once.
-transformers' experts round every GEMM, the activation, each weighted expert output and each partial sum. The
-functions below are that engine computation, written once as the source the generated patch carries (the
-runtime imports nothing of the scanner) and executed here for the scan's numeric check; the registry entry
-(opaque.EXTERNS `_C.cpu_fused_moe`) is tested against the real op with them.
+transformers' experts round every GEMM, the activation, each weighted expert output and each partial sum. That
+engine computation is analysis.moe_engine, the functions a router or experts splice runs (the generated patch
+carries their source); the scan runs it here for its numeric check of the trainer's experts.
 
 Routing agreement: per layer, the fraction of tokens whose set of chosen experts differs between the engine
 (the top-k indices its router kernel reads) and the trainer (its router's top-k), on the same tokens.
@@ -19,52 +18,11 @@ from typing import Any
 
 import torch
 
+from graphdiff.analysis.moe_engine import moe_experts_like_engine
 from graphdiff.analysis.rounding import is_view
 from graphdiff.ops import CASTS, EXACT, is_heavy, is_low, op_name
-from graphdiff.records import Decision, Evidence, Graph, Node, RoutingAgreement, SideState, layer_of
+from graphdiff.records import Decision, Evidence, Graph, KernelRecord, Node, RoutingAgreement, SideState, layer_of
 
-ROUTER_FN, EXPERTS_FN = "moe_router_like_engine", "moe_experts_like_engine"
-SOURCE = f'''
-def {ROUTER_FN}(module, hidden_states):
-    """vLLM CPU's routing: top-k of the BF16 router logits (the GEMM reads BF16 inputs), softmax over those k in FP32
-    (renormalized; else their share of all), weights kept FP32. Returned in the order the module's own forward
-    returns them (Qwen: logits, weights, indices; Granite: indices, weights, logits), told apart by dtype and width on
-    the module's first call."""
-    hidden_states = hidden_states.reshape(-1, module.weight.shape[1]).to(module.weight.dtype)
-    logits = torch.nn.functional.linear(hidden_states, module.weight)
-    values, indices = torch.topk(logits, module.top_k, dim=-1)
-    if getattr(module, "norm_topk_prob", True):
-        weights = torch.softmax(values.float(), dim=-1)
-    else:
-        weights = (values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).exp()
-    order = module.__dict__.get("_graphdiff_router_order")
-    if order is None:  # the module's own forward, once per module: which output is which, and its dtype
-        with torch.no_grad():
-            own = type(module).forward(module, hidden_states)
-        order = [("indices" if not o.is_floating_point() else "logits"
-                  if o.shape[-1] == logits.shape[-1] != weights.shape[-1] else "weights", o.dtype) for o in own]
-        module.__dict__["_graphdiff_router_order"] = order
-    got = dict(indices=indices, logits=logits, weights=weights)
-    return tuple(got[kind] if kind == "weights" else got[kind].to(dtype) for kind, dtype in order)
-
-
-def {EXPERTS_FN}(module, hidden_states, top_k_index, top_k_weights):
-    """vLLM CPU's fused MoE: gate/up GEMM and the activation in FP32, silu(gate) * up rounded once, the down GEMM
-    and the weighted sum over the chosen experts in FP32, the output rounded once."""
-    x = hidden_states.float()
-    out = torch.zeros(x.shape[0], module.down_proj.shape[1], dtype=torch.float32, device=x.device)
-    inter = module.gate_up_proj.shape[1] // 2
-    for e in top_k_index.unique().tolist():
-        tokens, slot = torch.where(top_k_index == e)
-        gate_up = x[tokens] @ module.gate_up_proj[e].float().t()
-        act = (module.act_fn(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden_states.dtype)
-        down = act.float() @ module.down_proj[e].float().t()
-        out.index_add_(0, tokens, down * top_k_weights[tokens, slot, None].float())
-    return out.to(hidden_states.dtype)
-'''
-_scope: dict[str, Any] = {"torch": torch}
-exec(compile(SOURCE, "<graphdiff.analysis.moe>", "exec"), _scope)  # noqa: S102 - our own source, the patch's too
-engine_like_router, engine_like_experts = _scope[ROUTER_FN], _scope[EXPERTS_FN]
 _ACTS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "relu": torch.relu}
 
 
@@ -129,7 +87,7 @@ def experts_decisions(graph: Graph, values: dict[str, Any], changed: dict[str, f
     """Inside each experts module, where the engine runs one fused-MoE op the registry describes: every value the
     trainer rounds is FP32 in the engine but the activation product (silu(gate) * up, rounded on both sides) and
     the module's output (rounded once on both). The evidence: the trainer's output against the engine's
-    computation (engine_like_experts) on the trainer's own inputs."""
+    computation (moe_experts_like_engine) on the trainer's own inputs."""
     out: list[Decision] = []
     modules = sorted(experts_modules(graph).items(), key=lambda kv: layer_of(kv[0]) or 0)
     for i, (path, params) in enumerate(modules):
@@ -148,7 +106,7 @@ def experts_decisions(graph: Graph, values: dict[str, Any], changed: dict[str, f
         module = _Experts(values[params["gate_up_proj"]], values[params["down_proj"]],
                           _ACTS[op_name(acts[0].target)])
         with torch.no_grad():
-            like = engine_like_experts(module, hidden, index, weights)
+            like = moe_experts_like_engine(module, hidden, index, weights)
         differs = float((like.reshape(-1) != trained.reshape(-1).to(like.dtype)).float().mean())
         graph_name, kernel = extern_calls[i] if len(extern_calls) == len(modules) else ("", "")
         registry = (f"_C.cpu_fused_moe: FP32 inside but the activation product, output rounded once; the trainer's "
@@ -179,17 +137,18 @@ def routing_agreement(graph: Graph, values: dict[str, Any], engine_ids: dict[int
     """Per layer, the fraction of tokens whose top-k expert set differs between the engine and the trainer."""
     out = []
     for n in graph.nodes:
-        if op_name(n.target) != "topk" or layer_of(n.module) not in engine_ids:
+        layer = layer_of(n.module)
+        if op_name(n.target) != "topk" or layer is None or layer not in engine_ids:
             continue
         got = values.get(n.name)
         if not isinstance(got, tuple | list):
             continue
         trainer = got[1].reshape(-1, got[1].shape[-1])
-        engine = engine_ids[layer_of(n.module)].reshape(-1, trainer.shape[-1])
+        engine = engine_ids[layer].reshape(-1, trainer.shape[-1])
         if engine.shape != trainer.shape:
             continue
         differs = (trainer.sort(-1).values != engine.to(trainer.dtype).sort(-1).values).any(-1)
-        out.append(RoutingAgreement(layer=layer_of(n.module), shape=shape, tokens=int(trainer.shape[0]),
+        out.append(RoutingAgreement(layer=layer, shape=shape, tokens=int(trainer.shape[0]),
                                     differing=int(differs.sum()), fraction=float(differs.double().mean())))
     return out
 
@@ -199,10 +158,11 @@ def has_router(graph: Graph) -> bool:
     return any(op_name(n.target) == "topk" for n in graph.nodes)
 
 
-def engine_routing(graph: Graph, records: dict[str, dict]) -> dict[int, torch.Tensor]:
+def engine_routing(graph: Graph, records: dict[str, KernelRecord]) -> dict[int, torch.Tensor]:
     """The top-k expert indices the engine's router kernels read, per layer: a generated kernel fusing a node that
     reads item 1 of a topk takes them as its integer [tokens, k] input."""
-    nodes, out = graph.node_map(), {}
+    nodes = graph.node_map()
+    out: dict[int, torch.Tensor] = {}
     for k in graph.kernels:
         rec = records.get(k.id)
         if k.kind != "generated" or rec is None:

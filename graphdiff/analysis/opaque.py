@@ -95,7 +95,8 @@ EXTERNS = (
                "gate/up GEMM and SiLU in FP32, silu(gate) * up rounded to BF16 once (the down GEMM's input), the "
                "down GEMM and the weighted sum over the top-k experts in FP32 with FP32 routing weights, output "
                "rounded once",
-               f"equals moe.engine_like_experts on the same inputs on 100% of outputs ({_TESTED})", nearest_only=True),
+               f"equals moe_engine.moe_experts_like_engine on the same inputs on 100% of outputs ({_TESTED})",
+               nearest_only=True),
     ExternRule("_C.shm_allreduce", "allreduce", True, "sums the ranks' BF16 partials in FP32, rounds once (truncates "
                "on the _C_AVX512 / _C_AVX2 builds)",
                "vLLM CPU's tensor-parallel all-reduce: output = bf16(FP32 sum of the ranks' BF16 inputs), checked on "

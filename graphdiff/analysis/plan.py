@@ -1,4 +1,4 @@
-"""The rounding plan (one decision per trainer value), the sites in it, and the regions they form.
+"""The rounding plan (one decision per trainer value, by named rules) and the sites in it.
 
 A site is a training-graph value that one side rounds to low precision and the other does not.
 Matched values compare the two sides' rounding directly. A training value with no engine
@@ -7,16 +7,16 @@ rounds it and the engine computes the whole stretch around it inside one fused k
 in FP32 registers — which the replay of that kernel has verified.
 
 Each decision carries a stable id (module path, source line, the op's position on that line), the
-rule that made it and its evidence as fields. Sites are grouped by the HF module that computes them
-and a kind decided from the dataflow around the site (no model names, see `classify`); regions
-identical across layers are collapsed (module path `layers.*`, with the layer list).
+rule that made it and its evidence as fields. A site's kind is decided from the dataflow around it (no
+model names, see `classify`); `graphdiff.analysis.regions` groups the sites into regions.
 """
 
 from __future__ import annotations
 
-import re
-from collections import Counter, defaultdict
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,14 +24,12 @@ from graphdiff.analysis.match import Match
 from graphdiff.analysis.opaque import ExternRule, extern_rule
 from graphdiff.analysis.rounding import EngineRounding, is_view
 from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, ROUTING, is_attention, is_heavy, is_low, op_name
-from graphdiff.records import Decision, Evidence, Graph, Node, Region, SideRef, SideState, Site, layer_of
+from graphdiff.records import Decision, Evidence, Graph, Node, RegionKind, SideRef, SideState, Site, layer_of
 from graphdiff.replay.interpreter import LOW
 from graphdiff.replay.kernels import KernelReplay
 
 MAX_HOPS = 12
 NORMS = frozenset({"rsqrt", "native_layer_norm"})  # where a normalization shows in an ATen graph (RMSNorm, LayerNorm)
-KIND_ORDER = ("rope", "qk_norm", "attention", "router", "expert_combine", "gated_act", "embedding_scale",
-              "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "other")
 
 
 # --- stable ids ------------------------------------------------------------------------------------
@@ -95,7 +93,7 @@ def _from_parameters(n: Node, nodes: dict[str, Node]) -> bool:
     return bool(ins) and all(i.op == "placeholder" and i.param is not None for i in ins)
 
 
-def classify(graph: Graph, name: str, experts: set[str] | frozenset[str] = frozenset()) -> tuple[str, str]:
+def classify(graph: Graph, name: str, experts: set[str] | frozenset[str] = frozenset()) -> tuple[RegionKind, str]:
     """(kind, the dataflow fact that decided it), first rule that holds; `experts`: the nodes inside MoE experts
     modules (moe.experts_nodes)."""
     nodes = graph.node_map()
@@ -244,64 +242,131 @@ def _replay_fields(kernel: str | None, replays: dict[str, KernelReplay]) -> dict
         if rep else {}
 
 
+# --- the rules of a decision -----------------------------------------------------------------------
+
+@dataclass
+class _Evidence:
+    """What the rules read besides the trainer node: both graphs, the engine's rounding and the matches."""
+    train: Graph
+    engine: Graph
+    er: EngineRounding
+    by_train: dict[str, Match]  # trainer node -> its engine match
+    anchors: dict[str, Match]  # matches plus shared graph inputs: what can start or end an in-engine stretch
+    unmatched: set[str]
+    rounded: set[str]  # trainer nodes whose low-precision store changes some element
+    kernel_inputs: dict[str, set[str]]  # engine kernel id -> the engine nodes it reads
+    replays: dict[str, KernelReplay]
+
+
+@dataclass
+class _Stretch:
+    """Around an unmatched trainer value: the match of the nearest matched value below it and of the nearest
+    anchor above it, the ends of the stretch the engine computes without a node of its own for the value."""
+    below: Match | None
+    above: Match | None
+
+
+def _stretch(ev: _Evidence, name: str) -> _Stretch:
+    below = _nearest_matched(ev.train, name, ev.by_train, down=True)
+    above = _nearest_matched(ev.train, name, ev.anchors, down=False)
+    return _Stretch(ev.by_train[below] if below else None, ev.anchors[above] if above else None)
+
+
+def _compared_after_downcast(ev: _Evidence, t: Node) -> bool:
+    """Rule: a matched FP32 trainer value that a downcast of the same value follows is not decided here; the two
+    sides are compared at that downcast."""
+    if t.name not in ev.by_train or is_low(t.dtype):
+        return False
+    tnodes = ev.train.node_map()
+    return any(is_low(tnodes[c].dtype) and not is_view(tnodes[c]) for c in _same_value_chain(ev.train, t.name)[1:])
+
+
+def _rule_matched(ev: _Evidence, t: Node, ts: SideState, base: dict[str, Any]) -> Decision | None:
+    """Rule "matched": the value has an engine counterpart. It is a site where exactly one side's value is on the
+    BF16 grid and that side's op at this node is what put it there (otherwise the site is upstream)."""
+    m = ev.by_train.get(t.name)
+    if m is None:
+        return None
+    es = engine_state(m.engine, ev.engine, ev.er)
+    kernel = ev.engine.node_map()[_base(ev.engine, m.engine)].kernel
+    one_side_on_grid = ts.on_grid != es.on_grid
+    rounded_here = t.name in ev.rounded if ts.on_grid else es.rounds
+    return Decision(**base, engine=es, rule="matched", site=one_side_on_grid and rounded_here, evidence=Evidence(
+        engine_node=m.engine, engine_graph=ev.engine.name, kernel=kernel or "", distance=m.distance,
+        runner_up=m.runner_up, confidence=m.confidence, **_replay_fields(kernel, ev.replays)))
+
+
+def _rule_inside_kernel(ev: _Evidence, base: dict[str, Any], s: _Stretch) -> Decision | None:
+    """Rule "inside-kernel": an unmatched value the trainer rounds, in a stretch that one generated engine kernel
+    computes whole (the kernel producing the matched value below reads, or itself computes, the anchor above):
+    FP32 registers in the engine, a site."""
+    below, above = s.below, s.above
+    if below is None or above is None or (kernel := _producing_kernel(ev.engine, below.engine)) is None:
+        return None
+    computed_in_kernel = ev.engine.node_map()[above.engine].kernel == kernel
+    if not (computed_in_kernel or above.engine in ev.kernel_inputs.get(kernel, ())):
+        return None
+    return Decision(**base, engine=SideState(dtype="float32", how=f"FP32 inside {kernel.split(':')[0]}"),
+                    rule="inside-kernel", site=True, evidence=Evidence(
+                        engine_graph=ev.engine.name, kernel=kernel, stretch=[above.engine, below.engine],
+                        confidence=min(below.confidence, above.confidence), **_replay_fields(kernel, ev.replays)))
+
+
+def _rule_opaque_registry(ev: _Evidence, t: Node, base: dict[str, Any], s: _Stretch) -> Decision | None:
+    """Rule "opaque-registry": an unmatched value the trainer rounds, after an input of an opaque op that the
+    registry says computes in FP32 inside, with no matched value below it or that op computing the one below: FP32
+    in the engine, a site; except the value that leaves the stretch for a boundary (the op's output), which both
+    sides round once."""
+    below, above = s.below, s.above
+    if above is None or (extern := _fp32_extern_reading(ev.engine, above.engine)) is None:
+        return None
+    kid, rule = extern
+    if below is not None and _producing_call(ev.engine, below.engine) != kid:
+        return None
+    output = _leaves_for_boundary(ev.train, t.name)
+    state = SideState(dtype=t.dtype, rounds=True, on_grid=True, how=f"the output of {rule.op}, rounded once "
+                      "(registry)") if output else SideState(dtype="float32", how=f"FP32 inside {rule.op} (registry)")
+    return Decision(**base, engine=state, rule="opaque-registry", site=not output, evidence=Evidence(
+        engine_graph=ev.engine.name, kernel=kid, stretch=[above.engine], registry=f"{rule.op}: {rule.rounds} "
+        f"({rule.source})", confidence=above.confidence))
+
+
+def _rule_unmatched(ev: _Evidence, t: Node, base: dict[str, Any]) -> Decision | None:
+    """An unmatched value the trainer rounds: decided by the stretch around it ("inside-kernel", then
+    "opaque-registry")."""
+    if t.name not in ev.unmatched or t.name not in ev.rounded:
+        return None
+    s = _stretch(ev, t.name)
+    return _rule_inside_kernel(ev, base, s) or _rule_opaque_registry(ev, t, base, s)
+
+
+def _decided(t: Node, v: object) -> bool:
+    """A floating computing value (not a view): what the plan decides."""
+    return t.op == "call_function" and not is_view(t) and isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
 def decide(train: Graph, train_values: dict[str, object], changed: dict[str, float], engine: Graph,
            er: EngineRounding, matches: list[Match], unmatched: list[str]) -> list[Decision]:
     """One decision per floating trainer value this engine graph says something about (and, with no engine
-    evidence, the trainer side alone)."""
-    enodes, tnodes = engine.node_map(), train.node_map()
+    evidence, the trainer side alone): the first rule that holds, "matched", "inside-kernel", "opaque-registry",
+    else "no-engine-value"."""
+    enodes = engine.node_map()
     by_train = {m.train: m for m in matches}
-    anchors = _anchors(train, engine, by_train)
-    kernel_inputs = {k.id: {i for n in k.nodes for i in enodes[n].inputs} for k in engine.kernels}
-    replays = {r.kernel: r for r in er.replays}
+    ev = _Evidence(train=train, engine=engine, er=er, by_train=by_train, anchors=_anchors(train, engine, by_train),
+                   unmatched=set(unmatched), rounded={n for n, f in changed.items() if f > 0},
+                   kernel_inputs={k.id: {i for n in k.nodes for i in enodes[n].inputs} for k in engine.kernels},
+                   replays={r.kernel: r for r in er.replays})
     ids = stable_ids(train)
-    rounded = {n for n, f in changed.items() if f > 0}
     out: list[Decision] = []
     for t in train.nodes:
         v = train_values.get(t.name)
-        if t.op != "call_function" or is_view(t) or not isinstance(v, torch.Tensor) or not v.is_floating_point():
+        if not _decided(t, v) or _compared_after_downcast(ev, t):
             continue
         ts = train_state(t, v, changed)
-        base = dict(id=ids[t.name], node=t.name, op=t.target, module=t.module, layer=layer_of(t.module), train=ts)
-        m = by_train.get(t.name)
-        if m is not None and not is_low(t.dtype) and any(is_low(tnodes[c].dtype) and not is_view(tnodes[c])
-                                                          for c in _same_value_chain(train, t.name)[1:]):
-            continue  # a downcast of this value follows: the two sides are compared there, after it
-        if m is not None:
-            es = engine_state(m.engine, engine, er)
-            kernel = enodes[_base(engine, m.engine)].kernel
-            # A site is where exactly one side's value is on the BF16 grid, and that side's op at this node
-            # is what put it there (otherwise the site is upstream).
-            site = ts.on_grid != es.on_grid and not (ts.on_grid and t.name not in rounded) \
-                and not (es.on_grid and not es.rounds)
-            out.append(Decision(**base, engine=es, rule="matched", site=site, evidence=Evidence(
-                engine_node=m.engine, engine_graph=engine.name, kernel=kernel or "", distance=m.distance,
-                runner_up=m.runner_up, confidence=m.confidence, **_replay_fields(kernel, replays))))
-            continue
-        if t.name in unmatched and t.name in rounded:
-            below = _nearest_matched(train, t.name, by_train, down=True)
-            above = _nearest_matched(train, t.name, anchors, down=False)
-            kb = _producing_kernel(engine, by_train[below].engine) if below and above else None
-            ea = anchors[above].engine if above else ""
-            if kb is not None and (enodes[ea].kernel == kb or ea in kernel_inputs.get(kb, ())):
-                out.append(Decision(**base, engine=SideState(dtype="float32", how=f"FP32 inside {kb.split(':')[0]}"),
-                                    rule="inside-kernel", site=True, evidence=Evidence(
-                                        engine_graph=engine.name, kernel=kb, stretch=[ea, by_train[below].engine],
-                                        confidence=min(by_train[below].confidence, anchors[above].confidence),
-                                        **_replay_fields(kb, replays))))
-                continue
-            extern = _fp32_extern_reading(engine, ea) if above else None
-            if extern is not None and (below is None or _producing_call(engine, by_train[below].engine) == extern[0]):
-                kid, rule = extern
-                # The op's output is rounded once on both sides: the value that leaves the stretch for a boundary.
-                output = _leaves_for_boundary(train, t.name)
-                state = SideState(dtype=t.dtype, rounds=True, on_grid=True, how=f"the output of {rule.op}, rounded "
-                                  "once (registry)") if output else SideState(
-                    dtype="float32", how=f"FP32 inside {rule.op} (registry)")
-                out.append(Decision(**base, engine=state, rule="opaque-registry", site=not output, evidence=Evidence(
-                                        engine_graph=engine.name, kernel=kid, stretch=[ea], registry=f"{rule.op}: "
-                                        f"{rule.rounds} ({rule.source})", confidence=anchors[above].confidence)))
-                continue
-        out.append(Decision(**base, rule="no-engine-value"))
+        base: dict[str, Any] = dict(id=ids[t.name], node=t.name, op=t.target, module=t.module,
+                                    layer=layer_of(t.module), train=ts)  # the fields every rule's decision has
+        out.append(_rule_matched(ev, t, ts, base) or _rule_unmatched(ev, t, base)
+                   or Decision(**base, rule="no-engine-value"))
     return out
 
 
@@ -430,7 +495,7 @@ def find_sites(train: Graph, train_values: dict[str, object], changed: dict[str,
     return sites
 
 
-# --- sites and regions ----------------------------------------------------------------------------
+# --- sites ----------------------------------------------------------------------------------------
 
 def _ref(n: Node, how: str, kernel: str | None = None) -> SideRef:
     return SideRef(node=n.name, op=n.target, dtype=n.dtype, module=n.module, source=n.source,
@@ -469,50 +534,14 @@ def sites_of(plan: list[Decision], train: Graph, engine_graphs: list[Graph]) -> 
         side = "train" if d.train.on_grid else "engine"
         e = d.evidence
         if d.rule == "matched":
-            engine = _ref(by_graph.get(e.engine_graph, {}).get(e.engine_node) or enodes[e.engine_node], d.engine.how,
-                          kernel=e.kernel or None)
+            engine = _ref(by_graph.get(e.engine_graph, {}).get(e.engine_node) or enodes[e.engine_node],
+                          d.engine.how if d.engine else "", kernel=e.kernel or None)
         else:
             engine = SideRef(node="", op=e.engine_node, kernel=e.kernel or None, how=d.engine.how if d.engine else "")
         measured = d.train.changed if side == "train" else d.engine.changed if d.engine else None
         changed = measured if measured is not None else 1.0
-        sites.append(Site(id=d.id, region="", kind="", layer=d.layer, rounded_on=side, train=_ref(t, d.train.how),
+        # kind "other" until group_regions (or find_sites) sets the site's own
+        sites.append(Site(id=d.id, region="", kind="other", layer=d.layer, rounded_on=side, train=_ref(t, d.train.how),
                           engine=engine, matched=d.rule == "matched", confidence=e.confidence,
                           changed_fraction=changed, evidence=summary(d)))
     return sites
-
-
-def module_pattern(module: str | None) -> str:
-    return re.sub(r"\.(layers|h|blocks|layer)\.\d+(?=\.|$)", r".\1.*", module or "<root>")
-
-
-def group_regions(sites: list[Site], kinds: dict[str, tuple[str, str]],
-                  owner: dict[str, str] | None = None) -> list[Region]:
-    """Sites grouped by (module pattern, kind): region `pattern#kind`; `kinds` maps site id -> (kind, reason);
-    `owner` a site id -> the module it belongs to where that is not its own (a submodule of MoE experts)."""
-    groups: dict[tuple[str, str], list[Site]] = defaultdict(list)
-    for s in sites:
-        s.kind = kinds[s.id][0]
-        groups[(module_pattern((owner or {}).get(s.id, s.train.module)), s.kind)].append(s)
-    regions = []
-    for (pattern, kind), members in groups.items():
-        name = f"{pattern}#{kind}"
-        by_layer: dict[int | None, list[Site]] = defaultdict(list)
-        for s in members:
-            by_layer[s.layer].append(s)
-            s.region = name
-        layers = sorted(by_layer, key=lambda x: -1 if x is None else x)
-
-        def signature(ss: list[Site]) -> list[tuple]:
-            return sorted((op_name(s.train.op), s.rounded_on, s.matched) for s in ss)
-
-        first = signature(by_layer[layers[0]])
-        differing = [ly for ly in layers[1:] if ly is not None and signature(by_layer[ly]) != first]
-        kernels = sorted({(s.engine.kernel if s.engine and s.engine.kernel else "").split(":")[0]
-                          for s in members} - {""})
-        regions.append(Region(name=name, kind=kind, kind_reason=kinds[members[0].id][1], module=pattern,
-                              layers=layers, sites=[s.id for s in members],
-                              rounded_on=sorted({s.rounded_on for s in members}), kernels=kernels,
-                              differing_layers=differing))
-    order = {k: i for i, k in enumerate(KIND_ORDER)}
-    regions.sort(key=lambda r: (order.get(r.kind, len(order)), r.name))
-    return regions

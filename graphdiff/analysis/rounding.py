@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from graphdiff.ops import EXACT, UNINITIALIZED, is_low, op_name
-from graphdiff.records import Graph, Kernel
+from graphdiff.records import Graph, Kernel, KernelRecord
 from graphdiff.replay.interpreter import LOW, run_fragment
-from graphdiff.replay.kernels import Declared, KernelReplay, Record, is_view, replay_kernel
+from graphdiff.replay.kernels import Declared, KernelReplay, is_view, replay_kernel
 
 __all__ = ["EngineRounding", "KernelReplay", "buffer_nodes", "engine_rounding", "eager_values", "is_view",
            "rerun_fp32", "train_rounding"]
@@ -82,7 +82,7 @@ def store_roundings(k: Kernel, rep: KernelReplay) -> dict[str, str]:
     return rounded
 
 
-def values_seen_outside(graph: Graph, buffers: dict[str, Record], known: dict[str, str],
+def values_seen_outside(graph: Graph, buffers: dict[str, KernelRecord], known: dict[str, str],
                         replays: dict[str, KernelReplay]) -> dict[str, torch.Tensor]:
     """Values as stored (rounded), as other kernels see them: every recorded load and replayed store."""
     nodes = graph.node_map()
@@ -99,13 +99,13 @@ def values_seen_outside(graph: Graph, buffers: dict[str, Record], known: dict[st
                 seen[node] = t.float()
         if k.id in replays:
             for buf, node in replays[k.id].outputs.items():
-                t = rec["out"].get(buf)
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    seen[node] = t.float()
+                stored = rec["out"].get(buf)
+                if isinstance(stored, torch.Tensor) and stored.is_floating_point():
+                    seen[node] = stored.float()
     return seen
 
 
-def engine_rounding(graph: Graph, buffers: dict[str, Record]) -> EngineRounding:
+def engine_rounding(graph: Graph, buffers: dict[str, KernelRecord]) -> EngineRounding:
     """Where the engine rounds in one compiled graph, every generated kernel replayed on its real buffers."""
     known = buffer_nodes(graph)
     owned = {n for k in graph.kernels if k.kind == "generated" for n in k.nodes}
@@ -135,7 +135,7 @@ def engine_rounding(graph: Graph, buffers: dict[str, Record]) -> EngineRounding:
 
 
 def _evaluate_glue(graph: Graph, owned: set[str], values: dict[str, torch.Tensor],
-                   seen_outside: dict[str, torch.Tensor], buffers: dict[str, Any]) -> None:
+                   seen_outside: dict[str, torch.Tensor], buffers: dict[str, KernelRecord]) -> None:
     """Values of nodes no kernel computes (views, concatenations realized as buffer aliasing),
     from the stored values of their inputs. An uninitialized allocation no recorded load gave a value (the buffer an
     extern writes its output into: attention's) has none: evaluated, it would be whatever memory `torch.empty`
@@ -149,7 +149,7 @@ def _evaluate_glue(graph: Graph, owned: set[str], values: dict[str, torch.Tensor
         if n.op != "call_function" or n.name in values or n.name in owned or n.name in extern_nodes \
                 or op_name(n.target) in UNINITIALIZED:
             continue
-        ins = {}
+        ins: dict[str, object] = {}
         nodes = graph.node_map()
         for i in dict.fromkeys(n.inputs):
             node_i = nodes[i]
@@ -198,8 +198,9 @@ def rerun_fp32(n: torch.fx.Node, values: dict[str, Any]) -> Any:
     with torch.no_grad():
         if n.target is torch.ops.aten.mm.default and not n.kwargs:
             a, b = (values[x.name] if isinstance(x, torch.fx.Node) else x for x in n.args)
-            if isinstance(b, torch.Tensor) and b.numel() > FP32_CHUNK:
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and b.numel() > FP32_CHUNK:
                 return mm_fp32_chunked(a, b)
+        assert callable(n.target)  # a call_function node: its target is the op
         return n.target(*torch.fx.node.map_aggregate(n.args, up), **torch.fx.node.map_aggregate(n.kwargs, up))
 
 

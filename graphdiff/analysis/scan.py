@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,23 +26,23 @@ from graphdiff.analysis.departure import first_departure
 from graphdiff.analysis.match import Match
 from graphdiff.analysis.moe import engine_routing, experts_decisions, experts_nodes, routing_agreement
 from graphdiff.analysis.opaque import attention_decisions, extern_rule
-from graphdiff.analysis.plan import (
-    classify,
-    decide,
-    group_regions,
-    mark_rounded_reads,
-    merge_decisions,
-    sites_of,
-    stable_ids,
-)
+from graphdiff.analysis.plan import classify, decide, mark_rounded_reads, merge_decisions, sites_of, stable_ids
+from graphdiff.analysis.regions import group_regions
 from graphdiff.analysis.rounding import EngineRounding, eager_values, engine_rounding, train_rounding
-from graphdiff.analysis.site_uniformity import site_nonuniformity
+from graphdiff.analysis.uniformity import site_nonuniformity
 from graphdiff.ops import is_attention
-from graphdiff.records import Capture, Decision, Graph, KernelEvidence, ScanResult, Site
+from graphdiff.records import (
+    Buffers,
+    Capture,
+    Decision,
+    Graph,
+    KernelEvidence,
+    RegionKind,
+    RoutingAgreement,
+    ScanResult,
+    Site,
+)
 
-Progress = Callable[[str], None]
-Buffers = dict[str, dict[str, dict[str, Any]]]  # shape label -> kernel id -> record
-DEFAULT_LAYERS = 2  # decoder layers are identical: two show everything, including layer-to-layer flow
 PROVEN = 0.999  # a kernel whose predicted replay is below this is unexplained: its sites are unproven
 
 
@@ -228,8 +227,8 @@ def _sites_and_regions(plan: list[Decision], tgraph: Graph, engine_cap: Capture,
     for s in sites:
         s.shapes = [label for label in labels if label in where.get(s.id, [])]
     experts = experts_nodes(tgraph)
-    kinds = {d.id: tp.region_kind(d) or (("attention", "inside the engine's opaque attention op (registry)")
-                                         if is_attention(d.op) else classify(tgraph, d.node, experts))
+    attention: tuple[RegionKind, str] = ("attention", "inside the engine's opaque attention op (registry)")
+    kinds = {d.id: tp.region_kind(d) or (attention if is_attention(d.op) else classify(tgraph, d.node, experts))
              for d in site_decisions}
     owner = {d.id: d.evidence.stretch[0] for d in site_decisions if d.rule == "opaque-registry" and d.node in experts}
     regions = group_regions(sites, kinds, owner)
@@ -269,18 +268,10 @@ def module_lanes(members: list[Site], lanes: dict[str, int]) -> dict[str, int]:
     return {m: next(iter(v)) for m, v in sorted(found.items()) if len(v) == 1 and next(iter(v)) > 0}
 
 
-def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: str, layers_total: int,
-            config: dict, reproduce: str = "", notes: list[str] | None = None) -> ScanResult:
-    """Everything after both sides have run: rounding, replay evidence, matching, the plan, sites, regions."""
-    t0 = time.perf_counter()
-    notes = list(notes or [])
-    if len(engine_cap.graphs) != 1:
-        notes.append(f"engine compiled {len(engine_cap.graphs)} graphs; sites are searched in each")
+def _opaque_decisions(engine_cap: Capture, train: TrainSide, notes: list[str]) -> list[Decision]:
+    """Decisions for values the engine computes inside opaque ops: its attention, its MoE experts (registry).
+    Appends what the attention analysis notes to `notes`."""
     tgraph = train.capture.graphs[0]
-    labels = [s.label for s in engine_cap.shapes] or list(buffers)
-    timings: dict[str, float] = {}
-    per_graph, matched, replay, engine_values = _reference_decisions(engine_cap, buffers, train, labels[0], timings)
-    t = time.perf_counter()
     ids = stable_ids(tgraph)
     attn, attn_notes = attention_decisions(engine_cap.attention, tgraph, train.gm, train.values,
                                            tp.primary_graphs(engine_cap.graphs), ids)
@@ -288,7 +279,42 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     moe_calls = [(g.name, k.id) for g in engine_cap.graphs for k in g.kernels
                  if k.kind == "extern" and (r := extern_rule(k.name, engine_cap.attention.get("build", ""))) is not None
                  and r.kind == "moe"]
-    attn += experts_decisions(tgraph, train.values, train.changed, moe_calls, ids) if moe_calls else []
+    return attn + (experts_decisions(tgraph, train.values, train.changed, moe_calls, ids) if moe_calls else [])
+
+
+def _routing(engine_cap: Capture, buffers: Buffers, train: TrainSide, ref: str) -> list[RoutingAgreement]:
+    """The MoE routing agreement of each layer at the reference shape (none for a dense model)."""
+    tgraph = train.capture.graphs[0]
+    return [a for g in engine_cap.graphs if ref in g.shapes or not g.shapes
+            for a in routing_agreement(tgraph, train.values, engine_routing(g, buffers.get(ref, {})), ref)]
+
+
+def logits_notes(engine_cap: Capture, train_cap: Capture, config: dict) -> list[str]:
+    """The two sides computing logits with different weights: a gap no rounding explains, named first."""
+    untied = not config.get("tie_word_embeddings", True)
+    trainer_head = any(name == "lm_head.weight" for g in train_cap.graphs for name in g.inputs.values())
+    if engine_cap.logits_weight == "input embedding" and untied and trainer_head:
+        return [f"logits differ by model, not by rounding: the engine computes them with the input embedding "
+                f"(vLLM's {engine_cap.architecture} does not read lm_head.weight), the trainer with this checkpoint's "
+                "own lm_head.weight (tie_word_embeddings false); the log-prob gap measures two models. Tie the "
+                "checkpoint's LM head to its embedding, or serve it with an engine model that reads lm_head.weight"]
+    return []
+
+
+def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: str, layers_total: int,
+            config: dict, reproduce: str = "", notes: list[str] | None = None) -> ScanResult:
+    """Everything after both sides have run: rounding, replay evidence, matching, the plan, sites, regions."""
+    t0 = time.perf_counter()
+    notes = list(notes or [])
+    if len(engine_cap.graphs) != 1:
+        notes.append(f"engine compiled {len(engine_cap.graphs)} graphs; sites are searched in each")
+    notes += logits_notes(engine_cap, train.capture, config)
+    tgraph = train.capture.graphs[0]
+    labels = [s.label for s in engine_cap.shapes] or list(buffers)
+    timings: dict[str, float] = {}
+    per_graph, matched, replay, engine_values = _reference_decisions(engine_cap, buffers, train, labels[0], timings)
+    t = time.perf_counter()
+    attn = _opaque_decisions(engine_cap, train, notes)
     others: dict[str, list[Decision]] = {}
     for label in labels[1:]:
         graphs_here, more = _shape_decisions(engine_cap, buffers, train, label, matched)
@@ -304,9 +330,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs,
                                                      engine_cap.attention.get("build", ""))
     _mark_regions(regions, sites, labels, replay)
-    routing = [a for g in engine_cap.graphs if labels[0] in g.shapes or not g.shapes
-               for a in routing_agreement(tgraph, train.values, engine_routing(g, buffers.get(labels[0], {})),
-                                          labels[0])]
+    routing = _routing(engine_cap, buffers, train, labels[0])
     t = time.perf_counter()
     uniformity = (site_nonuniformity(tgraph, train.gm, train.values, sites,
                                      _site_engine_values(sites, engine_cap.graphs, engine_values), train.fp32)

@@ -24,25 +24,39 @@ partials ("predicted") and as one rounding of the FP32 sum of the partial produc
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from graphdiff.analysis.match import TOLERANCE, Match, _compatible, _kind, _sorted
+from graphdiff.analysis.match import TOLERANCE, Match, modules_compatible, op_kind, sorted_fingerprint
 from graphdiff.analysis.match import match_values as match_replicated
 from graphdiff.analysis.opaque import extern_rule
 from graphdiff.analysis.rounding import is_view
 from graphdiff.capture.cpu_kind import store_like
 from graphdiff.ops import CASTS, MATMULS, op_name
-from graphdiff.records import Capture, Decision, Evidence, Graph, KernelEvidence, SideState, layer_of
+from graphdiff.records import (
+    Buffers,
+    Capture,
+    Decision,
+    Evidence,
+    ExternRecord,
+    Graph,
+    KernelEvidence,
+    RegionKind,
+    SideState,
+    layer_of,
+)
 
 ALLREDUCE_REASON = ("a row-parallel matmul's output: the engine's all-reduce sums the ranks' partial products, each "
                     "stored in BF16 by its matmul (the all-reduce extern reads the buffer a matmul extern wrote)")
 
 
 def tp_size(cap: Capture) -> int:
-    return int(cap.engine_config.get("tensor_parallel_size", 1) or 1)
+    size = cap.engine_config.get("tensor_parallel_size")
+    return int(size) if isinstance(size, (int, str)) and size else 1
 
 
 def rank_of(graph: Graph | str) -> int:
@@ -82,9 +96,9 @@ def match_shards(train: Graph, train_values: dict[str, object], engine: Graph,
     its dimensions within the tolerance."""
     enodes, tnodes = engine.node_map(), train.node_map()
     by_key: dict[tuple[int, int | None], list[str]] = {}
-    for name, v in engine_values.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and name in enodes:
-            by_key.setdefault((v.numel(), layer_of(enodes[name].module)), []).append(name)
+    for name, ev in engine_values.items():
+        if isinstance(ev, torch.Tensor) and ev.is_floating_point() and name in enodes:
+            by_key.setdefault((ev.numel(), layer_of(enodes[name].module)), []).append(name)
     prints: dict[str, torch.Tensor] = {}
     out = []
     for name in names:
@@ -92,16 +106,16 @@ def match_shards(train: Graph, train_values: dict[str, object], engine: Graph,
         if not isinstance(v, torch.Tensor) or v.numel() % tp or v.numel() < 2 * tp:
             continue
         cands = [e for e in by_key.get((v.numel() // tp, layer_of(t.module)), [])
-                 if _compatible(t.module, enodes[e].module, True)]
+                 if modules_compatible(t.module, enodes[e].module, True)]
         if not cands:
             continue
-        shards = [(d, _sorted(s)) for d, s in _shards(v, tp, rank)]
+        shards = [(d, sorted_fingerprint(s)) for d, s in _shards(v, tp, rank)]
         scored = []
         for e in cands:
-            fp = prints.setdefault(e, _sorted(engine_values[e]))
+            fp = prints.setdefault(e, sorted_fingerprint(engine_values[e]))
             dist, dim = min(((float((fp - s).norm()) / (float(s.norm()) or 1.0), d) for d, s in shards),
                             default=(float("inf"), -1))
-            scored.append((round(dist, 6), _kind(enodes[e]) != _kind(t), -engine.position(e), e, dim))
+            scored.append((round(dist, 6), op_kind(enodes[e]) != op_kind(t), -engine.position(e), e, dim))
         scored.sort()
         best = scored[0]
         if best[0] > TOLERANCE:
@@ -199,7 +213,12 @@ def _eq(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.reshape(-1).view(torch.int16) == b.reshape(-1).view(torch.int16)).double().mean())
 
 
-def _check(records: list[dict], weight: torch.Tensor | None, tp: int,
+def _total(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors added left to right (as Python's sum: the order decides the FP32 sum's bits)."""
+    return functools.reduce(operator.add, tensors)
+
+
+def _check(records: list[ExternRecord], weight: torch.Tensor | None, tp: int,
            build: str = "") -> tuple[list[float], list[float], str]:
     """Per rank: the recorded all-reduce output vs bf16(FP32 sum of the ranks' BF16 partials) ("predicted"; stored as
     the engine's ops `build` stores: truncated on `_C_AVX512`) and vs
@@ -207,14 +226,14 @@ def _check(records: list[dict], weight: torch.Tensor | None, tp: int,
     of the weight ("naive": one GEMM, as the trainer). And how each rank's partial relates to its FP32 product."""
     partials = [r["partial"] for r in records]
     dtype = partials[0].dtype
-    summed = store_like(sum(p.float() for p in partials), build, dtype)
+    summed = store_like(_total([p.float() for p in partials]), build, dtype)
     predicted = [_eq(summed, r["reduced"]) for r in records]
-    xs = [r.get("matmul_input") for r in records]
-    if weight is None or any(x is None for x in xs) or weight.shape[1] != sum(x.shape[-1] for x in xs):
+    xs = [x for r in records if (x := r.get("matmul_input")) is not None]
+    if weight is None or len(xs) != len(records) or weight.shape[1] != sum(x.shape[-1] for x in xs):
         return predicted, predicted, "no matmul product to compare (e.g. an embedding's masked rows: exact)"
     step = weight.shape[1] // tp
     products = [F.linear(x.float(), weight[:, r * step:(r + 1) * step].float()) for r, x in enumerate(xs)]
-    one = sum(products).to(dtype)
+    one = _total(products).to(dtype)
     naive = [_eq(one, r["reduced"]) for r in records]
     partial_ok = min(_eq(p.to(dtype), r["partial"]) for p, r in zip(products, records))
     return predicted, naive, (f"an all-reduce of {tp} ranks: predicted = its output recomputed as the FP32 sum of the "
@@ -223,7 +242,7 @@ def _check(records: list[dict], weight: torch.Tensor | None, tp: int,
                               f"product rounded once on {partial_ok:.2%}")
 
 
-def allreduce_plan(plan: list[Decision], cap: Capture, buffers: dict[str, dict], train_graph: Graph,
+def allreduce_plan(plan: list[Decision], cap: Capture, buffers: Buffers, train_graph: Graph,
                    train_values: dict[str, object], ref: str) -> list[KernelEvidence]:
     """Turn the decisions on row-parallel matmul outputs into `allreduce` sites (in place, every shape variant);
     returns the all-reduce checks of every rank at the reference shape as replay evidence."""
@@ -252,8 +271,8 @@ def allreduce_plan(plan: list[Decision], cap: Capture, buffers: dict[str, dict],
             continue
         if index not in checked:
             group = [per_rank[r][index] for r in sorted(per_rank) if index < len(per_rank[r])]
-            recs = [(records.get(a.kernel) or {}).get("extern") for a in group]
-            if len(group) == tp and all(recs):
+            recs = [ext for a in group if (rec := records.get(a.kernel)) and (ext := rec.get("extern"))]
+            if len(group) == tp and len(recs) == len(group):
                 pred, naive, note = _check(recs, _weight(train_graph, train_values, d.node), tp,
                                            cap.attention.get("build", ""))
                 rows += [KernelEvidence(kernel=a.kernel, shape=ref, predicted_bitexact=round(p, 6),
@@ -281,7 +300,7 @@ def allreduce_plan(plan: list[Decision], cap: Capture, buffers: dict[str, dict],
     return rows
 
 
-def region_kind(d: Decision) -> tuple[str, str] | None:
+def region_kind(d: Decision) -> tuple[RegionKind, str] | None:
     """The region kind of an all-reduce site (set by allreduce_plan; the dataflow rules do not apply to it)."""
     return ("allreduce", ALLREDUCE_REASON) if d.kind == "allreduce" else None
 
@@ -308,7 +327,7 @@ def rank_agreement(per_graph: list[list[Decision]]) -> str | None:
     return "tensor parallelism: every rank's graphs replayed and decided, rank 0's decisions kept; " + "; ".join(parts)
 
 
-def after_merge(plan: list[Decision], per_graph: list[list[Decision]], cap: Capture, buffers: dict[str, dict],
+def after_merge(plan: list[Decision], per_graph: list[list[Decision]], cap: Capture, buffers: Buffers,
                 train_graph: Graph, train_values: dict[str, object], ref: str) -> tuple[list[KernelEvidence],
                                                                                        list[str]]:
     """The scan's hook after the per-graph decisions are merged: all-reduce sites (and their checks as replay

@@ -7,8 +7,6 @@ from the scheduler (in-process) or from the provenance JSON Inductor writes (dum
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from graphdiff.capture.inductor_code import KernelCall, kernel_args, parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import Compiled
 from graphdiff.errors import GraphdiffError
@@ -26,7 +24,7 @@ def _extern_nodes(call: KernelCall, comp: Compiled, targets: dict[str, str]) -> 
 def build_graph(comp: Compiled, names: dict[str, str], root: str, index: int) -> Graph:
     from graphdiff.capture.fx import node_from_fx
 
-    assert comp.gm is not None and comp.module is not None
+    assert comp.gm is not None
     post = [n.name for n in comp.gm.graph.find_nodes(op="placeholder")]
     if len(post) != len(comp.placeholders):
         raise GraphdiffError(
@@ -40,7 +38,7 @@ def build_graph(comp: Compiled, names: dict[str, str], root: str, index: int) ->
         if node.module is not None:  # Dynamo paths are relative to the compiled submodule
             node.module = (root + node.module).rstrip(".")
         nodes.append(node)
-    src = Path(comp.module.__file__).read_text()
+    _, src = comp.wrapper()
     return assemble_graph(f"engine_graph_{index}", nodes, src, comp.origins, comp.origin_node, comp.stores,
                           post_names)
 
@@ -74,7 +72,7 @@ def assemble_graph(name: str, nodes: list, src: str, origins: dict[str, list[str
     for k in kernels:
         if k.kind == "generated":
             k.nodes = [n for n in origins.get(k.id, []) if n not in extern_owned and n in targets]
-    owner = {}
+    owner: dict[str, str] = {}
     for k in kernels:
         for n in k.nodes:
             owner.setdefault(n, k.id)

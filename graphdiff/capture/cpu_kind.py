@@ -17,7 +17,9 @@ every x86 kind, with or without the BF16 instructions.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +33,8 @@ ONEDNN_ISA = {"avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX512_CO
 KERNEL_BUILD = {"avx2": "_C_AVX2", "avx512": "_C_AVX512", "avx512_bf16": "_C", "amx": "_C"}
 _SITE = Path(__file__).with_name("forced_kind")  # its sitecustomize applies the forced kind in new processes
 _NATIVE: dict[str, bool] = {}
+_PREDICATES = ("_is_amx_tile_supported", "_init_amx", "_is_avx512_bf16_supported", "_is_avx512_supported")
+_ENV = ("ONEDNN_MAX_CPU_ISA", "PYTHONPATH")  # what apply_forced_kind sets
 
 
 def _features() -> dict[str, bool]:
@@ -67,7 +71,10 @@ def cpu_kind() -> str:
 
 def apply_forced_kind() -> str | None:
     """Make this process, and the processes it starts, run as the forced kind; before vLLM loads its ops (and
-    before oneDNN's first GEMM, for its ISA cap). Does nothing when no kind is forced. Returns the kind."""
+    before oneDNN's first GEMM, for its ISA cap). Does nothing when no kind is forced. Returns the kind.
+
+    Process-wide by design: the CLI applies it once for its whole process and its children (forced_kind_applied
+    puts it back, for in-process use)."""
     kind = forced_kind()
     if kind is None:
         return None
@@ -82,6 +89,24 @@ def apply_forced_kind() -> str | None:
     if str(_SITE) not in path.split(os.pathsep):  # worker processes vLLM spawns (tensor parallelism)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SITE), path) if p)
     return kind
+
+
+@contextlib.contextmanager
+def forced_kind_applied() -> Iterator[str | None]:
+    """`apply_forced_kind` for the duration of a block; torch's CPU predicates and the environment are put back on
+    exit. What read them meanwhile keeps what it read (oneDNN's ISA cap, the vLLM ops library a block loaded)."""
+    predicates = {n: getattr(torch.cpu, n) for n in _PREDICATES if hasattr(torch.cpu, n)}
+    env = {k: os.environ.get(k) for k in _ENV}
+    try:
+        yield apply_forced_kind()
+    finally:
+        for name, fn in predicates.items():
+            setattr(torch.cpu, name, fn)
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def kernel_build() -> str:
@@ -107,8 +132,15 @@ def store_like(values: torch.Tensor, build: str, dtype: torch.dtype = torch.bflo
     """FP32 values stored in `dtype` as the vLLM CPU ops `build` stores them: truncated (BF16 on `_C_AVX512` /
     `_C_AVX2`) or rounded to nearest even."""
     if dtype == torch.bfloat16 and stores_truncate(build):
-        return (values.float().view(torch.int32) & -65536).view(torch.float32).to(dtype)
+        return truncate_to_bf16(values.float()).to(dtype)
     return values.to(dtype)
+
+
+# the one definition of this store: a generated patch carries its source (codegen.prelude)
+def truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """FP32 `x` stored in BF16 by truncation (round toward zero), kept in FP32: its low 16 bits cleared, so every
+    value is exact in BF16. Not differentiable (a bit view)."""
+    return (x.view(torch.int32) & -65536).view(torch.float32)
 
 
 def other_kind() -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from graphdiff.capture.assemble import assemble_graph
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import Capture, Node, Source
+from graphdiff.records import Capture, Graph, Node, Source
 
 REQUIRED = ("fx_graph_transformed.py", "output_code.py", "inductor_provenance_tracking_node_mappings.json")
 
@@ -43,6 +43,11 @@ def find_graph_dirs(root: Path) -> list[Path]:
         if missing:
             raise GraphdiffError(f"partial dump {d}: missing {', '.join(missing)} (was TORCH_COMPILE_DEBUG=1 set?)")
     return dirs
+
+
+def _annotation_text(ann: ast.expr | None) -> str | None:
+    """A string annotation's text (`"bf16[4, 8]"`), or None."""
+    return ann.value if isinstance(ann, ast.Constant) and isinstance(ann.value, str) else None
 
 
 def _parse_annotation(ann: str) -> tuple[str | None, list[int | str] | None]:
@@ -111,9 +116,9 @@ def parse_fx_graph(text: str) -> list[Node]:
     nodes: list[Node] = []
     known: set[str] = set()
     for a in fn.args.args[1:]:
-        ann = a.annotation.value if isinstance(a.annotation, ast.Constant) else ""
-        dtype, shape = _parse_annotation(ann)
-        sym = m.group(1) if (m := re.fullmatch(r"Sym\((\w+)\)", ann)) else None
+        declared = _annotation_text(a.annotation) or ""
+        dtype, shape = _parse_annotation(declared)
+        sym = m.group(1) if (m := re.fullmatch(r"Sym\((\w+)\)", declared)) else None
         nodes.append(Node(name=a.arg, op="placeholder", target=a.arg, dtype=dtype, shape=shape, sym=sym))
         known.add(a.arg)
     for stmt in fn.body:
@@ -123,6 +128,7 @@ def parse_fx_graph(text: str) -> list[Node]:
                               args=ast.unparse(stmt.value) if stmt.value else "",
                               call=[[_encode(stmt.value, known)] if stmt.value else [], {}]))
             continue
+        target: ast.expr
         if isinstance(stmt, ast.AnnAssign):
             target, value, ann = stmt.target, stmt.value, stmt.annotation
         elif isinstance(stmt, ast.Assign):
@@ -133,7 +139,8 @@ def parse_fx_graph(text: str) -> list[Node]:
             continue  # `x = None` frees a buffer; it is not a node
         if not isinstance(value, (ast.Call, ast.Subscript)):
             continue
-        dtype, shape = _parse_annotation(ann.value) if isinstance(ann, ast.Constant) else (None, None)
+        ann_text = _annotation_text(ann)
+        dtype, shape = _parse_annotation(ann_text) if ann_text is not None else (None, None)
         args = value.args + [k.value for k in value.keywords] if isinstance(value, ast.Call) else [value.value]
         inputs = [n for a in args for n in _names_in(a, known)]
         if isinstance(value, ast.Call):
@@ -159,7 +166,7 @@ def _is_model_graph(nodes: list[Node]) -> bool:
 
 
 def import_dump(root: Path, model: str = "") -> Capture:
-    graphs = []
+    graphs: list[Graph] = []
     for d in find_graph_dirs(root):
         try:
             nodes = parse_fx_graph((d / "fx_graph_transformed.py").read_text())

@@ -13,21 +13,18 @@ tensor of the same name (an embedding table is gigabytes), resolved again when t
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from graphdiff import child
-from graphdiff.capture.inductor_hooks import Record, weight_inputs
+from graphdiff.capture.inductor_hooks import weight_inputs
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import Capture, Shape, load_capture, save_json
+from graphdiff.records import Buffers, Capture, Progress, Shape, WeightRef, load_capture, save_json
 
 BUFFERS_FILE = "buffers.pt"
 INLINE_WEIGHT_BYTES = 256 * 2**10  # larger recorded weights are saved as references to the checkpoint
-Progress = Callable[[str], None]
-Buffers = dict[str, dict[str, Record]]  # shape label -> kernel id -> record
 
 
 def _in_checkpoint(model_dir: Path) -> dict[str, list[int]]:
@@ -50,11 +47,11 @@ def save_engine_capture(cap: Capture, buffers: Buffers, directory: Path) -> Path
     # those of the graph that runs it.
     weights = {g.name: {buf: g.inputs[buf] for buf in weight_inputs(g) if g.inputs[buf] in stored} for g in cap.graphs}
     graph_of = {k.id: g.name for g in cap.graphs for k in g.kernels}
-    slim: Buffers = {}
+    slim: dict[str, dict[str, dict[str, object]]] = {}  # Buffers, with a WeightRef for each large weight
     for label, records in buffers.items():
         slim[label] = {}
         for kid, rec in records.items():
-            ins = {}
+            ins: dict[str, torch.Tensor | WeightRef] = {}
             mine = weights.get(graph_of.get(kid, ""), {})
             for buf, t in rec["in"].items():
                 big = isinstance(t, torch.Tensor) and t.numel() * t.element_size() > INLINE_WEIGHT_BYTES
@@ -79,7 +76,7 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
            "BOOL": torch.bool}
 
 
-def _checkpoint_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
+def checkpoint_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
     """A checkpoint tensor mapped from its safetensors file, copy-on-write: a replay reads a few rows of an
     embedding table, and a read copy would hold the whole table in memory (1.2 GB at Qwen3-8B's vocabulary)."""
     import json
@@ -103,8 +100,8 @@ def _checkpoint_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
     return None
 
 
-def _resolve(ref: dict, model_dir: Path) -> torch.Tensor | None:
-    t = _checkpoint_tensor(model_dir, ref["weight"])
+def _resolve(ref: WeightRef, model_dir: Path) -> torch.Tensor | None:
+    t = checkpoint_tensor(model_dir, ref["weight"])
     shape = torch.Size(ref["shape"])
     if t is None or t.dim() != len(shape) or any(a > b for a, b in zip(t.shape, shape)):
         return None
@@ -128,22 +125,24 @@ def load_engine_capture(directory: Path, model_dir: Path | None = None) -> tuple
     if cap.side != "engine" or not cap.buffers_file or not (directory / cap.buffers_file).exists():
         raise GraphdiffError(f"{directory / 'capture.json'} is not an engine capture with recorded buffers")
     try:
-        buffers: Buffers = torch.load(directory / cap.buffers_file, weights_only=False, mmap=True)
+        # as saved: Buffers, with a WeightRef for each large weight
+        stored: dict[str, dict[str, dict[str, dict[str, Any]]]] = torch.load(directory / cap.buffers_file,
+                                                                              weights_only=False, mmap=True)
     except Exception as e:
         raise GraphdiffError(f"cannot read {directory / cap.buffers_file}: {type(e).__name__}") from None
     source = model_dir or Path(cap.model)
     cache: dict[str, torch.Tensor | None] = {}
-    for records in buffers.values():
+    for records in stored.values():
         for rec in records.values():
             for buf, t in list(rec["in"].items()):
                 if isinstance(t, dict) and "weight" in t:
                     if t["weight"] not in cache:
-                        cache[t["weight"]] = _resolve(t, source) if source.is_dir() else None
+                        cache[t["weight"]] = _resolve(cast(WeightRef, t), source) if source.is_dir() else None
                     if cache[t["weight"]] is None:
                         del rec["in"][buf]  # the kernel's replay says its inputs could not be resolved
                     else:
                         rec["in"][buf] = cache[t["weight"]]
-    return cap, buffers
+    return cap, cast(Buffers, stored)  # every WeightRef resolved, or its input dropped
 
 
 def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,

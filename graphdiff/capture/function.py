@@ -16,10 +16,10 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphdiff.capture.assemble import build_graph
+from graphdiff.capture.engine import input_names
 from graphdiff.capture.fx import graph_from_fx
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, weight_inputs
-from graphdiff.capture.vllm import input_names
 from graphdiff.records import Graph
 
 
@@ -33,7 +33,8 @@ def trace_eager(module: torch.nn.Module, args: tuple[torch.Tensor, ...],
     def forward(*flat: torch.Tensor) -> Any:
         return torch.func.functional_call(module, dict(zip(state, flat[: len(state)])), flat[len(state):])
 
-    forward._orig_mod = module  # make_fx records nn_module_stack relative to f._orig_mod
+    # make_fx records nn_module_stack relative to f._orig_mod (an attribute set on the function)
+    forward._orig_mod = module  # type: ignore[attr-defined]
     keep_all = mock.patch.object(proxy_tensor._ModuleStackTracer, "_filter_traceback_frames", lambda _, f: f)
     with torch.no_grad(), keep_all:
         gm = make_fx(forward, tracing_mode="real", record_module_stack=True, record_stack_traces=True)(*tensors)
@@ -46,7 +47,7 @@ def capture_compiled(module: torch.nn.Module, args: tuple[torch.Tensor, ...],
     """Compile module with Inductor (fresh, no caches), capture its graph and one run's kernel buffers."""
     import torch._inductor.config as inductor_config
 
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # process-wide by design: a fresh compile needs Dynamo's caches empty (nothing to restore)
     with inductor_config.patch(force_disable_caches=True), inductor_hooks() as hooks, torch.no_grad():
         compiled = torch.compile(module, backend="inductor", fullgraph=True, dynamic=False)
         compiled(*args)
@@ -56,11 +57,11 @@ def capture_compiled(module: torch.nn.Module, args: tuple[torch.Tensor, ...],
         names = {p: arg_names[int(m.group(1))] if (m := re.fullmatch(r"args_(\d+)", n)) else n
                  for p, n in names.items()}
         graph = build_graph(comp, names, root, 0)
-        src = comp.module.__file__
-        code = open(src).read()
+        wrapper, code = comp.wrapper()
         defs = parse_kernel_defs(code)
-        recorder = BufferRecorder(comp.module, parse_kernel_calls(code, defs), defs, weight_inputs(graph))
+        recorder = BufferRecorder(wrapper, parse_kernel_calls(code, defs), defs, weight_inputs(graph))
         recorder.armed = True
         compiled(*args)
         recorder.armed = False
+        recorder.remove()
     return graph, recorder.records

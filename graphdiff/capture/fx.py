@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from graphdiff.records import Graph, Node, Source
+from graphdiff.records import NODE_OPS, Graph, Node, NodeOp, Source
 
 # Graph inputs that carry data rather than weights; every other mapped placeholder is a parameter/buffer.
 DATA_INPUTS = frozenset({"input_ids", "positions", "position_ids", "inputs_embeds", "attention_mask"})
@@ -103,6 +103,13 @@ def encode_arg(a: Any) -> Any:
     return {"repr": str(a)}
 
 
+def _opcode(node: torch.fx.Node) -> NodeOp:
+    op = node.op
+    if op not in NODE_OPS:  # call_module / call_method: never in the ATen graphs Dynamo and AOT autograd hand on
+        raise ValueError(f"fx node {node.name}: opcode {op} in an ATen graph")
+    return op
+
+
 def node_from_fx(node: torch.fx.Node, input_names: dict[str, str]) -> Node:
     """Convert one FX node; `input_names` maps placeholder names to what they hold (HF names)."""
     inputs: list[str] = []
@@ -118,7 +125,7 @@ def node_from_fx(node: torch.fx.Node, input_names: dict[str, str]) -> Node:
     held = input_names.get(node.name) if node.op == "placeholder" else None
     return Node(
         name=node.name,
-        op=node.op,
+        op=_opcode(node),
         target=target_name(node.target),
         inputs=inputs,
         args=", ".join(args),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from unittest import mock
 
 import torch
@@ -34,7 +34,6 @@ def load_hf_model(
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # our own progress lines say what happens
     path = Path(path)
     if not path.is_dir():
         raise GraphdiffError(f"no model directory at {path}")
@@ -44,23 +43,29 @@ def load_hf_model(
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise GraphdiffError(f"transformers cannot read {path / 'config.json'}: {first_line(e)}") from None
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # our own progress lines say what happens; the caller's setting back after
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
+        # output_loading_info: a (model, loading info) pair, which transformers' annotations do not say
+        model, info = cast(tuple["PreTrainedModel", dict[str, list[str]]], AutoModelForCausalLM.from_pretrained(
             path,
             config=config,
             dtype=dtype,
             attn_implementation=attn_implementation,
             local_files_only=True,
             output_loading_info=True,
-        )
+        ))
     except Exception as e:
         raise GraphdiffError(f"transformers cannot load the model at {path}: {first_line(e)}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     # A checkpoint with missing tensors loads with random weights; a capture of that would be meaningless.
     if info.get("missing_keys"):
         missing = sorted(info["missing_keys"])
         more = " ..." if len(missing) > 3 else ""
         raise GraphdiffError(f"{path} lacks weights for {', '.join(missing[:3])}{more}")
-    return model.to("cpu").eval()
+    return model.to("cpu").eval()  # type: ignore[arg-type]  # transformers' wrapper of `to` drops `self`
 
 
 def _batch(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
@@ -85,7 +90,8 @@ def trace_hf(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.fx.
         state = dict(zip(weight_names, flat[:-1], strict=True))
         return torch.func.functional_call(model, state, (flat[-1],), {"use_cache": False}).logits
 
-    forward._orig_mod = model  # make_fx records nn_module_stack only relative to f._orig_mod
+    # make_fx records nn_module_stack only relative to f._orig_mod (an attribute set on the function)
+    forward._orig_mod = model  # type: ignore[attr-defined]
     tracer = make_fx(
         forward,
         tracing_mode="real",
@@ -137,7 +143,8 @@ def capture_hf(
         from graphdiff import runtime
 
         runtime.apply(model, manifest, allow_version_mismatch=allow_version_mismatch)
-    vocab = model.get_input_embeddings().num_embeddings
+    # nn.Module's __getattr__ types every attribute as Tensor | Module
+    vocab: int = model.get_input_embeddings().num_embeddings  # type: ignore[assignment]
     if input_ids is None:
         if num_tokens < 1:
             raise GraphdiffError(f"num_tokens must be at least 1, got {num_tokens}")

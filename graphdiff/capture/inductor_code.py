@@ -17,7 +17,7 @@ import ast
 import re
 from dataclasses import dataclass, field
 
-from graphdiff.records import BufferArg
+from graphdiff.records import BufferArg, Role
 
 # C++ and Triton element types -> torch dtype names.
 _DTYPES = {
@@ -54,7 +54,7 @@ class KernelCall:
     kwargs: dict[str, str | None] = field(default_factory=dict)
 
 
-def param_role(param: str) -> str:
+def param_role(param: str) -> Role:
     if param.startswith("in_out_ptr"):
         return "inout"
     if param.startswith("out_ptr"):
@@ -84,7 +84,8 @@ def parse_kernel_defs(src: str) -> dict[str, KernelDef]:
         defs[m.group(1)] = KernelDef(m.group(1), "cpp", params, code)
     for m in _TRITON_DEF.finditer(src):
         code = _string_literal_after(src, m.end())
-        types = dict(re.findall(r"'(\w+)': '\*?(\w+)'", (_TRITON_TYPES.search(code) or [None, ""])[1]))
+        declared = _TRITON_TYPES.search(code)
+        types = dict(re.findall(r"'(\w+)': '\*?(\w+)'", declared.group(1) if declared else ""))
         sig = _TRITON_SIG.search(code)
         params = []
         for pname in (p.strip().split(":")[0].strip() for p in (sig.group(2).split(",") if sig else [])):
@@ -168,7 +169,7 @@ def parse_kernel_calls(src: str, defs: dict[str, KernelDef] | None = None) -> li
     return calls
 
 
-def arg_role(param: str, dtype: str | None) -> str:
+def arg_role(param: str, dtype: str | None) -> Role:
     """A kernel parameter's role; parameters without an element type are scalars (sizes)."""
     return param_role(param) if dtype is not None else "scalar"
 

@@ -17,15 +17,14 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from graphdiff.capture.inductor_code import KernelCall, arg_role
-from graphdiff.records import Graph
-
-Record = dict[str, Any]  # {"in": {buffer: tensor}, "out": {buffer: tensor}, "scalars": {name: value}}
+from graphdiff.records import Graph, KernelRecord
 
 
 @dataclass
@@ -38,6 +37,11 @@ class Compiled:
     origins: dict[str, list[str]] = field(default_factory=dict)  # kernel id -> FX nodes
     origin_node: dict[str, str] = field(default_factory=dict)  # kernel id -> exact FX node (externs)
     stores: dict[str, str] = field(default_factory=dict)  # buffer -> FX node whose value it holds
+
+    def wrapper(self) -> tuple[ModuleType, str]:
+        """The compiled Python wrapper module and its source (the file Inductor wrote it to)."""
+        assert self.module is not None and self.module.__file__ is not None, "Inductor compiled no wrapper module"
+        return self.module, Path(self.module.__file__).read_text()
 
 
 @dataclass
@@ -58,6 +62,35 @@ def _last_origin(origins: Any) -> Any:
     return sinks[0] if len(sinks) == 1 else None
 
 
+def _record_origins(cur: Compiled, kid: str, irnodes: list[Any], is_extern: bool) -> None:
+    """The FX nodes fused into kernel call `kid`, the buffer each IR node stores -> the FX node whose value it
+    holds, and an extern call's exact FX node."""
+    names: list[str] = []
+    for ir in irnodes:
+        for origin in sorted(ir.origins, key=lambda n: n.name):
+            if origin.name not in names:
+                names.append(origin.name)
+        origin_node = getattr(ir, "origin_node", None) or _last_origin(ir.origins)
+        if origin_node is not None:
+            if is_extern:
+                cur.origin_node[kid] = origin_node.name
+            with contextlib.suppress(Exception):
+                cur.stores[ir.get_name()] = origin_node.name
+    cur.origins[kid] = names
+
+
+def _modules_with_trace(*modules: ModuleType) -> list[ModuleType]:
+    """`modules` and Triton's codegen where it imports: each calls the provenance tracing hook by its own name."""
+    found = list(modules)
+    try:
+        import torch._inductor.codegen.triton as triton_codegen
+
+        found.append(triton_codegen)
+    except ImportError:  # pragma: no cover - triton codegen is importable wherever triton is
+        pass
+    return found
+
+
 @contextlib.contextmanager
 def inductor_hooks() -> Iterator[_Hooks]:
     import torch._inductor.codegen.cpp as cpp_codegen
@@ -70,13 +103,7 @@ def inductor_hooks() -> Iterator[_Hooks]:
     orig_compile_fx = compile_fx_mod.compile_fx
     orig_trace = inductor_debug.set_kernel_post_grad_provenance_tracing
     orig_to_module = GraphLowering.compile_to_module
-    modules_with_trace = [inductor_debug, cpp_codegen]
-    try:
-        import torch._inductor.codegen.triton as triton_codegen
-
-        modules_with_trace.append(triton_codegen)
-    except ImportError:  # pragma: no cover - triton codegen is importable wherever triton is
-        pass
+    modules_with_trace = _modules_with_trace(inductor_debug, cpp_codegen)
 
     def compile_fx(gm: Any, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if hooks.depth == 0:
@@ -90,45 +117,34 @@ def inductor_hooks() -> Iterator[_Hooks]:
 
     def trace(node_schedule: Any, kernel_name: str, is_extern: bool = False) -> Any:
         handle = orig_trace(node_schedule, kernel_name, is_extern)
-        if not hooks.compiled:
-            return handle
-        cur = hooks.compiled[-1]
-        kid = f"{kernel_name}:{inductor_debug._inductor_kernel_provenance_debug_handle}"
-        names: list[str] = []
-        irnodes = [node_schedule] if is_extern else [s.node for s in _snodes(node_schedule) if s.node is not None]
-        for ir in irnodes:
-            for origin in sorted(ir.origins, key=lambda n: n.name):
-                if origin.name not in names:
-                    names.append(origin.name)
-            origin_node = getattr(ir, "origin_node", None) or _last_origin(ir.origins)
-            if origin_node is not None:
-                if is_extern:
-                    cur.origin_node[kid] = origin_node.name
-                with contextlib.suppress(Exception):
-                    cur.stores[ir.get_name()] = origin_node.name
-        cur.origins[kid] = names
+        if hooks.compiled:
+            kid = f"{kernel_name}:{inductor_debug._inductor_kernel_provenance_debug_handle}"
+            irnodes = [node_schedule] if is_extern else [s.node for s in _snodes(node_schedule) if s.node is not None]
+            _record_origins(hooks.compiled[-1], kid, irnodes, is_extern)
         return handle
 
     def compile_to_module(self: Any) -> Any:
         mod = orig_to_module(self)
         if hooks.compiled and hooks.compiled[-1].module is None:
             hooks.compiled[-1].gm = self.module
-            hooks.compiled[-1].module = mod
+            # the Python wrapper's module; the FX wrapper backend (not used by a capture) returns another kind
+            hooks.compiled[-1].module = mod if isinstance(mod, ModuleType) else None
         return mod
 
     saved_level = inductor_config.trace.provenance_tracking_level
     inductor_config.trace.provenance_tracking_level = max(1, saved_level)
-    compile_fx_mod.compile_fx = compile_fx
+    # Hooks on Inductor's internals for the capture's duration (the ignores: replacing functions and a method)
+    compile_fx_mod.compile_fx = compile_fx  # type: ignore[assignment]
     for m in modules_with_trace:
-        m.set_kernel_post_grad_provenance_tracing = trace
-    GraphLowering.compile_to_module = compile_to_module
+        m.set_kernel_post_grad_provenance_tracing = trace  # type: ignore[attr-defined]
+    GraphLowering.compile_to_module = compile_to_module  # type: ignore[method-assign]
     try:
         yield hooks
     finally:
         compile_fx_mod.compile_fx = orig_compile_fx
         for m in modules_with_trace:
-            m.set_kernel_post_grad_provenance_tracing = orig_trace
-        GraphLowering.compile_to_module = orig_to_module
+            m.set_kernel_post_grad_provenance_tracing = orig_trace  # type: ignore[attr-defined]
+        GraphLowering.compile_to_module = orig_to_module  # type: ignore[method-assign]
         inductor_config.trace.provenance_tracking_level = saved_level
 
 
@@ -155,19 +171,26 @@ class BufferRecorder:
         # gigabytes). Everything else is copied: the engine reuses its input buffers every step.
         self.weights = weights
         self.ids = ids or {}  # kernel call id -> the id the Graph gives it (unique across a piecewise compile)
-        self.forwards: list[dict[str, Record]] = []
+        self.forwards: list[dict[str, KernelRecord]] = []
         self.armed = False
-        self._current: dict[str, Record] = {}
+        self._current: dict[str, KernelRecord] = {}
         self._sites: dict[str, list[KernelCall]] = defaultdict(list)
         for c in calls:
             if not c.extern:
                 self._sites[c.name].append(c)
         self._seen: dict[str, int] = defaultdict(int)
-        for name in self._sites:
-            setattr(module, name, self._wrap(getattr(module, name), name, defs[name]))
+        self._module, self._originals = module, {name: getattr(module, name) for name in self._sites}
+        for name, kernel in self._originals.items():
+            setattr(module, name, self._wrap(kernel, name, defs[name]))
+
+    def remove(self) -> None:
+        """Put the module's own kernels back (recording stops)."""
+        for name, kernel in self._originals.items():
+            setattr(self._module, name, kernel)
+        self._originals = {}
 
     @property
-    def records(self) -> dict[str, Record]:
+    def records(self) -> dict[str, KernelRecord]:
         """The first recorded forward (or what was recorded of it)."""
         return self.forwards[0] if self.forwards else self._current
 
@@ -188,19 +211,20 @@ class BufferRecorder:
                 return fn(*args, **kwargs)
             site = self._sites[name][k]
             self._seen[name] = k + 1
-            rec: Record = {"in": {}, "out": {}, "scalars": {}}
+            rec: KernelRecord = {"in": {}, "out": {}, "scalars": {}}
             for arg, bufname, role in zip(args, site.args, roles):
                 if isinstance(arg, torch.Tensor):
+                    # an argument without a buffer name is "?", as in the Kernel's args (inductor_code.kernel_args)
                     if role == "in" and bufname in self.weights:
-                        rec["in"][bufname] = arg.detach()
+                        rec["in"][bufname or "?"] = arg.detach()
                     elif role in ("in", "inout"):
-                        rec["in"][bufname] = arg.detach().clone()
+                        rec["in"][bufname or "?"] = arg.detach().clone()
                 else:
                     rec["scalars"][bufname or "?"] = arg
             result = fn(*args, **kwargs)
             for arg, bufname, role in zip(args, site.args, roles):
                 if isinstance(arg, torch.Tensor) and role in ("out", "inout"):
-                    rec["out"][bufname] = arg.detach().clone()
+                    rec["out"][bufname or "?"] = arg.detach().clone()
             self._current[self.ids.get(site.id, site.id)] = rec
             if all(self._seen[n] == len(s) for n, s in self._sites.items()):  # the forward is over
                 self.forwards.append(self._current)

@@ -1,12 +1,12 @@
 """Tensor parallelism: the engine started with `tensor_parallel_size` > 1 and captured inside its workers.
 
-vLLM runs each rank in its own worker process (the `mp` executor), each compiling its own graph on its own shards
-of the weights. The driver (this module, in the engine child process) starts vLLM with graphdiff's worker
-extension (graphdiff.capture.tp_worker: imported by every worker before its compile, it installs the Inductor
-hooks), then, through `collective_rpc`, builds each rank's graphs and recorders, arms them for each shape, and
-has each rank save its capture to files. The ranks' captures become one `Capture`: rank 0's graphs keep their
-names, rank r's are `rank<r>/<name>` with kernel ids `<kernel>:r<r>.<handle>` (unique across ranks), and one
-buffers file holds every rank's records.
+vLLM runs each rank in its own worker process (the `mp` executor), each compiling its own graph on its own shards of
+the weights. The driver (this module, in the engine child process) starts vLLM with graphdiff's worker extension
+(graphdiff.capture.tp_worker: mixed into every worker, it installs the Inductor hooks when vLLM builds the worker,
+before its compile), then, through `collective_rpc`, builds each rank's graphs and recorders, arms them for each
+shape, and has each rank save its capture to files (which ends the capture in the worker). The ranks' captures
+become one `Capture`: rank 0's graphs keep their names, rank r's are `rank<r>/<name>` with kernel ids
+`<kernel>:r<r>.<handle>` (unique across ranks), and one buffers file holds every rank's records.
 
 On CPU, vLLM binds each rank's OpenMP threads to one NUMA node unless told otherwise; with fewer NUMA nodes than
 ranks it refuses to start ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"). The bind
@@ -19,16 +19,27 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from graphdiff.capture.engine import (
+    EngineOptions,
+    EngineRun,
+    engine_env,
+    engine_process_state,
+    llm_kwargs,
+    start_llm,
+    tag_kernel_ids,
+    versions,
+)
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import Capture, Graph, PackedParam, Shape
+from graphdiff.records import Buffers, Capture, Graph, PackedParam, Shape
 
 WORKER_EXTENSION = "graphdiff.capture.tp_worker.GraphdiffWorkerExtension"  # never imported in the driver
-WORKER_ENV = "GRAPHDIFF_TP_WORKER"  # a worker installs graphdiff's Inductor hooks when it imports the extension
+WORKER_ENV = "GRAPHDIFF_TP_WORKER"  # a worker built with the extension installs graphdiff's Inductor hooks
 VLLM_COMPILE_ENV = "GRAPHDIFF_TP_VLLM_COMPILE"  # VLLM_COMPILE kept on CPU: workers define the CUDA-only _C ops
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 GRAPHS_FILE, BUFFERS_FILE, META_FILE = "graphs.json", "buffers.pt", "meta.json"  # per rank, rank<R>/
@@ -90,38 +101,31 @@ def rank_kernel_ids(graph: Graph, rank: int) -> dict[str, str]:
     if rank == 0:
         return {}
     graph.name = f"rank{rank}/{graph.name}"
-    renamed = {}
-    for k in graph.kernels:
-        name, _, handle = k.id.rpartition(":")
-        renamed[k.id] = k.id = f"{name}:r{rank}.{handle}"
-    for n in graph.nodes:
-        if n.kernel in renamed:
-            n.kernel = renamed[n.kernel]
-    return renamed
+    return tag_kernel_ids(graph, f"r{rank}")
 
 
-def capture_vllm_tp(model_dir: Path, shapes: list[Shape], options: Any, progress: Any) -> Any:
+def capture_vllm_tp(model_dir: Path, shapes: list[Shape], options: EngineOptions,
+                    progress: Callable[[str], None]) -> EngineRun:
     """`capture_vllm` with `options.tensor_parallel_size` ranks: every rank's graphs and buffers at every shape."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from graphdiff.capture import vllm as cv
     from graphdiff.capture.vllm_cpu import effective_config, on_cpu_platform, wants_vllm_compile
     from graphdiff.models.resolve import architecture, read_config
 
     tp = options.tensor_parallel_size
     work = Path(tempfile.mkdtemp(prefix="graphdiff-engine-tp-"))
-    kwargs = {**cv.llm_kwargs(model_dir, options, shapes), **tp_kwargs(tp)}
+    kwargs = {**llm_kwargs(model_dir, options, shapes), **tp_kwargs(tp)}
     kept = wants_vllm_compile(options.compilation_config) and on_cpu_platform()
-    env = {**cv.engine_env(work, options.debug_dir), **tp_env(tp, kept)}
+    env = {**engine_env(work, options.debug_dir), **tp_env(tp, kept)}
     notes: list[str] = []
-    with cv.engine_process_state(env, options.debug_dir):
+    with engine_process_state(env, options.debug_dir):
         progress(f"starting vLLM on {model_dir.name} with tensor_parallel_size {tp} (one worker process per rank, "
                  "each compiling with Inductor)")
         t0 = time.perf_counter()
         forced_off: list[str] = []
         try:
-            llm = cv.start_llm(model_dir, kwargs, forced_off)
+            llm = start_llm(model_dir, kwargs, forced_off)
         except GraphdiffError as e:
             raise GraphdiffError(str(e) + start_failure_hint(tp)) from None
         startup = time.perf_counter() - t0
@@ -144,17 +148,18 @@ def capture_vllm_tp(model_dir: Path, shapes: list[Shape], options: Any, progress
     config = read_config(model_dir)
     cap = Capture(
         side="engine", engine="vllm", model=str(model_dir), architecture=architecture(config),
-        versions=cv._versions(), graphs=graphs, packed=[PackedParam.model_validate(p) for p in metas[0]["packed"]],
+        versions=versions(), graphs=graphs, packed=[PackedParam.model_validate(p) for p in metas[0]["packed"]],
         prompt_tokens=list(shapes[0].prompts[0]), shapes=shapes, engine_config=engine_config,
         attention=metas[0]["attention"], notes=notes,
-        unread_params=sorted({n for meta in metas for n in meta.get("unread_params", [])}))
-    return cv.EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup)
+        unread_params=sorted({n for meta in metas for n in meta.get("unread_params", [])}),
+        logits_weight=metas[0].get("logits_weight", ""))
+    return EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup)
 
 
-def load_ranks(dirs: list[Path]) -> tuple[list[Graph], dict[str, dict[str, Any]], list[dict]]:
+def load_ranks(dirs: list[Path]) -> tuple[list[Graph], Buffers, list[dict]]:
     """The ranks' saved captures as one: graphs in rank order, buffers merged per shape (kernel ids are unique)."""
     graphs: list[Graph] = []
-    buffers: dict[str, dict[str, Any]] = {}
+    buffers: Buffers = {}
     metas = []
     for d in dirs:
         graphs += [Graph.model_validate(g) for g in json.loads((d / GRAPHS_FILE).read_text())]

@@ -3,9 +3,11 @@
 With `tensor_parallel_size` > 1 every rank compiles its own graph in its own worker process, so the capture has
 to happen there. vLLM offers two hooks: `worker_extension_cls` (a class whose methods are mixed into every worker,
 resolved in `WorkerWrapperBase.init_worker` before the worker builds, loads and compiles the model) and
-`LLM.collective_rpc` (call a worker method on every rank). Importing this module therefore installs graphdiff's
-Inductor hooks in each worker before its compile (an import side effect, only where the driver asked for it:
-`GRAPHDIFF_TP_WORKER=1`), and the driver (graphdiff.capture.tp) arms, collects and saves through RPCs.
+`LLM.collective_rpc` (call a worker method on every rank). When vLLM builds a worker with the extension mixed
+in, `start_capture` installs graphdiff's Inductor hooks in it before its compile (only where the driver asked for
+it: `GRAPHDIFF_TP_WORKER=1`); the driver (graphdiff.capture.tp) arms, collects and saves through RPCs, and the
+save ends the capture (`stop_capture`: the hooks, placeholders and buffer recorders undone). Importing this module
+changes nothing.
 
 Tensors do not travel back over collective_rpc (its msgpack transport turns nested tensors into lists and
 memoryviews): each rank writes its graphs and buffers to files, and the RPC returns their paths.
@@ -18,6 +20,7 @@ partial. The analysis checks the registry's description of the all-reduce on the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -29,20 +32,33 @@ from graphdiff.capture.assemble import build_graph
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, weight_inputs
 from graphdiff.capture.tp import BUFFERS_FILE, GRAPHS_FILE, META_FILE, VLLM_COMPILE_ENV, WORKER_ENV, rank_kernel_ids
-from graphdiff.records import Graph
+from graphdiff.capture.vllm_cpu import cuda_only_placeholders
+from graphdiff.records import Buffers, ExternRecord, Graph, KernelRecord
 
 MATMUL_OPS = ("_C.onednn_mm", "_C.weight_packed_linear")  # out= buffer first, the input second (AMX: the latter)
 EXTERN_OPS = ("_C.shm_allreduce", *MATMUL_OPS)
 
-HOOKS: Any = None
-_INSTALLED: Any = None  # the hooks' context manager: kept referenced, else collecting it would uninstall them
-if os.environ.get(WORKER_ENV) == "1":  # in a vLLM worker started by graphdiff (never in the driver)
-    _INSTALLED = inductor_hooks()
-    HOOKS = _INSTALLED.__enter__()  # stays installed for the worker's lifetime (the worker is ours alone)
-    if os.environ.get(VLLM_COMPILE_ENV) == "1":
-        from graphdiff.capture.vllm_cpu import register_cuda_only_placeholders
+HOOKS: Any = None  # what the hooks saw compile in this worker (set by start_capture)
+_ACTIVE: list[contextlib.ExitStack] = []  # the capture's installed state while it runs, undone by stop_capture
 
-        register_cuda_only_placeholders()
+
+def start_capture() -> Any:
+    """Install graphdiff's Inductor hooks in this worker (and, for VLLM_COMPILE on CPU, the CUDA-only op
+    placeholders its compile names) until `stop_capture`; returns the hooks. Installs once per capture."""
+    global HOOKS
+    if not _ACTIVE:
+        with contextlib.ExitStack() as stack:
+            HOOKS = stack.enter_context(inductor_hooks())
+            if os.environ.get(VLLM_COMPILE_ENV) == "1":
+                stack.enter_context(cuda_only_placeholders())
+            _ACTIVE.append(stack.pop_all())
+    return HOOKS
+
+
+def stop_capture() -> None:
+    """Undo `start_capture` (a no-op when nothing is installed)."""
+    while _ACTIVE:
+        _ACTIVE.pop().close()
 
 
 class ExternRecorder:
@@ -95,7 +111,7 @@ class _Packet:
         return self._inner(*args, **kwargs)
 
 
-def extern_records(graphs: list[Graph], calls: dict[str, list[dict]]) -> tuple[dict[str, dict], list[str]]:
+def extern_records(graphs: list[Graph], calls: dict[str, list[dict]]) -> tuple[dict[str, KernelRecord], list[str]]:
     """Kernel id of each all-reduce -> its record: {"in": {}, "out": {}, "scalars": {}, "extern": {...}} with the
     BF16 partial it reduced, its output, and the matmul that wrote the partial (kernel id, its input: the writer as
     analysis.tensor_parallel.allreduces finds it). Calls are matched to the graphs' extern kernels in execution
@@ -115,62 +131,83 @@ def extern_records(graphs: list[Graph], calls: dict[str, list[dict]]) -> tuple[d
     if len(ar_calls) < len(reduces):
         return {}, [f"recorded {len(ar_calls)} all-reduce calls for {len(reduces)} in the graphs: the all-reduce "
                     "inputs are not checked"]
-    out: dict[str, dict] = {}
+    out: dict[str, KernelRecord] = {}
     for a, c in zip(reduces, ar_calls):
-        ext: dict[str, Any] = {"buffer": a.buffer, "partial": c["before"][1], "reduced": c["after"][1]}
+        ext: ExternRecord = {"buffer": a.buffer, "partial": c["before"][1], "reduced": c["after"][1]}
         if a.matmul in mm_call:
-            ext.update(matmul=a.matmul, matmul_input=mm_call[a.matmul]["before"][1])
+            ext["matmul"], ext["matmul_input"] = a.matmul, mm_call[a.matmul]["before"][1]
         out[a.kernel] = {"in": {}, "out": {}, "scalars": {}, "extern": ext}
     return out, []
+
+
+class _RankCapture:
+    """One rank's capture in its worker: its graphs, a recorder on each, the buffers kept per shape. (A plain
+    class: a dataclass needs its module in sys.modules, and a fresh import of this one need not be.)"""
+
+    def __init__(self, rank: int, graphs: list[Graph], recorders: list[BufferRecorder]) -> None:
+        self.rank, self.graphs, self.recorders = rank, graphs, recorders
+        self.buffers: Buffers = {}
+        self.notes: list[str] = []
+        self.externs: ExternRecorder | None = None
 
 
 class GraphdiffWorkerExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`); the driver calls these through collective_rpc."""
 
+    model_runner: Any  # the vLLM worker's, which this class is mixed into
+    _graphdiff: _RankCapture
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # vLLM builds the worker as `worker_class(**kwargs)` with this class among its bases, before the worker
+        # loads and compiles its model; the worker's __init__ chain stops at vLLM's WorkerBase and never reaches a
+        # mixin's __init__ (and a mixin may not override its methods), so the worker's construction starts here.
+        if os.environ.get(WORKER_ENV) == "1":  # in a vLLM worker started by graphdiff's capture
+            start_capture()
+        return super().__new__(cls)
+
     def graphdiff_graphs(self) -> dict[str, Any]:
         """This rank's compiled model graphs (named and numbered for the rank) and a recorder on each."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        from graphdiff.capture.vllm import _is_model_graph, input_names, unique_kernel_ids
+        from graphdiff.capture.engine import input_names, is_model_graph, unique_kernel_ids
 
         if HOOKS is None:
             raise RuntimeError(f"graphdiff's Inductor hooks are not installed in this worker ({WORKER_ENV} unset)")
         rank = get_tensor_model_parallel_rank()
         model = self.model_runner.get_model()
-        graphs, recorders = [], []
+        graphs: list[Graph] = []
+        recorders: list[BufferRecorder] = []
         for comp in (c for c in HOOKS.compiled if c.module is not None):
             names, root = input_names(comp.placeholders, model)
-            if not _is_model_graph(names):
+            if not is_model_graph(names):
                 continue
             graph = build_graph(comp, names, root, len(graphs))
             original = [k.id for k in graph.kernels]
             unique_kernel_ids(graph, len(graphs))
             rank_kernel_ids(graph, rank)
             ids = {a: k.id for a, k in zip(original, graph.kernels) if a != k.id}
-            src = Path(comp.module.__file__).read_text()
+            module, src = comp.wrapper()
             defs = parse_kernel_defs(src)
-            recorders.append(BufferRecorder(comp.module, parse_kernel_calls(src, defs), defs, weight_inputs(graph),
-                                            ids))
+            recorders.append(BufferRecorder(module, parse_kernel_calls(src, defs), defs, weight_inputs(graph), ids))
             graphs.append(graph)
-        self._graphdiff = {"rank": rank, "graphs": graphs, "recorders": recorders, "buffers": {}, "notes": [],
-                           "externs": None}
+        self._graphdiff = _RankCapture(rank, graphs, recorders)
         return {"rank": rank, "graphs": len(graphs), "compilations": len(HOOKS.compiled)}
 
     def graphdiff_arm(self, record_externs: bool) -> None:
         state = self._graphdiff
-        for r in state["recorders"]:
+        for r in state.recorders:
             r.reset()
             r.armed = True
         if record_externs:
-            state["externs"] = ExternRecorder(EXTERN_OPS)
-            state["externs"].armed = True
+            state.externs = ExternRecorder(EXTERN_OPS)
+            state.externs.armed = True
 
     def graphdiff_keep(self, label: str, steps: int) -> list[str]:
         """Disarm; keep the forward that is the shape (a decode step: the last of `steps`)."""
         state = self._graphdiff
-        buffers = state["buffers"].setdefault(label, {})
+        buffers = state.buffers.setdefault(label, {})
         notes = []
-        for graph, r in zip(state["graphs"], state["recorders"]):
+        for graph, r in zip(state.graphs, state.recorders):
             r.armed = False
             if len(r.forwards) < steps:
                 notes.append(f"{graph.name} ran {len(r.forwards)} complete forward(s) at {label}, expected {steps}: "
@@ -179,29 +216,32 @@ class GraphdiffWorkerExtension:
             buffers.update(r.forwards[steps - 1])
             graph.shapes.append(label)
             r.reset()
-        ext = state["externs"]
+        ext = state.externs
         if ext is not None:
             ext.armed = False
             ext.remove()
-            state["externs"] = None
-            records, more = extern_records(state["graphs"], ext.calls)
+            state.externs = None
+            records, more = extern_records(state.graphs, ext.calls)
             buffers.update(records)
             notes += more
-        state["notes"] += notes
+        state.notes += notes
         return notes
 
     def graphdiff_save(self, out_dir: str) -> dict[str, Any]:
         """Write this rank's graphs (JSON), buffers (torch.save) and facts (JSON) under out_dir/rank<R>/."""
-        from graphdiff.capture.vllm import attention_info, packed_params, unread_params
+        from graphdiff.capture.engine import attention_info, logits_weight, packed_params, unread_params
 
         state = self._graphdiff
-        out = Path(out_dir) / f"rank{state['rank']}"
+        out = Path(out_dir) / f"rank{state.rank}"
         out.mkdir(parents=True, exist_ok=True)
-        (out / GRAPHS_FILE).write_text(json.dumps([g.model_dump(mode="json") for g in state["graphs"]]))
-        torch.save(state["buffers"], out / BUFFERS_FILE)
+        (out / GRAPHS_FILE).write_text(json.dumps([g.model_dump(mode="json") for g in state.graphs]))
+        torch.save(state.buffers, out / BUFFERS_FILE)
         model = self.model_runner.get_model()
-        meta = {"rank": state["rank"], "packed": [p.model_dump(mode="json") for p in packed_params(model)],
-                "attention": attention_info(model), "notes": state["notes"],
-                "unread_params": unread_params(model, state["graphs"])}
+        meta = {"rank": state.rank, "packed": [p.model_dump(mode="json") for p in packed_params(model)],
+                "attention": attention_info(model), "notes": state.notes,
+                "unread_params": unread_params(model, state.graphs), "logits_weight": logits_weight(model)}
         (out / META_FILE).write_text(json.dumps(meta))
-        return {"rank": state["rank"], "dir": str(out)}
+        for r in state.recorders:
+            r.remove()
+        stop_capture()  # the capture is saved: nothing of it stays installed in the worker
+        return {"rank": state.rank, "dir": str(out)}

@@ -5,7 +5,8 @@ the mode, which takes, only while the engine is built:
 1. `CpuPlatform.check_and_update_config` (vllm/platforms/cpu.py) runs as usual (backend, CPU Inductor options),
    then the mode the user asked for is put back; vLLM then splits the graph at its splitting ops (attention).
 2. the CUDA-only `_C` ops vLLM's post-grad pass manager names (fix_functionalization.py) are defined as schema
-   placeholders once the CPU extension is loaded: they are only compared with node targets, never called.
+   placeholders once the CPU extension is loaded: they are only compared with node targets, never called, and
+   undefined again when the engine is built (the compile is over).
 3. fusion passes that are only imported on CUDA/ROCm/XPU (pass_manager.py) are switched off where an -O level
    or custom ops turned them on (otherwise a NameError at the first compile); the effective config says which.
 4. `compile_sizes = []`: one dynamic-shape graph per piece (CPU never fills the cudagraph sizes).
@@ -42,7 +43,8 @@ CPU_UNAVAILABLE_PASSES = (
     "fuse_mla_dual_rms_norm", "fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache", "enable_qk_norm_rope_fusion",
     "fuse_rope_kvcache_cat_mla",
 )
-_placeholders: Any = None  # the torch.library fragment: kept alive, dropping it would undefine the ops
+_placeholders: list[Any] = []  # the torch.library fragments defining them, while cuda_only_placeholders is active
+_placeholder_users = 0  # active cuda_only_placeholders blocks (the last to exit undefines)
 
 
 def on_cpu_platform() -> bool:
@@ -69,6 +71,10 @@ def split_level(asked: dict) -> tuple[dict, int | None]:
 
 
 def check_options(compilation_config: dict, optimization_level: int | None) -> None:
+    """Refuse, before any engine starts, options vLLM would refuse or that leave nothing to scan."""
+    from graphdiff.capture.vllm_options import check_compilation_config
+
+    check_compilation_config(compilation_config)
     if optimization_level is not None and optimization_level not in (0, 1, 2, 3):
         raise GraphdiffError(f"-O {optimization_level}: vLLM has optimization levels 0 to 3")
     if optimization_level == 0 and compilation_config.get("mode") in (None, 0, "NONE"):
@@ -79,17 +85,27 @@ def check_options(compilation_config: dict, optimization_level: int | None) -> N
                              "compiled graph to scan")
 
 
-def register_cuda_only_placeholders() -> list[str]:
-    """Define the CUDA-only `_C` ops vLLM's post-grad passes name, where the CPU extension lacks them."""
-    global _placeholders
+@contextlib.contextmanager
+def cuda_only_placeholders() -> Iterator[list[str]]:
+    """While active, the CUDA-only `_C` ops vLLM's post-grad passes name are defined where the CPU extension lacks
+    them (yields their names); the last block to exit undefines them again."""
+    global _placeholder_users
     import vllm._custom_ops  # noqa: F401 - loads the CPU extension (torch.ops._C.*) first
 
     missing = [n for n in CUDA_ONLY_C_OPS if not hasattr(torch.ops._C, n)]
-    if missing and _placeholders is None:
-        _placeholders = torch.library.Library("_C", "FRAGMENT")
-    for n in missing:
-        _placeholders.define(n + CUDA_ONLY_C_OPS[n])
-    return missing
+    if missing:
+        lib = torch.library.Library("_C", "FRAGMENT")
+        for n in missing:
+            lib.define(n + CUDA_ONLY_C_OPS[n])
+        _placeholders.append(lib)
+    _placeholder_users += 1
+    try:
+        yield missing
+    finally:
+        _placeholder_users -= 1
+        if _placeholder_users == 0:
+            while _placeholders:
+                _placeholders.pop()._destroy()  # torch's own undefine (torch.library._scoped_library)
 
 
 @contextlib.contextmanager
@@ -112,11 +128,12 @@ def vllm_compile_kept(forced_off: list[str]) -> Iterator[None]:
                     setattr(cc.pass_config, flag, False)
                     forced_off.append(flag)
 
-    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    # replacing a classmethod of vLLM's for the block (what the ignores are for)
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        CpuPlatform.check_and_update_config = raw
+        CpuPlatform.check_and_update_config = raw  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -128,8 +145,7 @@ def as_asked(compilation_config: dict, forced_off: list[str]) -> Iterator[dict]:
         yield cc
         return
     cc.setdefault("compile_sizes", [])
-    register_cuda_only_placeholders()
-    with vllm_compile_kept(forced_off):
+    with cuda_only_placeholders(), vllm_compile_kept(forced_off):
         yield cc
 
 

@@ -1,6 +1,6 @@
 """What an attention splice runs in the trainer: attention as the registry says the engine computes it, or the
 engine's own attention op. Their source is copied into the generated module (the runtime imports nothing of the
-scanner), so these are the functions the patch runs.
+scanner; round_toward_zero is in its prelude), so these are the functions the patch runs.
 
 - `attention_fp32_inputs`: HF's sdpa on FP32-upcast q/k/v, the output rounded once (an engine that keeps the softmax
   probabilities FP32 into P@V: vLLM CPU's `vec` kernel); `attention_fp32_inputs_truncated` stores the output by
@@ -15,10 +15,11 @@ scanner), so these are the functions the patch runs.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 
 import torch
+
+from graphdiff.codegen.prelude import round_toward_zero
 
 KV_BLOCK = 128  # the KV-cache block size of vLLM's CPU attention backend
 
@@ -76,8 +77,7 @@ def attention_fp32_inputs_truncated(module, query, key, value, attention_mask, *
     """As attention_fp32_inputs, the output stored by truncation (round toward zero), as the engine's attention op
     stores it on CPUs without AVX-512 BF16; the gradient passes the truncation as it passes a cast."""
     out, weights = _attention_in_fp32(module, query, key, value, attention_mask, **kwargs)
-    truncated = (out.detach().view(torch.int32) & -65536).view(torch.float32)  # low 16 bits cleared: exact in BF16
-    return (out + (truncated - out.detach())).to(value.dtype), weights
+    return round_toward_zero(out).to(value.dtype), weights
 
 
 class _EngineAttention(torch.autograd.Function):
@@ -97,7 +97,8 @@ class _EngineAttention(torch.autograd.Function):
         saved = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().float().requires_grad_(t.requires_grad) for t in saved]
-            out = _attention_in_fp32(ctx.module, *inputs, None, **ctx.kwargs)[0]
+            query, key, value = inputs
+            out = _attention_in_fp32(ctx.module, query, key, value, None, **ctx.kwargs)[0]
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad_output.float()) if wanted else [])
         return (*[next(grads).to(t.dtype) if t.requires_grad else None for t in saved], None, None)
@@ -132,8 +133,3 @@ def attention_engine_op(module, query, key, value, attention_mask, **kwargs):
 
 FP32_PARTS = (_attention_in_fp32, attention_fp32_inputs, attention_fp32_inputs_truncated)
 ENGINE_PARTS = (vllm_cpu_attention, _EngineAttention, _causal_only, attention_engine_op)
-
-
-def source(parts: tuple) -> list[str]:
-    """The lines the generated module carries for `parts` (their source, as written here, two blank lines apart)."""
-    return "\n\n\n".join(inspect.getsource(part).rstrip("\n") for part in parts).splitlines()

@@ -18,26 +18,46 @@ blockwise: each program runs a block of rows and stores one FP32 partial row, so
 not rows x D. Other broadcasts (per-row scalars, cos/sin over heads) store FP32 rows reduced after the kernel.
 A fragment with a prologue runs under non-reentrant checkpointing (`_inputs_only`), so the FP32 tensors the
 prologue makes are made again in the backward rather than kept.
+
+Values keep the PyTorch function's names (names.py); Inductor's temporaries inside a node are `<value>_<op>`
+(`variance_sum`), a kernel input's pointer, row offsets and stride `<value>_ptr`, `_rows`, `_s`, and the adjoint
+of a value `d_<value>`.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import re
 
 from graphdiff.codegen import inductor_lowering
 from graphdiff.codegen.emit_torch import Unsupported, expression
 from graphdiff.codegen.fragment import Fragment, rounding
 from graphdiff.codegen.inductor_lowering import Step
+from graphdiff.codegen.names import Namer, arguments, value_names
 from graphdiff.ops import EXACT, is_low, op_name
 from graphdiff.records import Node
 
 MOVES = EXACT - {"neg", "clone", "alias", "contiguous"}  # data movement: only in the prologue
+STEP = "__step"  # what Inductor's steps of one node are lowered as, then renamed (no value's name starts with `_`)
 
 
-def v(name: str) -> str:
-    return f"v_{name}"
+def _renamed(steps: list[Step], out: str, namer: Namer | None) -> list[Step]:
+    """Steps lowered as STEP with the result `out` and each temporary `<out>_<op>` (a fresh name of `namer`;
+    `<out>_<k>` without one)."""
+    rename = {st.var: out if st.var == STEP else namer.claim(f"{out}_{st.op}") if namer is not None
+              else out + st.var[len(STEP):] for st in steps}
+
+    def sub(text: str) -> str:
+        return re.sub(rf"\b{STEP}(_\d+)?\b", lambda m: rename.get(m.group(0), m.group(0)), text)
+
+    return [dataclasses.replace(st, var=rename[st.var], args=tuple(rename.get(a, a) for a in st.args),
+                                expr=sub(st.expr)) for st in steps]
 
 
-def forward_steps(n: Node, nodes: dict[str, Node], row_dim: int) -> list[Step]:
-    """Node n as Inductor's Triton codegen computes it (masked lanes hold 0 and never reach a store)."""
+def forward_steps(n: Node, nodes: dict[str, Node], row_dim: int, names: dict[str, str] | None = None,
+                  namer: Namer | None = None) -> list[Step]:
+    """Node n as Inductor's Triton codegen computes it (masked lanes hold 0 and never reach a store), reading each
+    value by its variable (`names`, default the node names) and naming its temporaries with `namer`."""
     name = op_name(n.target)
     if name in MOVES:
         raise Unsupported(f"{n.target} after computation (the kernel holds one row per program)")
@@ -47,7 +67,8 @@ def forward_steps(n: Node, nodes: dict[str, Node], row_dim: int) -> list[Step]:
         if list(dims) not in ([-1], [row_dim]) or not keep:
             raise Unsupported(f"{n.target} over {dims} (only last-dim reductions with keepdim)")
     try:
-        steps = inductor_lowering.lower(n, nodes, {i: v(i) for i in nodes}, v(n.name))
+        var = {i: (names or {}).get(i, i) for i in nodes}
+        steps = _renamed(inductor_lowering.lower(n, nodes, var, STEP), var[n.name], namer)
     except inductor_lowering.Unsupported as e:
         raise Unsupported(str(e)) from e
     if any(s.op == "sum" for s in steps) and name not in ("mean", "sum"):
@@ -103,32 +124,31 @@ def split(frag: Fragment) -> tuple[list[Node], list[Node]]:
     return prologue, core
 
 
-def emit(frag: Fragment, slug: str, nodes: dict[str, Node]) -> list[str] | str:
-    """Kernel source lines (indented for the module's `if triton is not None:` block), or why not."""
+def emit(frag: Fragment, slug: str, nodes: dict[str, Node], names: dict[str, str] | None = None) -> list[str] | str:
+    """Kernel source lines (indented for the module's `if triton is not None:` block), or why not. `names`: each
+    input's and node's variable, as in the PyTorch function (names.value_names)."""
     try:
-        return _emit(frag, slug, nodes)
+        return _emit(frag, slug, nodes, names or value_names(frag, arguments(frag)))
     except Unsupported as e:
         return str(e)
 
 
-def _emit(frag: Fragment, slug: str, nodes: dict[str, Node]) -> list[str]:
+def _emit(frag: Fragment, slug: str, nodes: dict[str, Node], names: dict[str, str]) -> list[str]:
     prologue, core = split(frag)
     core_names = {n.name for n in core}
     if not all(o in core_names for o in frag.outputs):
         raise Unsupported("an output is pure data movement")
     index = {r: i for i, r in enumerate(frag.regions)}
     flags = [f"A{i}" for i in range(len(index))]
+    namer = Namer.holding(names)  # the kernels' temporaries
     lines: list[str] = []
+    params = ", ".join(names[i] for i in frag.inputs)
     # `lanes` (a CPU engine's row-sum order) is the PyTorch path's: the kernels sum as Inductor's Triton reductions
-    wrapper = [f"def triton_{slug}({', '.join(f'x{i}' for i in range(len(frag.inputs)))}, align: frozenset[str], "
-               "lanes: int = 0):",
+    wrapper = [f"def triton_{slug}({params}, align: frozenset[str], lanes: int = 0):",
                '    """Same as the PyTorch function, as Triton kernels (the prologue stays in PyTorch)."""']
-    for i, name in enumerate(frag.inputs):
-        wrapper.append(f"    {v(name)} = x{i}")
     for n in prologue:
-        wrapper.append(f"    {v(n.name)} = {expression(n)}  # {n.target}, exact")
+        wrapper.append(f"    {names[n.name]} = {expression(n, nodes, names)}  # {n.target}, exact")
     wrapper.append("    flags = {" + ", ".join(f"'A{i}': {r!r} in align" for r, i in index.items()) + "}")
-    outs = []
     for j, o in enumerate(frag.outputs):
         comp = _component(core, o)
         ins = []
@@ -140,28 +160,29 @@ def _emit(frag: Fragment, slug: str, nodes: dict[str, Node]) -> list[str]:
         scalar = {i for i in ins if (nodes[i].shape or [1])[-1] == 1 and shape[-1] != 1}
         scalar |= {n.name for n in comp if (n.shape or [1])[-1] == 1 and shape[-1] != 1}
         kname = f"_k_{slug}_{j}"
-        steps = {n.name: forward_steps(n, nodes, len(shape) - 1) for n in comp}
-        lines += _kernel(kname, comp, steps, ins, o, scalar, flags, frag, index, shape[-1])
-        out_low = is_low(nodes[o].dtype)
-        site = frag.sites.get(o)
-        if not out_low:
-            bf16 = "False"
-        elif site is not None and frag.keep_fp32.get(o, False):
-            bf16 = f"{site!r} not in align"  # FP32 out only when its region is aligned
-        else:
-            bf16 = "True"
+        steps = {n.name: forward_steps(n, nodes, len(shape) - 1, names, namer) for n in comp}
+        lines += _kernel(kname, comp, steps, [names[i] for i in ins], names[o], {names[i] for i in scalar}, flags,
+                         frag, index, shape[-1], names)
         per_row = sorted(ins.index(s) for s in scalar & set(ins))
-        wrapper.append(f"    o{j} = _RowKernel.apply(({kname}_fwd, {kname}_bwd, {per_row}), flags, {bf16}, "
-                       f"{', '.join(v(i) for i in ins)})")
-        outs.append(f"o{j}")
-    wrapper.append(f"    return ({', '.join(outs)},)")
+        wrapper.append(f"    {names[o]} = _RowKernel.apply(({kname}_fwd, {kname}_bwd, {per_row}), flags, "
+                       f"{_out_bf16(frag, o, nodes)}, {', '.join(names[i] for i in ins)})")
+    wrapper.append(f"    return ({', '.join(names[o] for o in frag.outputs)},)")
     if prologue:  # its data movement makes new FP32 tensors the kernels would keep: keep the inputs instead
-        params = ", ".join(f"x{i}" for i in range(len(frag.inputs)))
         wrapper[0] = wrapper[0].replace(f"def triton_{slug}(", f"def _triton_{slug}_body(")
         wrapper += ["", f"def triton_{slug}({params}, align: frozenset[str], lanes: int = 0):",
                     '    """Same as the PyTorch function, as Triton kernels, keeping only the inputs for backward."""',
                     f"    return _inputs_only(_triton_{slug}_body, {params}, align=align)"]
     return ["    " + ln if ln else "" for ln in [*lines, *wrapper]]
+
+
+def _out_bf16(frag: Fragment, o: str, nodes: dict[str, Node]) -> str:
+    """Whether the kernel stores output `o` in BF16, as code: always, never, or unless its region is aligned."""
+    site = frag.sites.get(o)
+    if not is_low(nodes[o].dtype):
+        return "False"
+    if site is not None and frag.keep_fp32.get(o, False):
+        return f"{site!r} not in align"  # FP32 out only when its region is aligned
+    return "True"
 
 
 def _component(core: list[Node], output: str) -> list[Node]:
@@ -175,20 +196,21 @@ def _component(core: list[Node], output: str) -> list[Node]:
     return [n for n in core if n.name in need]
 
 
-def _round_lines(n: Node, frag: Fragment, index: dict[str, int], pad: str) -> list[str]:
+def _round_lines(n: Node, x: str, frag: Fragment, index: dict[str, int], pad: str) -> list[str]:
+    """Node n's rounding (its variable `x`) where the plan rounds it."""
     when = rounding(frag, n.name)
     if when is None:
         return []
     if when[0] == "unless-aligned":
-        return [f"{pad}if not A{index[when[1]]}:", f"{pad}    {v(n.name)} = _rne({v(n.name)})"]
+        return [f"{pad}if not A{index[when[1]]}:", f"{pad}    {x} = _rne({x})"]
     if when[0] == "if-aligned":
-        return [f"{pad}if A{index[when[1]]}:", f"{pad}    {v(n.name)} = _rne({v(n.name)})"]
-    return [f"{pad}{v(n.name)} = _rne({v(n.name)})"]
+        return [f"{pad}if A{index[when[1]]}:", f"{pad}    {x} = _rne({x})"]
+    return [f"{pad}{x} = _rne({x})"]
 
 
 def _rows_of(steps: dict[str, list[Step]], comp: list[Node], ins: list[str], scalar: set[str]) -> set[str]:
     """Variables that hold a row (the others hold one value per row: reductions, constants, per-row inputs)."""
-    row = {v(i) for i in ins if i not in scalar}
+    row = {i for i in ins if i not in scalar}
     for n in comp:
         for st in steps[n.name]:
             if st.op not in ("sum", "constant") and any(a in row for a in st.args):
@@ -196,29 +218,75 @@ def _rows_of(steps: dict[str, list[Step]], comp: list[Node], ins: list[str], sca
     return row
 
 
+def _loads(ins: list[str], scalar: set[str], pad: str, valid: str) -> list[str]:
+    """Each input's row (or its one value per row) loaded in FP32 (`ins`, `scalar`: variables)."""
+    head = []
+    for i in ins:
+        base = f"{i}_ptr + tl.load({i}_rows + row)"
+        if i in scalar:
+            head.append(f"{pad}{i} = tl.load({base}).to(tl.float32)")
+        else:
+            head.append(f"{pad}{i} = tl.load({base} + cols * {i}_s, mask={valid}, other=0.0).to(tl.float32)")
+    return head
+
+
+def _body(comp: list[Node], steps: dict[str, list[Step]], frag: Fragment, index: dict[str, int], pad: str,
+          names: dict[str, str]) -> list[str]:
+    """The component's steps in order, each node rounded where the trainer rounds it."""
+    lines = []
+    for n in comp:
+        for st in steps[n.name]:
+            lines.append(f"{pad}{step_line(st)}  # {n.target}" + (f": {st.op}" if st.var != names[n.name] else ""))
+        lines += _round_lines(n, names[n.name], frag, index, pad)
+    return lines
+
+
+def _adjoints(flat: list[Step], ins: list[str], out: str, row_vars: set[str], p: str) -> tuple[list[str], set[str]]:
+    """Reverse-mode lines from the output's gradient back to the inputs, and the variables that got an adjoint
+    (`d_<variable>`)."""
+    live = set(ins)  # variables that depend on an input: the only ones with an adjoint
+    for st in flat:
+        if any(a in live for a in st.args):
+            live.add(st.var)
+    rev = [f"{p}g = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)", f"{p}d_{out} = g"]
+    have = {out}
+    for st in reversed(flat):
+        if st.var not in have:
+            continue
+        rev.append(f"{p}g = d_{st.var}  # through {st.op}")
+        for var, expr in grads(st):
+            if var not in live:
+                continue
+            contrib = f"tl.sum(tl.where(mask, {expr}, 0.0), axis=0)" if var not in row_vars and st.var in row_vars \
+                else expr
+            rev.append(f"{p}d_{var} = d_{var} + {contrib}" if var in have else f"{p}d_{var} = {contrib}")
+            have.add(var)
+    return rev, have
+
+
+def _grad_stores(ins: list[str], scalar: set[str], have: set[str], p: str) -> tuple[list[str], list[str]]:
+    """Per input, by its gradient mode GMk: the stores in the row loop, and the stores after it (mode 4: summed)."""
+    stores, finals = [], []
+    for k, i in enumerate(ins):
+        if i in scalar:
+            value = f"d_{i}" if i in have else "0.0"
+            stores += [f"{p}if GM{k} == 3:", f"{p}    tl.store(g{k}_ptr + row, {value})"]
+            continue
+        value = f"d_{i}" if i in have else "tl.zeros([BLOCK], dtype=tl.float32)"
+        stores += [f"{p}if GM{k} == 1:", f"{p}    tl.store(g{k}_ptr + row * D + cols, {value}, mask=mask)",
+                   f"{p}if GM{k} == 2:", f"{p}    tl.store(g{k}_ptr + row * D + cols, _rne({value}), mask=mask)",
+                   f"{p}if GM{k} == 4:", f"{p}    acc{k} += tl.where(valid, {value}, 0.0)"]
+        finals += [f"    if GM{k} == 4:", f"        tl.store(g{k}_ptr + pid * D + cols, acc{k}, mask=mask)"]
+    return stores, finals
+
+
 def _kernel(kname: str, comp: list[Node], steps: dict[str, list[Step]], ins: list[str], out: str, scalar: set[str],
-            flags: list[str], frag: Fragment, index: dict[str, int], d: int) -> list[str]:
-    params = ", ".join(f"{v(i)}_ptr, {v(i)}_rows, {v(i)}_s" for i in ins)
+            flags: list[str], frag: Fragment, index: dict[str, int], d: int, names: dict[str, str]) -> list[str]:
+    """The forward and backward Triton kernels of one component, one row per program (backward: RPP rows); `ins`,
+    `out`, `scalar`: variables (`names`: each node's)."""
+    params = ", ".join(f"{i}_ptr, {i}_rows, {i}_s" for i in ins)
     consts = "".join(f", {f}: tl.constexpr" for f in flags)
-
-    def loads(pad: str, valid: str) -> list[str]:
-        head = []
-        for i in ins:
-            base = f"{v(i)}_ptr + tl.load({v(i)}_rows + row)"
-            if i in scalar:
-                head.append(f"{pad}{v(i)} = tl.load({base}).to(tl.float32)")
-            else:
-                head.append(f"{pad}{v(i)} = tl.load({base} + cols * {v(i)}_s, mask={valid}, other=0.0).to(tl.float32)")
-        return head
-
-    def body(pad: str) -> list[str]:
-        lines = []
-        for n in comp:
-            for st in steps[n.name]:
-                lines.append(f"{pad}{step_line(st)}  # {n.target}" + (f": {st.op}" if st.var != v(n.name) else ""))
-            lines += _round_lines(n, frag, index, pad)
-        return lines
-
+    body = _body(comp, steps, frag, index, "    ", names)
     note = []
     if d > inductor_lowering.persistent_limit() and any(st.op == "sum" for ss in steps.values() for st in ss):
         note = [f"    # rows of {d} > {inductor_lowering.persistent_limit()}: Inductor loops over such rows with an "
@@ -226,41 +294,13 @@ def _kernel(kname: str, comp: list[Node], steps: dict[str, list[Step]], ins: lis
     head = ["    row = tl.program_id(0)", "    cols = tl.arange(0, BLOCK)", "    mask = cols < D"]
     signature = f"out_ptr, {params}, D, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr{consts}"
     fwd = ["@triton.jit", f"def {kname}_fwd({signature}):", *note,
-           *head, *loads("    ", "mask"), *body("    "), f"    y = {v(out)}", "    if OUT_BF16:", "        y = _rne(y)",
-           "    tl.store(out_ptr + row * D + cols, y, mask=mask)", ""]
+           *head, *_loads(ins, scalar, "    ", "mask"), *body, f"    y = {out}", "    if OUT_BF16:",
+           "        y = _rne(y)", "    tl.store(out_ptr + row * D + cols, y, mask=mask)", ""]
 
-    row_vars = _rows_of(steps, comp, ins, scalar)
-    flat = [st for n in comp for st in steps[n.name]]
-    live = {v(i) for i in ins}  # variables that depend on an input: the only ones with an adjoint
-    for st in flat:
-        if any(a in live for a in st.args):
-            live.add(st.var)
     p = "        "
-    rev = [f"{p}g = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)", f"{p}a_{v(out)} = g"]
-    have = {v(out)}
-    for st in reversed(flat):
-        if st.var not in have:
-            continue
-        rev.append(f"{p}g = a_{st.var}  # through {st.op}")
-        for var, expr in grads(st):
-            if var not in live:
-                continue
-            contrib = f"tl.sum(tl.where(mask, {expr}, 0.0), axis=0)" if var not in row_vars and st.var in row_vars \
-                else expr
-            rev.append(f"{p}a_{var} = a_{var} + {contrib}" if var in have else f"{p}a_{var} = {contrib}")
-            have.add(var)
-    stores, finals = [], []
-    for k, i in enumerate(ins):
-        a = f"a_{v(i)}"
-        if i in scalar:
-            value = a if a in {f"a_{h}" for h in have} else "0.0"
-            stores += [f"{p}if GM{k} == 3:", f"{p}    tl.store(g{k}_ptr + row, {value})"]
-            continue
-        value = a if v(i) in have else "tl.zeros([BLOCK], dtype=tl.float32)"
-        stores += [f"{p}if GM{k} == 1:", f"{p}    tl.store(g{k}_ptr + row * D + cols, {value}, mask=mask)",
-                   f"{p}if GM{k} == 2:", f"{p}    tl.store(g{k}_ptr + row * D + cols, _rne({value}), mask=mask)",
-                   f"{p}if GM{k} == 4:", f"{p}    acc{k} += tl.where(valid, {value}, 0.0)"]
-        finals += [f"    if GM{k} == 4:", f"        tl.store(g{k}_ptr + pid * D + cols, acc{k}, mask=mask)"]
+    flat = [st for n in comp for st in steps[n.name]]
+    rev, have = _adjoints(flat, ins, out, _rows_of(steps, comp, ins, scalar), p)
+    stores, finals = _grad_stores(ins, scalar, have, p)
     grad_params = ", ".join(f"g{k}_ptr" for k in range(len(ins)))
     modes = "".join(f", GM{k}: tl.constexpr" for k in range(len(ins)))
     loop = ["    pid = tl.program_id(0)", "    cols = tl.arange(0, BLOCK)", "    mask = cols < D",
@@ -271,7 +311,8 @@ def _kernel(kname: str, comp: list[Node], steps: dict[str, list[Step]], ins: lis
             "        valid = mask & ok"]
     bwd = ["@triton.jit",
            f"def {kname}_bwd(gout_ptr, {params}, {grad_params}, D, n_rows, RPP, BLOCK: tl.constexpr{modes}{consts}):",
-           *note, *loop, *loads(p, "mask"), *body(p), *rev, *stores, *finals, ""]
+           *note, *loop, *_loads(ins, scalar, p, "mask"), *_body(comp, steps, frag, index, p, names), *rev, *stores,
+           *finals, ""]
     return fwd + bwd
 
 

@@ -17,12 +17,13 @@ only its own sites (what ablations need).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from graphdiff.ops import MATMULS, is_heavy, op_name
-from graphdiff.records import Graph, Node, Region, ScanResult, Site
+from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site
 from graphdiff.replay.sum_order import is_row_reduction
 
 Target = Literal["module", "function", "carry"]
@@ -67,7 +68,8 @@ class Fragment:
     layers: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    compiled: object = None  # the emitted PyTorch function, once emitted (codegen uses it to verify bindings)
+    # the emitted PyTorch function, once emitted (codegen uses it to verify bindings)
+    compiled: Callable[..., Any] | None = None
 
 
 def dotted_module(file: str) -> str | None:
@@ -99,8 +101,8 @@ def layer_groups(scan: ScanResult, region: Region) -> list[list[int]]:
     sites = {s.id: s for s in scan.sites}
     by_layer: dict[int, list[Site]] = {ly: [] for ly in layers}
     for i in region.sites:
-        if i in sites and sites[i].layer in by_layer:
-            by_layer[sites[i].layer].append(sites[i])
+        if i in sites and (ly := sites[i].layer) is not None and ly in by_layer:
+            by_layer[ly].append(sites[i])
     groups: dict[tuple, list[int]] = {}
     for ly in layers:
         groups.setdefault(_plan_signature(by_layer[ly]), []).append(ly)
@@ -108,7 +110,7 @@ def layer_groups(scan: ScanResult, region: Region) -> list[list[int]]:
 
 
 def _representative_sites(scan: ScanResult, graph: Graph, region: Region,
-                          layers: list[int] | None = None) -> tuple[dict[str, str], list[str], list[str]]:
+                          layers: list[int] | None = None) -> tuple[dict[str, Side], list[str], list[str]]:
     """The region's site nodes in its first layer, or in the first of `layers` (a group sharing one rounding plan)
     (node -> the side that rounds it), problems (why they cannot stand for every layer), notes.
 

@@ -1,9 +1,9 @@
 """scan dir -> DIR/graphdiff_patch.py + DIR/manifest.json (deterministic: same scan, same bytes).
 
 Pipeline: regions of scan.json -> fragments of train.capture.json (fragment.py) -> PyTorch code
-(emit_torch.py) and Triton kernels (emit_triton.py) -> function bindings found by running the HF
-function against the emitted code with no region aligned (must agree bit for bit, or the splice is
-refused) -> manifest.
+(emit_torch.py) -> function bindings found by running the HF function against the emitted code with
+no region aligned (must agree bit for bit, or the splice is refused) -> the PyTorch code and Triton
+kernels (emit_triton.py) with the bound names (names.py) -> manifest.
 """
 
 from __future__ import annotations
@@ -13,19 +13,31 @@ import importlib
 import inspect
 import itertools
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from graphdiff.analysis import moe
+from graphdiff.analysis import moe_engine
 from graphdiff.analysis.opaque import truncates_output
 from graphdiff.artifacts import ScanDir
-from graphdiff.codegen import attention_splice, emit_torch, emit_triton, inductor_lowering, tp_linear
+from graphdiff.codegen import (
+    attention_splice,
+    carry,
+    emit_torch,
+    emit_triton,
+    inductor_lowering,
+    names,
+    prelude,
+    tp_linear,
+)
 from graphdiff.codegen.fragment import Fragment, cut_fragments, region_slug
-from graphdiff.errors import GraphdiffError
+from graphdiff.errors import GraphdiffError, first_line
 from graphdiff.records import (
     MANIFEST_VERSION,
+    AttentionForm,
     Capture,
     Graph,
     Manifest,
@@ -38,7 +50,6 @@ from graphdiff.records import (
 )
 
 MODULE_FILE = "graphdiff_patch.py"
-AttentionForm = Literal["fp32", "engine"]
 SDPA_FUNCTION = "transformers.integrations.sdpa_attention.sdpa_attention_forward"
 SDPA_FILE = "sdpa_attention.py"  # where transformers' attention interface calls torch's sdpa
 
@@ -58,18 +69,20 @@ def _probe(node: Node, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=gen).to(getattr(torch, node.dtype or "float32"))
 
 
-def bind_function(frag: Fragment, fn: object, nodes: dict[str, Node]) -> tuple[list[str], list[int]] | str:
+def bind_function(frag: Fragment, fn: Callable[..., Any], nodes: dict[str, Node]) -> tuple[list[str], list[int]] | str:
     """Which HF parameter feeds each fragment input, which returned value each output is: found by running
     the HF function and the emitted HF-plan code on the same probe tensors (bit-identical, or no binding)."""
     params = [p.name for p in inspect.signature(fn).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(params) < len(frag.inputs):
         return f"{frag.function} takes {len(params)} positional parameters, the fragment reads {len(frag.inputs)}"
+    if not callable(frag.compiled):
+        return f"{frag.key}: no emitted function to bind"
     gen = torch.Generator().manual_seed(0)
     probes = [_probe(nodes[i], gen) for i in frag.inputs]
     ours = frag.compiled(*probes, align=frozenset())
     for perm in itertools.permutations(range(len(frag.inputs))):  # perm[k]: HF parameter index of input k
-        args = [None] * len(frag.inputs)
+        args: list[torch.Tensor | None] = [None] * len(frag.inputs)
         for k, p in enumerate(perm):
             args[p] = probes[k]
         try:
@@ -90,9 +103,35 @@ def bind_function(frag: Fragment, fn: object, nodes: dict[str, Node]) -> tuple[l
     return f"no assignment of {frag.function}'s parameters reproduces it bit for bit with the emitted code"
 
 
-def _compile(source: str, name: str) -> object:
-    scope: dict = {}
-    exec(compile(source, f"<graphdiff:{name}>", "exec"), scope)  # noqa: S102 - our own emitted code
+def other_length_problem(frag: Fragment, nodes: dict[str, Node], tokens: int) -> str:
+    """The emitted code run at another token count than the captured one: it must run and give each output its
+    captured shape with that count (a size baked in from the capture fails here); "" when it does."""
+    if tokens < 2 or frag.compiled is None:  # one token, or nothing emitted: nothing to run at another count
+        return ""
+    other = tokens + 5
+
+    def at(node: Node) -> list[int]:
+        return [other if s == tokens else s if isinstance(s, int) else 8 for s in (node.shape or [])]
+
+    gen = torch.Generator().manual_seed(1)
+    probes = [torch.randn(at(nodes[i]), generator=gen).to(getattr(torch, nodes[i].dtype or "float32"))
+              for i in frag.inputs]
+    try:
+        with torch.no_grad():
+            outs = frag.compiled(*probes, align=frozenset(frag.regions))
+    except Exception as e:  # the emitted code's own failure at that size is the finding
+        return f"the emitted code does not run at {other} tokens (captured at {tokens}): {first_line(e)[:120]}"
+    for o, name in zip(outs, frag.outputs):
+        if list(o.shape) != at(nodes[name]):
+            return (f"the emitted code gives {name} the shape {list(o.shape)} at {other} tokens, not "
+                    f"{at(nodes[name])}: a size of the capture is baked in")
+    return ""
+
+
+def _compile(lines: list[str], name: str) -> Callable[..., Any]:
+    """The emitted function `name` (its lines), calling the prelude's real functions."""
+    scope = prelude.namespace()
+    exec(compile("\n".join(lines), f"<graphdiff:{name}>", "exec"), scope)  # noqa: S102 - the code we emitted
     return scope[name]
 
 
@@ -107,7 +146,7 @@ def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, st
                             torch_fn=(attention_splice.attention_fp32_inputs_truncated if truncates_output(engine)
                                       else attention_splice.attention_fp32_inputs).__name__,
                             triton_problem="calls torch's sdpa on FP32 inputs")
-    lines = ["", "", f"# attention: region {r.name}", *attention_splice.source(attention_splice.FP32_PARTS)]
+    lines = ["", "", f"# attention: region {r.name}", *prelude.source(attention_splice.FP32_PARTS)]
     if form == "engine":
         splice.torch_fn, splice.imports = attention_splice.attention_engine_op.__name__, ["vllm._custom_ops"]
         splice.triton_problem = "runs the engine's own attention op (vLLM CPU)"
@@ -116,7 +155,7 @@ def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, st
                                    f"{engine.get('backend') or 'an unrecorded attention backend'}")
         lines += ["", "", "# the engine's own attention op forward, FP32 attention's gradient backward",
                   "import warnings", "", f"KV_BLOCK = {attention_splice.KV_BLOCK}", "", "",
-                  *attention_splice.source(attention_splice.ENGINE_PARTS)]
+                  *prelude.source(attention_splice.ENGINE_PARTS)]
     # The runtime swaps the attention function transformers' attention interface dispatches to; a model whose
     # attention calls sdpa in its own code (FalconAttention) never reaches it.
     called_from = Path(site.source.file).name if site is not None and site.source is not None else ""
@@ -133,8 +172,9 @@ def _module_class(graph: Graph, pattern: str) -> str:
 
 
 def _moe_splice(r: Region, graph: Graph) -> ManifestSplice:
-    """A router or experts region: the module's forward replaced by the engine's computation (analysis.moe)."""
-    target, fn = ("router", moe.ROUTER_FN) if r.kind == "router" else ("experts", moe.EXPERTS_FN)
+    """A router or experts region: the module's forward replaced by the engine's computation (analysis.moe_engine)."""
+    target: Literal["router", "experts"] = "router" if r.kind == "router" else "experts"
+    fn = moe_engine.ROUTER_FN if r.kind == "router" else moe_engine.EXPERTS_FN
     return ManifestSplice(key=f"{target} {r.module}", target=target, module=r.module,
                           module_class=_module_class(graph, r.module), regions=[r.name], torch_fn=fn,
                           triton_problem="the engine's fused MoE computation, run with PyTorch ops")
@@ -158,7 +198,7 @@ def _bind(frag: Fragment, splice: ManifestSplice, nodes: dict[str, Node]) -> Non
             splice.inputs, splice.outputs = [f"arg:{p}" for p in bound[0]], bound[1]
 
 
-def _emit_splice(frag: Fragment, nodes: dict[str, Node]) -> tuple[ManifestSplice, list[str]]:
+def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[ManifestSplice, list[str]]:
     """One splice point: its PyTorch function (bound against HF's own code) and, where possible, its Triton kernels."""
     slug = region_slug(frag.key.rsplit(".", 1)[-1] if frag.target == "function" else frag.key)
     splice = ManifestSplice(key=frag.key, target=frag.target, module=frag.module, module_class=frag.module_class,
@@ -171,20 +211,25 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node]) -> tuple[ManifestSplice
         if frag.carry_rounded:
             body += ["", "", f"# carry {frag.key}: regions {', '.join(frag.regions)}; FP32 for "
                      f"{', '.join(frag.fp32_children) or 'no child'}, rounded for the module's own ops",
-                     *CARRY_ROUNDED.strip("\n").splitlines()]
+                     *prelude.source(carry.ROUNDED_PARTS)]
     elif not frag.problems:
         try:
             lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes)
         except emit_torch.Unsupported as e:
             frag.problems.append(f"PyTorch emitter: {e}")
         else:
-            frag.compiled = _compile("import torch\nimport torch.nn.functional as F\n" + emit_torch.PRELUDE + "\n"
-                                     + "\n".join(lines), f"torch_{slug}")
+            frag.compiled = _compile(lines, f"torch_{slug}")
             splice.torch_fn = f"torch_{slug}"
+            frag.problems += list(filter(None, [other_length_problem(frag, nodes, tokens)]))
             _bind(frag, splice, nodes)
             if not frag.problems:
+                # named by role: a function's arguments by the HF parameters the binding found
+                bound = [i.removeprefix("arg:") for i in splice.inputs]
+                values = names.value_names(frag, names.arguments(frag, bound))
+                lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes, values)
+                frag.compiled = _compile(lines, f"torch_{slug}")
                 body += ["", "", f"# {frag.target} {frag.key}: regions {', '.join(frag.regions)}", *lines]
-                kernel = emit_triton.emit(frag, slug, nodes)
+                kernel = emit_triton.emit(frag, slug, nodes, values)
                 if isinstance(kernel, str):
                     splice.triton_problem = kernel
                 else:
@@ -194,56 +239,71 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node]) -> tuple[ManifestSplice
     return splice, body
 
 
-def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None,
-             attention: AttentionForm = "fp32") -> Manifest:
-    """The patch of the scan in `scan_dir` (its `regions`, default all) into `out_dir`; `attention`: the attention
-    splice computes as the registry says the engine does ("fp32"), or runs the engine's own op ("engine")."""
-    scan, train = load_scan_dir(scan_dir)
-    graph = train.graphs[0]
-    nodes = graph.node_map()
+@dataclass
+class _Parts:
+    """What a patch collects: the module's body lines, its splices, and each region's problems ('': generated)."""
+
+    body: list[str] = field(default_factory=list)
+    splices: list[ManifestSplice] = field(default_factory=list)
+    status: dict[str, str] = field(default_factory=dict)
+
+
+def _wanted(scan: ScanResult, regions: list[str] | None) -> list[Region]:
+    """The scan's regions named in `regions` (default all), or one error naming the unknown ones."""
     if regions is not None:
         unknown = sorted(set(regions) - {r.name for r in scan.regions})
         if unknown:
             known = ", ".join(r.name for r in scan.regions)
             raise GraphdiffError(f"no region {', '.join(unknown)} in the scan; regions: {known}")
-    wanted = [r for r in scan.regions if regions is None or r.name in regions]
-    body: list[str] = []
-    splices: list[ManifestSplice] = []
+    return [r for r in scan.regions if regions is None or r.name in regions]
+
+
+def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Region],
+                attention: AttentionForm) -> None:
+    """The splices that replace a whole op or module: attention, MoE routing and experts, tensor-parallel linears."""
+    nodes = graph.node_map()
     site_node = {s.id: s.train.node for s in scan.sites}
-    status: dict[str, str] = {}
     for r in (r for r in wanted if r.kind == "attention"):
         splice, lines = _attention_splice(r, nodes, site_node, scan.engine_attention, attention)
-        splices.append(splice)
-        body += lines if not splice.problems else []
-        status[r.name] = "; ".join(splice.problems)
+        parts.splices.append(splice)
+        parts.body += lines if not splice.problems else []
+        parts.status[r.name] = "; ".join(splice.problems)
     moe_regions = [r for r in wanted if r.kind in ("router", "expert_combine")]
-    splices += [_moe_splice(r, graph) for r in moe_regions]
+    parts.splices += [_moe_splice(r, graph) for r in moe_regions]
     if moe_regions:
-        body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.analysis.moe)",
-                 *moe.SOURCE.strip("\n").splitlines()]
+        parts.body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.analysis.moe_engine)",
+                       *prelude.source(moe_engine.PATCH_PARTS)]
     for r in (r for r in wanted if r.kind == "allreduce"):
         splice, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),
                                                    scan.engine_attention.get("build", ""))
-        splices.append(splice)
-        if not splice.problems and not any(s.target == "linear" and not s.problems for s in splices[:-1]):
-            body += lines  # one function serves every linear splice
-        status[r.name] = "; ".join(splice.problems)
-    frags = cut_fragments(scan, graph, [r.name for r in wanted])
+        if not splice.problems and not any(s.target == "linear" and not s.problems for s in parts.splices):
+            parts.body += lines  # one function serves every linear splice
+        parts.splices.append(splice)
+        parts.status[r.name] = "; ".join(splice.problems)
+
+
+def _add_fragments(parts: _Parts, frags: list[Fragment], nodes: dict[str, Node], tokens: int) -> None:
+    """The splices emitted from the trainer graph's fragments: PyTorch and Triton code, and carry hooks; `tokens`:
+    the trainer capture's token count (each emitted function is also run at another)."""
     for frag in frags:
-        splice, lines = _emit_splice(frag, nodes)
-        splices.append(splice)
-        body += lines
+        splice, lines = _emit_splice(frag, nodes, tokens)
+        parts.splices.append(splice)
+        parts.body += lines
         for r in frag.regions:  # a region is generated when every group of its layers is
-            status.setdefault(r, "")
+            parts.status.setdefault(r, "")
             if frag.problems:
                 where = f"layers {','.join(map(str, frag.layers))}: " if frag.layers else ""
-                status[r] = "; ".join(filter(None, [status[r], where + "; ".join(frag.problems)]))
-    source = render_module(scan, body, any(s.triton_fn for s in splices))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MODULE_FILE).write_text(source)
-    manifest = Manifest(
+                parts.status[r] = "; ".join(filter(None, [parts.status[r], where + "; ".join(frag.problems)]))
+
+
+def _manifest(scan: ScanResult, wanted: list[Region], parts: _Parts, frags: list[Fragment],
+              source: str) -> Manifest:
+    """manifest.json: what the scan was made on, each region's splices (or why it has none), the module's hash."""
+    splices, status = parts.splices, parts.status
+    return Manifest(
         schema_version=MANIFEST_VERSION, model=scan.model, architecture=scan.architecture,
-        config_sha256=scan.config_sha256, config=scan.config, layers_scanned=scan.layers_scanned,
+        config_sha256=scan.config_sha256, fingerprint=scan.fingerprint, scan_id=scan.scan_id,
+        config=scan.config, layers_scanned=scan.layers_scanned,
         versions=scan.versions, compilation_config=scan.compilation_config, engine_config=scan.engine_config,
         shapes=[s.label for s in scan.shapes], scan_command=scan.reproduce,
         module_file=MODULE_FILE, module_sha256=hashlib.sha256(source.encode()).hexdigest(),
@@ -257,6 +317,23 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None,
         replaced=sorted({s.function or s.module_class for s in splices if not s.problems}),
         notes=[note for f in frags for note in f.notes] + shape_notes(wanted, [s.label for s in scan.shapes]),
     )
+
+
+def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None,
+             attention: AttentionForm = "fp32") -> Manifest:
+    """The patch of the scan in `scan_dir` (its `regions`, default all) into `out_dir`; `attention`: the attention
+    splice computes as the registry says the engine does ("fp32"), or runs the engine's own op ("engine")."""
+    scan, train = load_scan_dir(scan_dir)
+    graph = train.graphs[0]
+    wanted = _wanted(scan, regions)
+    parts = _Parts()
+    _add_opaque(parts, scan, graph, wanted, attention)
+    frags = cut_fragments(scan, graph, [r.name for r in wanted])
+    _add_fragments(parts, frags, graph.node_map(), len(train.prompt_tokens))
+    source = render_module(scan, parts.body, any(s.triton_fn for s in parts.splices))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MODULE_FILE).write_text(source)
+    manifest = _manifest(scan, wanted, parts, frags, source)
     save_json(manifest, out_dir / "manifest.json")
     return manifest
 
@@ -266,36 +343,6 @@ def shape_notes(regions: list[Region], shapes: list[str]) -> list[str]:
     return [f"{r.name}: its sites differ by shape (sites at {', '.join(r.shapes)} of {', '.join(shapes)}); the code "
             "rounds at the union of them, the engine's rounding at those shapes only" for r in regions
             if r.shape_dependent]
-
-
-CARRY_ROUNDED = '''
-def carry_fp32_rounded(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Forward pre-hook: the incoming activation as a piecewise engine holds it. The engine stores the residual
-    stream in bfloat16 where it is live across a graph split (attention), so the module's own ops (the residual
-    add) read it rounded (held in FP32: the sum stays FP32, as in the engine's kernel); the child modules named in
-    the manifest read the FP32 value (the norm, inside the graph that computed it: carry_fp32_child)."""
-    x = args[0] if args else kwargs.get("hidden_states")
-    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
-        return args, kwargs
-    full = x.float()
-    rounded = full.to(torch.bfloat16).float()
-    module.__dict__["_graphdiff_carry"] = (rounded, full)
-    return ((rounded, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": rounded})
-
-
-def carry_fp32_child(parent: torch.nn.Module, child: torch.nn.Module, args: tuple) -> tuple | None:
-    """Forward pre-hook of a child module that reads the parent's incoming activation in FP32: the unrounded value
-    in place of the rounded one the parent's code passes it."""
-    state = parent.__dict__.get("_graphdiff_carry")
-    if state is not None and args and args[0] is state[0]:
-        return (state[1], *args[1:])
-    return None
-
-
-def carry_done(module: torch.nn.Module, args: tuple, output: object) -> None:
-    """Forward hook: drop the parent's references to its input."""
-    module.__dict__.pop("_graphdiff_carry", None)
-'''
 
 
 def render_module(scan: ScanResult, body: list[str], triton: bool) -> str:
@@ -315,17 +362,10 @@ def render_module(scan: ScanResult, body: list[str], triton: bool) -> str:
         "import torch.nn.functional as F",
         "import torch.utils.checkpoint",
         "",
-        emit_torch.PRELUDE.strip("\n"),
+        *prelude.source(prelude.PARTS),
         "",
         "",
-        "def carry_fp32(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:",
-        '    """Forward pre-hook: the incoming activation in FP32, so eager type promotion keeps the residual sum',
-        '    in FP32 across layers (the engine re-sums it in FP32 inside its norm kernels)."""',
-        "    if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():",
-        "        return (args[0].float(), *args[1:]), kwargs",
-        "    if isinstance(kwargs.get('hidden_states'), torch.Tensor):",
-        "        return args, {**kwargs, 'hidden_states': kwargs['hidden_states'].float()}",
-        "    return args, kwargs",
+        *prelude.source((carry.carry_fp32,)),
     ]
     if triton:
         head += ["", "", f"# Triton kernels' math: {inductor_lowering.source()}", emit_triton.PRELUDE.strip("\n")]

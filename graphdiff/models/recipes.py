@@ -9,6 +9,7 @@ from __future__ import annotations
 
 # One small shape shared by the Llama-like architectures: head_dim 64 is a size every vLLM attention backend supports;
 # 2 KV heads exercise grouped-query attention.
+INITIALIZER_RANGE = 0.08  # the std of the tiny models' random weights
 TINY_SHAPE = dict(
     hidden_size=256,
     intermediate_size=512,
@@ -18,7 +19,7 @@ TINY_SHAPE = dict(
     vocab_size=2048,
     max_position_embeddings=4096,  # room for the scan's long-prefill shapes (2048 tokens and more)
     rms_norm_eps=1e-6,
-    initializer_range=0.08,
+    initializer_range=INITIALIZER_RANGE,
     tie_word_embeddings=False,
     torch_dtype="bfloat16",
 )
@@ -55,7 +56,9 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "nemotron": ("NemotronConfig", _b(norm_eps=1e-5, **rope(10_000.0, partial_rotary_factor=0.5))),  # relu2, LN1p
     "stablelm": ("StableLmConfig", _b(layer_norm_eps=1e-5, **rope(10_000.0, partial_rotary_factor=0.25),
                                        partial_rotary_factor=0.25, use_qkv_bias=True, qk_layernorm=False)),
-    "cohere": ("CohereConfig", _b(layer_norm_eps=1e-5, **rope(10_000.0), logit_scale=0.0625, use_qk_norm=False)),
+    # tied: vLLM's Cohere computes logits with the input embedding and skips lm_head.weight
+    "cohere": ("CohereConfig", _b(layer_norm_eps=1e-5, **rope(10_000.0), logit_scale=0.0625, use_qk_norm=False,
+                                  tie_word_embeddings=True)),
     # --- dense, Gemma family (norm weight w is applied as 1 + w; GELU-tanh; scaled embedding) ------------
     "gemma": ("GemmaConfig", _b(**RMS, **rope(10_000.0), hidden_act="gelu_pytorch_tanh",
                                 hidden_activation="gelu_pytorch_tanh")),
@@ -112,7 +115,7 @@ ARCHS: dict[str, tuple[str, dict]] = {
 }
 
 # Served by vLLM 0.32 through its Transformers modeling backend (registry._TRANSFORMERS_SUPPORTED_MODELS), not a
-# native class: the engine compiles HF's own modeling code (and patches the HF class, issue 11 (a)).
+# native class: the engine compiles HF's own modeling code (and patches the HF class).
 ARCHS.update({
     "olmo2": ("Olmo2Config", _b(rms_norm_eps=1e-6, **rope(500_000.0), attention_bias=False)),
     "starcoder2": ("Starcoder2Config", _b(norm_epsilon=1e-5, **rope(100_000.0), hidden_act="gelu_pytorch_tanh",

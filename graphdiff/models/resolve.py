@@ -35,6 +35,44 @@ def has_weights(model_dir: Path) -> bool:
     return any(model_dir.glob("*.safetensors")) or any(model_dir.glob("*.bin"))
 
 
+def safetensors_header(path: Path) -> bytes:
+    """The JSON header of a safetensors file, checked against the file's size (a truncated or damaged file is one
+    GraphdiffError naming it, before any engine reads it)."""
+    fix = "re-download it, or regenerate it (`graphdiff make-tiny`)"
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            raw = fh.read(n) if 0 <= n <= size - 8 else b""
+    except OSError as e:
+        raise GraphdiffError(f"cannot read {path}: {e.strerror}") from None
+    if not raw:
+        raise GraphdiffError(f"{path} is truncated or not a safetensors file ({size} bytes, no complete header): {fix}")
+    try:
+        header = json.loads(raw)
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise GraphdiffError(f"{path} has a damaged safetensors header: {fix}") from None
+    if 8 + n + end > size:
+        raise GraphdiffError(f"{path} is truncated ({size} bytes; its header says {8 + n + end}): {fix}")
+    return raw
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """What identifies a checkpoint, cheaply: sha256 (16 hex digits) of config.json (as parsed, keys sorted) and,
+    per weights file, its name, size and safetensors header (tensor names, dtypes, shapes, offsets; a .bin file: name
+    and size). Weights rewritten with the same layout and size keep the fingerprint."""
+    import hashlib
+
+    h = hashlib.sha256(json.dumps(read_config(model_dir), sort_keys=True).encode())
+    for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        h.update(f"\0{f.name}\0{f.stat().st_size}\0".encode())
+        if f.suffix == ".safetensors":
+            h.update(safetensors_header(f))
+    return h.hexdigest()[:16]
+
+
 def architecture(config: dict) -> str:
     return str(config["architectures"][0])
 
@@ -149,19 +187,18 @@ def _is_hf_id(spec: str) -> bool:
     return HF_ID.fullmatch(spec) is not None and not Path(spec).exists()
 
 
-def resolve_model(spec: str, work_dir: Path | None = None, layers: int | None = None) -> ResolvedModel:
+def resolve_model(spec: str, work_dir: Path | None = None, layers: int | None = None,
+                  random_weights: bool = False) -> ResolvedModel:
     """A local checkpoint dir, `tiny:ARCH[:LAYERS]`, or an HF id (local HF cache, else a bundled config).
 
     `layers` cuts an HF id's model to its first decoder layers (a config-only copy, or the cached
-    snapshot's files linked beside the cut config); a local directory is always used as is.
+    snapshot's files linked beside the cut config); a local directory is always used as is, and never written:
+    one without weights is refused unless `random_weights`, and then a copy in the graphdiff cache gets them.
     """
     if spec.startswith("tiny:"):
         return _resolve_tiny(spec, layers)
     if not _is_hf_id(spec):
-        path = Path(spec).expanduser()
-        config = read_config(path)
-        check_decoder_lm(config, path)
-        return ResolvedModel(spec, path, config, has_weights(path), "local")
+        return _resolve_local(spec, work_dir, random_weights)
     snapshot = find_in_hf_cache(spec)
     if snapshot is not None:
         config = read_config(snapshot)
@@ -170,16 +207,28 @@ def resolve_model(spec: str, work_dir: Path | None = None, layers: int | None = 
             snapshot = _materialize(spec, _with_layers(config, layers), work_dir, link_from=snapshot)
             config = read_config(snapshot)
         return ResolvedModel(spec, snapshot, config, has_weights(snapshot), "hf-cache")
-    config = bundled_config(spec)
-    if config is None:
+    bundled = bundled_config(spec)
+    if bundled is None:
         raise GraphdiffError(
             f"unknown model {spec!r}: no local directory, no snapshot in the HF cache ({_hub_cache()}) and no "
             "bundled config; pass a local checkpoint directory or a bundled id (`graphdiff configs` lists them)"
         )
-    if layers is not None:
-        config = _with_layers(config, layers)
+    config = _with_layers(bundled, layers) if layers is not None else bundled
     path = _materialize(spec, config, work_dir)
     return ResolvedModel(spec, path, config, False, "bundled")
+
+
+def _resolve_local(spec: str, work_dir: Path | None, random_weights: bool) -> ResolvedModel:
+    path = Path(spec).expanduser()
+    config = read_config(path)
+    check_decoder_lm(config, path)
+    if has_weights(path):
+        return ResolvedModel(spec, path, config, True, "local")
+    if not random_weights:
+        raise GraphdiffError(f"{path} has no weights (*.safetensors or *.bin): pass --random-weights to run it on "
+                             "seeded random weights (made in the graphdiff cache; this directory is not written)")
+    copy = _materialize(path.resolve().name or "model", config, work_dir, link_from=path)
+    return ResolvedModel(spec, copy, config, has_weights(copy), "local")
 
 
 def _resolve_tiny(spec: str, layers: int | None) -> ResolvedModel:
@@ -188,5 +237,8 @@ def _resolve_tiny(spec: str, layers: int | None) -> ResolvedModel:
     arch, _, n = spec.removeprefix("tiny:").partition(":")
     if n and not n.isdigit():
         raise GraphdiffError(f"bad tiny model {spec!r}; expected tiny:ARCH or tiny:ARCH:LAYERS")
-    path = tiny_path(arch, int(n) if n else (layers or 2))
+    count = int(n) if n else (layers if layers is not None else 2)
+    if count < 1:
+        raise GraphdiffError(f"{spec}: a model needs at least 1 layer (got {count})")
+    path = tiny_path(arch, count)
     return ResolvedModel(spec, path, read_config(path), has_weights(path), "tiny")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from graphdiff.errors import GraphdiffError
-from graphdiff.models.recipes import ARCHS, ONE_PLUS_NORM, TINY_SHAPE
+from graphdiff.models.recipes import ARCHS, INITIALIZER_RANGE, ONE_PLUS_NORM, TINY_SHAPE
 
 __all__ = ["ARCHS", "TINY_SHAPE", "make_tiny", "seeded_init", "tiny_path", "write_random_weights"]
 
@@ -44,12 +44,15 @@ def make_tiny(arch: str, out: Path, layers: int = 2, seed: int = 0, hidden: int 
 
     if arch not in ARCHS:
         raise GraphdiffError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    if layers < 1:
+        raise GraphdiffError(f"--layers {layers}: a model needs at least 1 decoder layer")
     config_cls, overrides = ARCHS[arch]
     overrides = widened(overrides, hidden) if hidden is not None else overrides
     config = getattr(transformers, config_cls)(**_per_layer(overrides, layers), num_hidden_layers=layers)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    seeded_init(model, seed, TINY_SHAPE["initializer_range"], one_plus=arch in ONE_PLUS_NORM)
+    with torch.random.fork_rng(devices=[]):  # HF draws its init from the global generator: forked,
+        torch.manual_seed(seed)  # so the caller's stream is untouched
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    seeded_init(model, seed, INITIALIZER_RANGE, one_plus=arch in ONE_PLUS_NORM)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     model = model.to(torch.bfloat16)
@@ -76,8 +79,9 @@ def seeded_init(model: torch.nn.Module, seed: int, scale: float, one_plus: bool 
 
 
 def write_random_weights(model_dir: Path, seed: int = 0) -> Path:
-    """Seeded random BF16 weights for a config-only checkpoint directory (a bundled config), so
-    that the engine and the trainer run the very same weights without any download.
+    """Seeded random BF16 weights for a config-only checkpoint directory in the graphdiff cache (a bundled config,
+    or the cache's copy of a weightless local directory: a user's directory is never written), so that the engine
+    and the trainer run the very same weights without any download.
 
     Generated once per (config, seed) into the graphdiff cache and linked into `model_dir`:
     a full-width model is gigabytes even with two layers."""

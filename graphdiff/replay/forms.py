@@ -30,24 +30,26 @@ def two_step_variance(frag: list[Node], nodes: dict[str, Node]) -> list[Node]:
         if op_name(n.target) == "var_mean" and n.target.endswith("correction") and n.inputs:
             x = nodes.get(n.inputs[0]) or next((m for m in frag if m.name == n.inputs[0]), None)
             args, kwargs = n.call[0], n.call[1]
-            dims = args[1] if len(args) > 1 and isinstance(args[1], list) else None
-            sizes = [x.shape[d] for d in dims] if x is not None and x.shape and dims else []
-            if not sizes or not all(isinstance(s, int) for s in sizes):
+            dims: list[int] | None = args[1] if len(args) > 1 and isinstance(args[1], list) else None
+            xshape = x.shape if x is not None else None
+            sizes = [xshape[d] for d in dims] if xshape and dims else []
+            static = [s for s in sizes if isinstance(s, int)]
+            if x is None or not xshape or not dims or not sizes or len(static) != len(sizes):
                 out.append(n)
                 continue
             count = 1
-            for s in sizes:
+            for s in static:
                 count *= s
             keep = bool(kwargs.get("keepdim", False))
-            shape = [1 if i in [d % len(x.shape) for d in dims] else s for i, s in enumerate(x.shape)]
-            reduced = shape if keep else [s for i, s in enumerate(x.shape) if i not in [d % len(x.shape) for d in dims]]
+            shape = [1 if i in [d % len(xshape) for d in dims] else s for i, s in enumerate(xshape)]
+            reduced = shape if keep else [s for i, s in enumerate(xshape) if i not in [d % len(xshape) for d in dims]]
             xin, m, f32 = {"node": x.name}, f"{n.name}_mean", x
             out += [
                 _node(m, "aten.mean.dim", [xin, dims, True], [x.name], f32, shape),
                 _node(f"{n.name}_diff", "aten.sub.Tensor", [xin, {"node": m + SUFFIX}], [x.name, m + SUFFIX], f32,
-                      list(x.shape)),
+                      list(xshape)),
                 _node(f"{n.name}_sq", "aten.mul.Tensor", [{"node": f"{n.name}_diff{SUFFIX}"}] * 2,
-                      [f"{n.name}_diff{SUFFIX}"] * 2, f32, list(x.shape)),
+                      [f"{n.name}_diff{SUFFIX}"] * 2, f32, list(xshape)),
                 _node(f"{n.name}_sum", "aten.sum.dim_IntList", [{"node": f"{n.name}_sq{SUFFIX}"}, dims, keep],
                       [f"{n.name}_sq{SUFFIX}"], f32, reduced),
                 _node(f"{n.name}_var", "aten.div.Tensor",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx
@@ -26,6 +26,12 @@ from graphdiff.replay.sum_order import ordered_mean, ordered_sum
 
 LOW = (torch.bfloat16, torch.float16)
 SUM = "#sum"  # values[mean + SUM]: a mean's row sum (what a kernel that computes the mean stores)
+
+
+class DtypeOf(Protocol):
+    """Node name -> its dtype in the captured graph: a dict, or a view of a graph's index (replay.kernels)."""
+
+    def get(self, name: str, /) -> str | None: ...
 
 
 def resolve_target(name: str) -> Any:
@@ -89,7 +95,7 @@ def fragment_graph(nodes: Iterable[Node], external: Iterable[str], syms: dict[st
 class RoundingInterpreter(torch.fx.Interpreter):
     """Runs a fragment under a rounding plan and keeps every node's value."""
 
-    def __init__(self, gm: torch.fx.GraphModule, declared: dict[str, str | None], plan: str,
+    def __init__(self, gm: torch.fx.GraphModule, declared: DtypeOf, plan: str,
                  rounded: set[str] | frozenset[str] = frozenset(), compute: torch.dtype = torch.float32,
                  inductor_math: bool = False, ordered: dict[str, int] | None = None) -> None:
         super().__init__(gm)
@@ -135,6 +141,7 @@ class RoundingInterpreter(torch.fx.Interpreter):
                 fn = ordered_mean if name == "mean" else ordered_sum
                 out = fn(args[0], args[1], bool(args[2]) if len(args) > 2 else False, self.ordered[n.name])
             else:
+                assert callable(n.target)  # a call_function node: its target is the op
                 out = n.target(*args, **kwargs)
             if name == "mean" and self.plan == "fp32" and isinstance(args[0], torch.Tensor):
                 self.values[n.name + SUM] = self._sum(n.name, args)
@@ -165,7 +172,7 @@ class FragmentRun:
     error: str = ""
 
 
-def run_fragment(nodes: list[Node], inputs: dict[str, Any], declared: dict[str, str | None], plan: str,
+def run_fragment(nodes: list[Node], inputs: dict[str, Any], declared: DtypeOf, plan: str,
                  syms: dict[str, int], rounded: set[str] | frozenset[str] = frozenset(),
                  compute: torch.dtype = torch.float32, inductor_math: bool = False,
                  ordered: dict[str, int] | None = None) -> FragmentRun:

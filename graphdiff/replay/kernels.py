@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from graphdiff.ops import UNINITIALIZED, VIEWS, is_low, op_name
-from graphdiff.records import Graph, Kernel, Node
+from graphdiff.records import Graph, Kernel, KernelRecord, Node
 from graphdiff.replay.forms import SUFFIX as FORM_SUFFIX
 from graphdiff.replay.forms import two_step_variance
 from graphdiff.replay.interpreter import LOW, SUM, bits_equal_fraction, run_fragment, to_dtype
@@ -28,7 +28,6 @@ from graphdiff.replay.sum_order import cpp_sum_lanes, is_row_reduction
 
 MAX_PERMUTATIONS = 120
 FP32_ORDER_TOLERANCE = 1e-5  # FP32 stores agreeing within this (relative) differ only in summation order
-Record = dict[str, Any]  # {"in": {buffer: tensor}, "out": {buffer: tensor}, "scalars": {name: value}}
 
 
 def is_view(node: Node) -> bool:
@@ -47,7 +46,7 @@ class KernelReplay:
     error: str = ""
     per_output: dict[str, tuple[float, float]] = field(default_factory=dict)  # low-precision store -> (pred, naive)
     note: str = ""
-    reduction_lanes: int = 0  # its row sums replayed in the kernel's order (reduction_order); 0: ATen's
+    reduction_lanes: int = 0  # its row sums replayed in the kernel's order (replay.sum_order); 0: ATen's
     aten_order: tuple[float, float] | None = None  # (bit-exact, FP32 error) with ATen's sum order instead
 
 
@@ -133,7 +132,7 @@ def kernel_fragment(graph: Graph, k: Kernel, owned: set[str]) -> tuple[list[Node
     return frag, external
 
 
-def bind_symbols(graph: Graph, record: Record) -> dict[str, int]:
+def bind_symbols(graph: Graph, record: KernelRecord) -> dict[str, int]:
     """Symbolic sizes (the token count) from the kernel's scalar arguments and its inputs' real shapes."""
     syms = {name: int(v) for name, v in record.get("scalars", {}).items() if isinstance(v, int)}
     nodes = graph.node_map()
@@ -146,7 +145,7 @@ def bind_symbols(graph: Graph, record: Record) -> dict[str, int]:
     return syms
 
 
-def score(run_vals: dict[str, Any], outputs: dict[str, str], record: Record) -> tuple[float, int]:
+def score(run_vals: dict[str, Any], outputs: dict[str, str], record: KernelRecord) -> tuple[float, int]:
     """Bit-identical fraction over the kernel's low-precision stores (the rounding claim).
 
     FP32 stores (e.g. a reduction's partial result) are compared by `fp32_error` instead:
@@ -182,7 +181,7 @@ def closeness(pred: torch.Tensor, real: torch.Tensor) -> float:
     return -float(diff / real.double().norm().clamp_min(1e-30))
 
 
-def fp32_error(run_vals: dict[str, Any], outputs: dict[str, str], record: Record) -> float:
+def fp32_error(run_vals: dict[str, Any], outputs: dict[str, str], record: KernelRecord) -> float:
     """Largest relative error over the FP32 stores; a store of a mean may hold its row sum (Inductor's mean
     stores the sum and divides where it is read), whichever the store is closer to."""
     worst = 0.0
@@ -210,7 +209,7 @@ class _Binding:
     open: list[str]  # stored buffers with no node named for them
 
 
-def _bind(graph: Graph, k: Kernel, record: Record, known: dict[str, str], frag: list[Node], external: list[str],
+def _bind(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str, str], frag: list[Node], external: list[str],
           syms: dict[str, int]) -> _Binding:
     nodes = graph.node_map()
     node_buf = {v: b for b, v in known.items()}
@@ -234,9 +233,10 @@ def _bind(graph: Graph, k: Kernel, record: Record, known: dict[str, str], frag: 
     # no node for may be named by the extern that reads it (a mutating extern's input, e.g. the q/k copies
     # _C.rotary_embedding rotates in place): the same value stored twice.
     named = {a.name: a.node or (known.get(a.name) if known.get(a.name) in names else None) for a in k.args}
-    outputs = {a.name: named[a.name] for a in k.args if a.role in ("out", "inout") and named[a.name] in names
+    outputs = {a.name: node for a in k.args
+               if a.role in ("out", "inout") and (node := named[a.name]) is not None and node in names
                and isinstance(record["out"].get(a.name), torch.Tensor)
-               and numel(nodes[named[a.name]].shape, syms) == record["out"][a.name].numel()}
+               and numel(nodes[node].shape, syms) == record["out"][a.name].numel()}
     open_bufs = [a.name for a in k.args if a.role in ("out", "inout") and a.name not in outputs
                  and a.name in record["out"]]
     return _Binding(inputs, loose, free, outputs, open_bufs)
@@ -247,7 +247,7 @@ def _sinks(graph: Graph, frag: list[Node]) -> set[str]:
     return {n.name for n in frag if not is_view(n) and any(u not in names for u in users.get(n.name, []))}
 
 
-def _place_outputs(b: _Binding, frag: list[Node], values: dict[str, Any], record: Record, syms: dict[str, int],
+def _place_outputs(b: _Binding, frag: list[Node], values: dict[str, Any], record: KernelRecord, syms: dict[str, int],
                    sinks: set[str]) -> dict[str, str]:
     """Named stores plus each unnamed one placed at the fragment value closest to what it holds. A view is a
     candidate too: the pass-through part of a partial RoPE (`cat([rotated, x[..., d:]])`) is stored as a copy of
@@ -295,7 +295,7 @@ class _WithAdded:
 
 
 def _best_assignment(graph: Graph, b: _Binding, plan: _Plan, external: list[str],
-                     record: Record) -> tuple[tuple | None, str]:
+                     record: KernelRecord) -> tuple[tuple | None, str]:
     """Try each placement of the unnamed inputs (by element count and dtype); keep the one that replays best.
     Only the input assignment changes the computation; outputs are placed after each run."""
     nodes, sinks, syms = graph.node_map(), _sinks(graph, plan.frag), plan.syms
@@ -324,7 +324,7 @@ def _best_assignment(graph: Graph, b: _Binding, plan: _Plan, external: list[str]
 Variant = tuple[_Plan, float, dict[str, Any]]  # a rewritten plan, its replay score and values
 
 
-def _if_better(variant: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,
+def _if_better(variant: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: KernelRecord,
                than: float) -> Variant | None:
     """The variant's replay, if it scores above `than`."""
     run = variant.run(inputs)
@@ -332,7 +332,7 @@ def _if_better(variant: _Plan, inputs: dict[str, Any], outputs: dict[str, str], 
     return (variant, got, run.values) if got > than else None
 
 
-def _reloaded(k: Kernel, plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,
+def _reloaded(k: Kernel, plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: KernelRecord,
               predicted: float) -> Variant | None:
     """The plan with re-loaded stores rounded for their later readers, if the kernel's code re-loads any and that
     replays better."""
@@ -363,7 +363,7 @@ def stored_concats(frag: list[Node], declared: Any, outputs: dict[str, str]) -> 
             and n.inputs and all(i in stored for i in n.inputs)}
 
 
-def _concats_read_back(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,
+def _concats_read_back(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: KernelRecord,
                        predicted: float) -> Variant | None:
     """The plan with the stored concatenations read rounded (`stored_concats`), if there are any and that replays
     better."""
@@ -374,7 +374,7 @@ def _concats_read_back(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, s
     return _if_better(variant, inputs, outputs, record, predicted)
 
 
-def _explicit_conversions(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,
+def _explicit_conversions(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: KernelRecord,
                           predicted: float, values: dict[str, Any]) -> tuple[float, list[str], dict[str, Any]]:
     """Conversions the kernel really performs in registers: add one at a time while the replay improves."""
     explicit: list[str] = []
@@ -394,7 +394,7 @@ def _explicit_conversions(plan: _Plan, inputs: dict[str, Any], outputs: dict[str
     return predicted, explicit, values
 
 
-def copy_kernel(graph: Graph, k: Kernel, record: Record) -> KernelReplay | None:
+def copy_kernel(graph: Graph, k: Kernel, record: KernelRecord) -> KernelReplay | None:
     """A kernel whose fused nodes are all computed by other kernels (Inductor's copy-back of a buffer a mutating
     extern wrote) computes nothing: it replays if every store equals one of its loads bit for bit."""
     nodes = graph.node_map()
@@ -408,7 +408,7 @@ def copy_kernel(graph: Graph, k: Kernel, record: Record) -> KernelReplay | None:
     return KernelReplay(k.id, 1.0, 1.0, sum(t.numel() for t in stores), note="a copy: every store equals a load")
 
 
-def replay_kernel(graph: Graph, k: Kernel, record: Record, known: dict[str, str], owned: set[str],
+def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str, str], owned: set[str],
                   compute: torch.dtype = torch.float32) -> tuple[KernelReplay, dict[str, Any]]:
     """The kernel's replay evidence and, under the predicted model, every fragment value."""
     copied = copy_kernel(graph, k, record)
@@ -459,7 +459,7 @@ def replay_kernel(graph: Graph, k: Kernel, record: Record, known: dict[str, str]
                         aten_order=aten[:2] if aten is not None else None), values
 
 
-def _aten_order(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: Record,
+def _aten_order(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: KernelRecord,
                 explicit: list[str]) -> tuple[float, float, dict[str, Any]] | None:
     """(bit-exact, FP32 error, values) of the same replay with ATen's sum order: the evidence for the order."""
     aten = _Plan(plan.frag, plan.declared, plan.rounded, plan.syms, plan.cpp, plan.compute)

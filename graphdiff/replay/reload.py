@@ -5,9 +5,9 @@ what it must), the second computes what depends on the reduction. A value the fi
 is either recomputed in FP32 by the second nest, or re-loaded from its store (`loadu(out_ptr0 ...)`, read from the
 kernel's code): then the second nest's consumers read the *rounded* value while the first nest's (the sum of
 squares) used the FP32 register. One value per node cannot say that, so the fragment is rewritten: those
-consumers read a rounded copy (Granite's and Cohere's residual + norm kernels: 87% -> 100% replayed). Without a
+consumers read a rounded copy (Granite's and Cohere's residual + norm kernels). Without a
 reduction, a value one loop nest stores and the next reads back is read rounded by all its consumers (Apertus's
-xIELU: its parameters' softplus, 63.6% -> 100%). A store the kernel updates in place (`in_out_ptrN`) is re-loaded
+xIELU: its parameters' softplus). A store the kernel updates in place (`in_out_ptrN`) is re-loaded
 when a loop nest after the one that stores it loads it. Where the storing loop nest computes nothing else (no
 reduction, no other store: GPT-2's and OPT's final residual re-sum, stored in place, before LayerNorm's mean,
 variance and normalize nests), every consumer is in a later nest and reads the rounded value, the reductions too.
@@ -130,7 +130,8 @@ def nest_reductions(k: Kernel) -> dict[str, int]:
 
 
 def _depends(frag: list[Node]) -> dict[str, set[str]]:
-    inside, deps = {n.name for n in frag}, {}
+    inside = {n.name for n in frag}
+    deps: dict[str, set[str]] = {}
     for n in frag:  # graph order
         d: set[str] = set()
         for i in n.inputs:
@@ -148,6 +149,11 @@ def _swap(a: object, alias: dict[str, str]) -> object:
     if isinstance(a, dict) and "dict" in a:
         return {"dict": {k: _swap(v, alias) for k, v in a["dict"].items()}}
     return a
+
+
+def _swap_call(call: list, alias: dict[str, str]) -> list:
+    """A node's [args, kwargs] (Node.call) with its node references renamed by `alias`."""
+    return [_swap(x, alias) for x in call]
 
 
 def reload_variant(frag: list[Node], stored: list[str], alone: set[str] | frozenset[str] = frozenset(),
@@ -189,13 +195,13 @@ def reload_variant(frag: list[Node], stored: list[str], alone: set[str] | frozen
         rounded.add(s + SUFFIX)
         for c in chain[1:]:  # re-apply the chain's casts for the later consumers
             cn = copy.deepcopy(by[c])
-            cn.name, cn.call = c + SUFFIX, _swap(cn.call, alias)
+            cn.name, cn.call = c + SUFFIX, _swap_call(cn.call, alias)
             cn.inputs = [alias.get(i, i) for i in cn.inputs]
             alias[c] = cn.name
             added.append(cn)
         pos = {n.name: i for i, n in enumerate(out)}
         for u in later:
-            out[pos[u]].call = _swap(out[pos[u]].call, alias)
+            out[pos[u]].call = _swap_call(out[pos[u]].call, alias)
             out[pos[u]].inputs = [alias.get(i, i) for i in out[pos[u]].inputs]
         first = min(pos[u] for u in later)
         out[first:first] = added

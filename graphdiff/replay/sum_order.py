@@ -9,21 +9,22 @@ shuffle tree i+8, i+4, i+2, i+1). ATen's `sum` and `mean` use their own (cascade
 norm kernels of a CPU engine the emulation below equals the kernel's stored FP32 sums on every row (the scan's
 replay evidence: `KernelEvidence.reduction_lanes`, `aten_order_bitexact`).
 
-`SOURCE` is exec'd here and copied into generated patches, so the patch and the scan's replay run one code.
+A generated patch carries the source of `ordered_sum` and `ordered_mean` (PATCH_PARTS), so the patch and the
+scan's replay run one code.
 """
 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 
-from graphdiff.records import Node
+if TYPE_CHECKING:
+    from graphdiff.records import Node
 
-SUM_FN, MEAN_FN = "_ordered_sum", "_ordered_mean"
 
-SOURCE = f'''
-def {SUM_FN}(x: torch.Tensor, dims, keepdim: bool, lanes: int) -> torch.Tensor:
+def ordered_sum(x: torch.Tensor, dims: list[int], keepdim: bool, lanes: int) -> torch.Tensor:
     """Sum over the last dim as an engine kernel does: `lanes` partial sums over consecutive chunks (a short
     last chunk padded with zeros, which adds exactly), then the lanes halved pairwise down to one."""
     d = x.shape[-1]
@@ -40,14 +41,14 @@ def {SUM_FN}(x: torch.Tensor, dims, keepdim: bool, lanes: int) -> torch.Tensor:
     return acc if keepdim else acc[..., 0]
 
 
-def {MEAN_FN}(x: torch.Tensor, dims, keepdim: bool, lanes: int) -> torch.Tensor:
-    return {SUM_FN}(x, dims, keepdim, lanes) / x.shape[-1]
-'''
+def ordered_mean(x: torch.Tensor, dims: list[int], keepdim: bool, lanes: int) -> torch.Tensor:
+    """Mean over the last dim: the engine kernel's ordered sum, divided by the row length."""
+    return ordered_sum(x, dims, keepdim, lanes) / x.shape[-1]
 
-_scope: dict = {"torch": torch}
-exec(compile(SOURCE, "<graphdiff.replay.sum_order>", "exec"), _scope)  # noqa: S102 - our own source, the patch's too
-ordered_sum = _scope[SUM_FN]
-ordered_mean = _scope[MEAN_FN]
+
+# what a generated patch carries (their source), and the names its code calls them by
+PATCH_PARTS = (ordered_sum, ordered_mean)
+SUM_FN, MEAN_FN = ordered_sum.__name__, ordered_mean.__name__
 
 # An accumulator of a vectorized sum: `at::vec::VectorizedN<float,2> tmp_acc0_vec = ...(0);` (or Vectorized<float>)
 _ACC = re.compile(r"at::vec::Vectorized(?:N<float,\s*(\d+)>|<float>)\s+(tmp_acc\d+)_vec\s*=")

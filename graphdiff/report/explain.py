@@ -49,6 +49,7 @@ def explain_lines(scan_dir: Path, scan: ScanResult, site: Site) -> list[str]:
     d = _decision(scan, site)
     region = next((r for r in scan.regions if r.name == site.region), None)
     e = d.evidence
+    engine_how = d.engine.how if d.engine else "-"
     lines = [f"site     {site.id}",
              f"region   {site.region} — {site.kind}: {region.kind_reason if region else ''}",
              f"rounded  on the {site.rounded_on} side only; "
@@ -57,16 +58,16 @@ def explain_lines(scan_dir: Path, scan: ScanResult, site: Site) -> list[str]:
              f"trainer  {site.train.node} = {site.train.op} [{site.train.dtype}]  {d.train.how}",
              f"         {_where(site.train)}"]
     if d.rule == "matched" and site.engine is not None:
-        lines += [f"engine   {site.engine.node} = {site.engine.op} [{site.engine.dtype}]  {d.engine.how}",
+        lines += [f"engine   {site.engine.node} = {site.engine.op} [{site.engine.dtype}]  {engine_how}",
                   f"         {_where(site.engine)}",
                   f"rule     matched: sorted-value distance {e.distance:.2e} (runner-up {e.runner_up:.2e}), "
                   f"confidence {e.confidence:.2f}"]
     elif d.rule == "inside-kernel":
-        lines += [f"engine   no node of its own (another decomposition): {d.engine.how}",
+        lines += [f"engine   no node of its own (another decomposition): {engine_how}",
                   f"rule     inside-kernel: the engine computes {e.stretch[0]} -> {e.stretch[1]} in one kernel, "
                   f"in FP32 registers; confidence {e.confidence:.2f}"]
     else:
-        lines += [f"engine   {d.engine.how if d.engine else '-'}", f"rule     {d.rule}: {e.registry}"]
+        lines += [f"engine   {engine_how}", f"rule     {d.rule}: {e.registry}"]
     reps = [r for r in scan.replay if r.kernel == e.kernel]
     if reps:
         for r in reps:

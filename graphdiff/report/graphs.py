@@ -20,7 +20,7 @@ import graphviz
 from markupsafe import Markup
 
 from graphdiff.ops import ALLOCATIONS, VIEWS, is_heavy, op_name
-from graphdiff.records import Graph, Node, Site, layer_of
+from graphdiff.records import Graph, Node, Side, Site, layer_of
 
 TRAIN_COLOR, TRAIN_FILL = "#e8710a", "#fde3cc"  # train = orange
 ENGINE_COLOR, ENGINE_FILL = "#1a73e8", "#d2e3fc"  # engine = blue
@@ -44,7 +44,8 @@ def hidden(n: Node) -> bool:
     return n.op == "output" or op_name(n.target) in GLUE | ALLOCATIONS
 
 
-def contracted(graph: Graph, keep: set[str] = frozenset()) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+def contracted(graph: Graph, keep: set[str] | frozenset[str] = frozenset()
+               ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """(inputs, users) between visible nodes, looking through glue. An allocation stands for the
     out-variant ops (onednn_mm, attention_with_output) that wrote it before the reader ran."""
     nodes = graph.node_map()
@@ -117,10 +118,12 @@ def _between(graph: Graph, above: str, below: str) -> list[str]:
         for i in n.inputs:
             users[i].append(n.name)
     while frontier:
-        frontier = [u for n in frontier for u in users[n] if u not in down and not down.add(u)]
+        frontier = list(dict.fromkeys(u for n in frontier for u in users[n] if u not in down))
+        down.update(frontier)
     up, frontier = set(), [below]
     while frontier:
-        frontier = [i for n in frontier for i in nodes[n].inputs if i in nodes and i not in up and not up.add(i)]
+        frontier = list(dict.fromkeys(i for n in frontier for i in nodes[n].inputs if i in nodes and i not in up))
+        up.update(frontier)
     return [n.name for n in graph.nodes if n.name in down & up and not hidden(n)]
 
 
@@ -182,7 +185,7 @@ def _tooltip(n: Node) -> str:
 
 
 def _add_nodes(g: graphviz.Digraph, graph: Graph, names: list[str], side: str, prefix: str,
-               marks: dict[str, tuple[str, str, bool]]) -> None:
+               marks: dict[str, tuple[str, Side, bool]]) -> None:
     """marks: node -> (badge, rounding side, rounds here)."""
     nodes = graph.node_map()
     for name in names:
@@ -213,6 +216,62 @@ def _engine_side(engine: Graph, sites: list[Site],
     return stand, [s.engine.node for s in sites if s.engine and s.engine.node in enodes]
 
 
+def _engine_names(engine: Graph, sites: list[Site], stretches: dict[str, list[str]], extra: Sequence[str], hops: int,
+                  limit: int) -> tuple[dict[str, list[str]], list[str]]:
+    """Stand-in engine nodes per unmatched site id, and the engine nodes drawn (in graph order). A stand-in stretch
+    gets one hop only: the site has no engine node of its own."""
+    stand, matched = _engine_side(engine, sites, stretches)
+    near = neighbourhood(engine, [*matched, *extra], hops, limit)
+    stretch = neighbourhood(engine, [n for ns in stand.values() for n in ns], min(hops, 1), limit)
+    order = {n.name: i for i, n in enumerate(engine.nodes)}
+    return stand, sorted(set(near) | set(stretch), key=order.__getitem__)
+
+
+def _digraph(title: str, prefix: str) -> graphviz.Digraph:
+    g = graphviz.Digraph(name=prefix.strip("_") or "region", comment=title)
+    g.attr("graph", rankdir="TB", compound="true", newrank="true", fontname=FONT, fontsize="11", nodesep="0.14",
+           ranksep="0.28", tooltip=title, bgcolor="transparent")
+    g.attr("node", shape="box", style="rounded,filled", fillcolor="#ffffff", color="#9aa0a6", fontname=FONT,
+           fontsize="10", margin="0.08,0.03", height="0.3")
+    g.attr("edge", color="#9aa0a6", arrowsize="0.6")
+    return g
+
+
+def _add_engine(g: graphviz.Digraph, engine: Graph, enames: list[str], clusters: dict[str, str], prefix: str,
+                emarks: dict[str, tuple[str, Side, bool]]) -> None:
+    """The engine cluster: nodes outside generated kernels, then one sub-cluster per fused kernel; its edges."""
+    enodes = engine.node_map()
+    with g.subgraph(name="cluster_engine") as c:
+        c.attr(label="engine (compiled)", color=ENGINE_COLOR, fontcolor=ENGINE_COLOR, style="rounded",
+               penwidth="1.5")
+        _add_nodes(c, engine, [n for n in enames if enodes[n].kernel not in clusters], "engine", prefix, emarks)
+        for kid, cname in clusters.items():
+            with c.subgraph(name=cname) as kc:
+                kname, _, call = kid.partition(":")
+                kc.attr(label=f"{_short(kname)}  (call {call})", tooltip=kid, style="rounded,filled",
+                        fillcolor="#f3f7fe", color="#a8c7fa", fontcolor="#174ea6", fontsize="9",
+                        id=f"{prefix}{cname}")
+                _add_nodes(kc, engine, [n for n in enames if enodes[n].kernel == kid], "engine", prefix, emarks)
+    _add_edges(g, engine, enames, "engine")
+
+
+def _link_sites(g: graphviz.Digraph, sites: list[Site], badges: dict[str, str], tnames: list[str],
+                enames: list[str], stand: dict[str, list[str]], clusters: dict[str, str],
+                enodes: dict[str, Node]) -> None:
+    """Join each site's two values across the clusters (an unmatched site: to its kernel)."""
+    link = {"style": "dashed", "dir": "none", "constraint": "false", "fontsize": "9", "fontname": FONT}
+    for s in sites:
+        color, b = SIDE_COLORS[s.rounded_on][0], badges[s.id]
+        if s.train.node not in tnames:
+            continue
+        if s.engine and s.engine.node in enames:
+            g.edge(_id("train", s.train.node), _id("engine", s.engine.node), label=b, color=color, fontcolor=color,
+                   **link)
+        elif target := next((n for n in stand.get(s.id, []) if n in enames), None):
+            g.edge(_id("train", s.train.node), _id("engine", target), label=f"{b}: inside kernel", color=color,
+                   fontcolor=color, lhead=clusters.get(enodes[target].kernel or "", ""), **link)
+
+
 def region_dot(train: Graph | None, engine: Graph | None, sites: list[Site], title: str, prefix: str = "",
                extra_train: Sequence[str] = (), extra_engine: Sequence[str] = (), limit: int = MAX_NODES,
                stretches: dict[str, list[str]] | None = None) -> str:
@@ -228,22 +287,13 @@ def region_dot(train: Graph | None, engine: Graph | None, sites: list[Site], tit
     tnames = neighbourhood(train, [*tmarks, *extra_train], hops, limit) if train else []
     stand: dict[str, list[str]] = {}
     enames: list[str] = []
-    if engine:  # a stand-in stretch gets one hop only: the site has no engine node of its own
-        stand, matched = _engine_side(engine, sites, stretches or {})
-        near = neighbourhood(engine, [*matched, *extra_engine], hops, limit)
-        stretch = neighbourhood(engine, [n for ns in stand.values() for n in ns], min(hops, 1), limit)
-        order = {n.name: i for i, n in enumerate(engine.nodes)}
-        enames = sorted(set(near) | set(stretch), key=order.__getitem__)
+    if engine:
+        stand, enames = _engine_names(engine, sites, stretches or {}, extra_engine, hops, limit)
     fused = [k for k in dict.fromkeys(enodes[n].kernel for n in enames)
              if k and not k.startswith(("torch.ops", "extern"))]
     clusters = {kid: f"cluster_k{i}" for i, kid in enumerate(fused)}
 
-    g = graphviz.Digraph(name=prefix.strip("_") or "region", comment=title)
-    g.attr("graph", rankdir="TB", compound="true", newrank="true", fontname=FONT, fontsize="11", nodesep="0.14",
-           ranksep="0.28", tooltip=title, bgcolor="transparent")
-    g.attr("node", shape="box", style="rounded,filled", fillcolor="#ffffff", color="#9aa0a6", fontname=FONT,
-           fontsize="10", margin="0.08,0.03", height="0.3")
-    g.attr("edge", color="#9aa0a6", arrowsize="0.6")
+    g = _digraph(title, prefix)
     if train:
         with g.subgraph(name="cluster_train") as c:
             c.attr(label="HF eager (trainer)", color=TRAIN_COLOR, fontcolor=TRAIN_COLOR, style="rounded",
@@ -251,29 +301,8 @@ def region_dot(train: Graph | None, engine: Graph | None, sites: list[Site], tit
             _add_nodes(c, train, tnames, "train", prefix, tmarks)
         _add_edges(g, train, tnames, "train")
     if engine:
-        with g.subgraph(name="cluster_engine") as c:
-            c.attr(label="engine (compiled)", color=ENGINE_COLOR, fontcolor=ENGINE_COLOR, style="rounded",
-                   penwidth="1.5")
-            _add_nodes(c, engine, [n for n in enames if enodes[n].kernel not in clusters], "engine", prefix, emarks)
-            for kid, cname in clusters.items():
-                with c.subgraph(name=cname) as kc:
-                    kname, _, call = kid.partition(":")
-                    kc.attr(label=f"{_short(kname)}  (call {call})", tooltip=kid, style="rounded,filled",
-                            fillcolor="#f3f7fe", color="#a8c7fa", fontcolor="#174ea6", fontsize="9",
-                            id=f"{prefix}{cname}")
-                    _add_nodes(kc, engine, [n for n in enames if enodes[n].kernel == kid], "engine", prefix, emarks)
-        _add_edges(g, engine, enames, "engine")
-    link = {"style": "dashed", "dir": "none", "constraint": "false", "fontsize": "9", "fontname": FONT}
-    for s in sites:  # join each site's two values across the clusters
-        color, b = SIDE_COLORS[s.rounded_on][0], badges[s.id]
-        if s.train.node not in tnames:
-            continue
-        if s.engine and s.engine.node in enames:
-            g.edge(_id("train", s.train.node), _id("engine", s.engine.node), label=b, color=color, fontcolor=color,
-                   **link)
-        elif target := next((n for n in stand.get(s.id, []) if n in enames), None):
-            g.edge(_id("train", s.train.node), _id("engine", target), label=f"{b}: inside kernel", color=color,
-                   fontcolor=color, lhead=clusters.get(enodes[target].kernel, ""), **link)
+        _add_engine(g, engine, enames, clusters, prefix, emarks)
+    _link_sites(g, sites, badges, tnames, enames, stand, clusters, enodes)
     return g.source
 
 

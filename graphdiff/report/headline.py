@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from graphdiff.analysis.plan import module_pattern
+from graphdiff.analysis.regions import module_pattern
 from graphdiff.records import ScanResult, layer_of
 
 

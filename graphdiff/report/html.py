@@ -13,6 +13,7 @@ import re
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
@@ -116,7 +117,7 @@ def model_explorer(scan: ScanResult, train: Capture | None, engine: Capture | No
     """
     thresholds = [{"value": v, "bgColor": rg.SIDE_COLORS[side][0], "textColor": "#ffffff"}
                   for side, v in ME_VALUES.items()]
-    files = {}
+    files: dict[str, dict] = {}
     for fname, cap, node_of in (("node_data.json", train, lambda s: s.train.node),
                                 ("node_data.engine.json", engine, lambda s: s.engine.node if s.engine else "")):
         graphs = {}
@@ -149,8 +150,9 @@ def short_path(file: str) -> str:
 
 
 KL_RUN = ("prompts", "max_tokens", "temperature", "seed", "method")  # how the gap was measured
-KL_SKIP = {"schema_version", "kind", "model", "architecture", "engine", "versions", "timings", "reproduce", "notes",
-           "floor", "engine_attention", "sources", "sources_note", "bucket",
+KL_SKIP = {"schema_version", "kind", "model", "architecture", "fingerprint", "scan_id", "engine", "versions", "timings",
+           "reproduce", "notes", "floor", "engine_attention", "sources", "sources_note", "bucket",
+           "left_out", "departure", "departure_note",
            "routing"}  # position_view and the routing table show those
 SERIES = (("unpatched", "#d93025"), ("patched", "#1a73e8"), ("patched, the engine's attention op", "#188038"),
           ("floor: engine decode vs its prefill", "#5f6368"))
@@ -233,7 +235,9 @@ def position_view(kl: dict | None) -> dict | None:
     for src in kl.get("sources") or []:
         table.append((f"share of the patched ms: {src['name']}", [f"{x:.0%}" for x in src["share"]]))
     x_label = f"continuation position (bucket start; {width} tokens per bucket)"
-    return {"buckets": buckets, "table": table, "note": kl.get("sources_note", ""),
+    notes = [kl.get("sources_note", ""), *(f"in the patched gap, not patched: {r}" for r in kl.get("left_out") or []),
+             kl.get("departure_note", "")]
+    return {"buckets": buckets, "table": table, "note": " · ".join(n for n in notes if n),
             "rms": rg.line_chart(series("rms"), "RMS of logp_engine − logp_train", x_label, "{:.3f}"),
             "exact": rg.line_chart(series("bitexact_fraction"), "bit-identical fraction", x_label, "{:.0%}", 1.0)}
 
@@ -250,7 +254,8 @@ def abbrev(text: str) -> Markup:
 def _figures(scan: ScanResult, train: Capture | None, engine: Capture | None, region: Region,
              idx: int) -> tuple[list[dict], dict[str, str]]:
     """Pictures for a region, and each site's badge (S1, S2, ... in the picture of its layer)."""
-    figs, badges = [], {}
+    figs: list[dict] = []
+    badges: dict[str, str] = {}
     if not (train or engine):
         return figs, badges
     for layer in figure_layers(scan, region):
@@ -287,7 +292,7 @@ def html_context(scan: ScanResult, train: Capture | None, engine: Capture | None
     for r in scan.replay:
         replay[r.kernel.split(":")[0]].append(r)
     used = {"summary", "regions", "attribution", "details", "kernels", "coverage"}  # the page's own anchors
-    regions = []
+    regions: list[dict[str, Any]] = []  # the template's view of each region
     for idx, region in enumerate(scan.regions):
         if only is not None and region.name != only.name:
             continue
@@ -305,7 +310,8 @@ def html_context(scan: ScanResult, train: Capture | None, engine: Capture | None
             "naive": max((r.naive_bitexact for r in reps), default=None),
         })
     ok = [r for r in scan.replay if not r.error]
-    measured = {**(scan.kl or {}), **({"nonuniformity": scan.nonuniformity} if scan.nonuniformity else {})}
+    kl_json = scan.kl.model_dump(mode="json") if scan.kl else {}
+    measured = {**kl_json, **({"nonuniformity": scan.nonuniformity} if scan.nonuniformity else {})}
     kl = kl_view(measured or None)
     region_slugs = {x["r"].name: x["slug"] for x in regions}
     kernels = _kernels(engine, scan, region_slugs)
@@ -317,9 +323,9 @@ def html_context(scan: ScanResult, train: Capture | None, engine: Capture | None
                    "engine": sum(s.rounded_on == "engine" for s in scan.sites)},
         "replay_min": min((r.predicted_bitexact for r in ok), default=None),
         "naive_max": max((r.naive_bitexact for r in ok), default=None),
-        "position": position_view(scan.kl),
+        "position": position_view(kl_json),
         # the scan's own tokens, then the gap's samples (kl: unpatched and patched trainer)
-        "routing": [a.model_dump() for a in scan.routing] + list((scan.kl or {}).get("routing") or []),
+        "routing": [a.model_dump() for a in scan.routing] + list(kl_json.get("routing") or []),
         "kl": kl, "kl_charts": [(k, rg.bar_chart(v, "#1a73e8" if k == "shapley" else "#5f6368", region_slugs, errors),
                                  note) for k, v, errors, note in kl["charts"]],
         "has_captures": bool(train or engine), "has_dot": rg.dot_binary() is not None,
@@ -377,8 +383,11 @@ def write_report(scan_dir: Path, fmt: str = "html", *, region: str | None = None
     if (reg is None) == (layer is None):
         names = ", ".join(r.name for r in scan.regions)
         raise GraphdiffError(f"--format {fmt} draws one picture: give --region NAME or --layer N (regions: {names})")
-    src = region_dot(scan, train, engine, reg) if reg else layer_dot(scan, train, engine, layer)
-    stem = f"region-{_slug(reg.name, set())}" if reg else f"layer{layer}"
+    if reg is not None:
+        src, stem = region_dot(scan, train, engine, reg), f"region-{_slug(reg.name, set())}"
+    else:
+        assert layer is not None  # one of the two (checked above)
+        src, stem = layer_dot(scan, train, engine, layer), f"layer{layer}"
     if fmt == "dot":
         return [_write(out or base / f"{stem}.dot", src)]
     svg = rg.render_svg(src, inline=False)
@@ -389,6 +398,6 @@ def write_report(scan_dir: Path, fmt: str = "html", *, region: str | None = None
 
 
 def _write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
+    from graphdiff.artifacts import write_file
+
+    return write_file(path, text)

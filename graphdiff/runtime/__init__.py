@@ -82,19 +82,20 @@ _CALLERS: ContextVar[dict[str, Callable] | None] = ContextVar("graphdiff_callers
 
 
 def load_manifest(path: str | Path) -> Manifest:
+    """manifest.json (or its directory) read and validated; a PatchError naming the file and the fix."""
+    from graphdiff.records import parse_versioned
+
     path = Path(path)
     if path.is_dir():
         path = path / "manifest.json"
+    if not path.is_file():
+        raise PatchError(f"cannot read the manifest {path}: " + ("a directory" if path.is_dir() else "no such file"))
     try:
-        manifest = Manifest.model_validate_json(path.read_text())
-    except OSError as e:
-        raise PatchError(f"cannot read the manifest {path}: {e.strerror}") from None
-    except ValueError as e:
-        raise PatchError(f"{path} is not a graphdiff manifest: {str(e).splitlines()[0]}") from None
-    if manifest.schema_version != MANIFEST_VERSION:
-        raise PatchError(f"{path} has manifest schema {manifest.schema_version}; this runtime reads "
-                         f"{MANIFEST_VERSION}: regenerate it with `graphdiff patch`")
-    return manifest
+        return parse_versioned(Manifest, path, "patch manifest", MANIFEST_VERSION)
+    except PatchError:
+        raise
+    except GraphdiffError as e:
+        raise PatchError(str(e)) from None
 
 
 # Fields that say how a run is set up, not what the model computes: a trainer may set them differently.
@@ -159,13 +160,15 @@ def load_generated(manifest: Manifest, path: Path) -> ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise PatchError(f"{file} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    sys.modules[name] = module
+    sys.modules[name] = module  # an import like any other, kept for the process: pickling looks functions up by module
     return module
 
 
-def _pattern(module_pattern: str) -> re.Pattern:
+def module_regex(module_pattern: str) -> re.Pattern:
     return re.compile("^" + re.escape(module_pattern).replace(r"\*", r"\d+") + "$")
 
 
@@ -194,7 +197,8 @@ def _chooser(gen: ModuleType, splice: ManifestSplice) -> Callable[..., tuple]:
         if torch.is_grad_enabled():
             for j, o in enumerate(outs):
                 if isinstance(o, torch.Tensor) and o.dtype == torch.float32 and o.requires_grad:
-                    o._graphdiff_recompute = _Recompute(compute, inputs, align, j, lanes)
+                    o._graphdiff_recompute = _Recompute(  # type: ignore[attr-defined]  # an attribute of ours
+                        compute, inputs, align, j, lanes)
         return outs
 
     return run
@@ -288,7 +292,7 @@ def _function(original: Callable, splice: ManifestSplice, run: Callable, align: 
             result[position] = value
         return tuple(result) if width > 1 else result[0]
 
-    replacement.__wrapped__ = original
+    replacement.__wrapped__ = original  # type: ignore[attr-defined]  # a function attribute, as functools sets it
     replacement.__name__ = getattr(original, "__name__", "replacement")
     return replacement
 
@@ -300,7 +304,7 @@ def _dispatcher(key: str, original: Callable) -> Callable:
     def dispatch(*args: Any, **kwargs: Any) -> Any:
         return (_CALLERS.get() or {}).get(key, original)(*args, **kwargs)
 
-    dispatch.__wrapped__ = original
+    dispatch.__wrapped__ = original  # type: ignore[attr-defined]  # a function attribute, as functools sets it
     dispatch.__name__ = getattr(original, "__name__", "dispatch")
     return dispatch
 
@@ -331,9 +335,9 @@ def _is_conv1d(mod: torch.nn.Module) -> bool:
 
 
 def _round_linear_input(module: torch.nn.Module, args: tuple) -> tuple | None:
-    x = args[0] if args else None
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != module.weight.dtype:
-        return (x.to(module.weight.dtype), *args[1:])
+    x, w = args[0] if args else None, module.weight
+    if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.is_floating_point() and x.dtype != w.dtype:
+        return (x.to(w.dtype), *args[1:])
     return None
 
 
@@ -355,15 +359,119 @@ def _layer_norm_takes_fp32(mod: torch.nn.LayerNorm) -> Callable[[], None]:
                                                   None if b is None else b.float(), mod.eps)
         return forward(x.to(w.dtype))
 
-    mod.forward = run
+    mod.forward = run  # type: ignore[method-assign,assignment]  # this instance's forward, until undo
 
     def undo() -> None:
         if before is None:
             mod.__dict__.pop("forward", None)
         else:
-            mod.forward = before
+            mod.forward = before  # type: ignore[method-assign]
 
     return undo
+
+
+def _regions_to_apply(manifest: Manifest, path: Path, regions: Sequence[str] | None) -> list[str]:
+    """The regions asked for (by default the shipped patch: generated regions the scan did not measure widening the
+    gap); each must be in the manifest and generated."""
+    generated = [r.name for r in manifest.regions if r.generated]
+    if regions is None:
+        regions = [r.name for r in manifest.regions if r.generated and r.enabled]
+    unknown = [r for r in regions if r not in {m.name for m in manifest.regions}]
+    if unknown:
+        raise PatchError(f"no region {', '.join(unknown)} in {path}; regions: {', '.join(generated)}")
+    failed = [f"{r.name} ({r.reason})" for r in manifest.regions if r.name in regions and not r.generated]
+    if failed:
+        raise PatchError(f"not generated, cannot apply: {'; '.join(failed)}")
+    return list(regions)
+
+
+@dataclass
+class _Patching:
+    """What patching a splice's modules reads: the generated module, the aligned regions, the model, the undo list."""
+    gen: ModuleType
+    align: frozenset[str]
+    model: torch.nn.Module
+    state: _State
+
+    def aligned(self, splice: ManifestSplice) -> bool:
+        return bool(self.align & set(splice.regions))
+
+
+_Targets = list[tuple[str, torch.nn.Module]]
+
+
+def _patch_carry(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
+    """Aligned: the carry hooks on each module (its incoming activation kept in FP32)."""
+    if p.aligned(splice):
+        for _, mod in targets:
+            _carry(p.gen, splice, mod, p.state)
+
+
+def _patch_attention(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
+    """Aligned, and the model has the modules: the model's attention runs the generated function."""
+    if p.aligned(splice) and targets:
+        _require(splice)
+        p.state.undo.append(_use_attention(p.model, getattr(p.gen, splice.torch_fn)))
+
+
+def _patch_moe(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
+    """Router or experts: the module computes as the engine's MoE does."""
+    if p.aligned(splice):
+        for name, mod in targets:
+            _check_moe_module(mod, name, splice.target)
+            mod.forward = functools.partial(getattr(p.gen, splice.torch_fn), mod)
+            p.state.undo.append(functools.partial(_drop_attributes, mod, ("forward", "_graphdiff_router_order")))
+    elif splice.target == "router":  # left as it is, it still gets the other regions' FP32 stream: its
+        for _, mod in targets:  # own F.linear (not an nn.Linear) reads it rounded, as the engine's GEMM
+            p.state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
+
+
+def _patch_linear(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
+    """Aligned: each linear computes as the tensor-parallel engine's split-K matmul."""
+    if p.aligned(splice):
+        for name, mod in targets:
+            p.state.undo.append(_split_k(mod, name, getattr(p.gen, splice.torch_fn), splice.shards))
+
+
+def _patch_module(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
+    """Each module's forward runs the generated fragment (its aligned regions rounded as the engine does)."""
+    run = _chooser(p.gen, splice)
+    for name, mod in targets:  # each module sums its rows as its engine kernel does
+        mod.forward = _module_forward(mod, splice, run, p.align, splice.reduction_lanes.get(name, 0))
+        p.state.undo.append(functools.partial(_drop_attributes, mod, ("forward",)))
+
+
+def _patch_function(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
+    """A module-level function, replaced only when this model has the modules that call it."""
+    if not targets:
+        return
+    key = splice.function
+    owner_name, fn_name = key.rsplit(".", 1)
+    owner = importlib.import_module(owner_name)
+    if key not in _FUNCTIONS:  # one dispatcher per function and process; the replacement is per model
+        _FUNCTIONS[key] = (getattr(owner, fn_name), 0)
+        setattr(owner, fn_name, _dispatcher(key, _FUNCTIONS[key][0]))
+    original, users = _FUNCTIONS[key]
+    _FUNCTIONS[key] = (original, users + 1)
+    p.state.undo.append(functools.partial(_unpatch, key, owner, fn_name))
+    replacement = _function(original, splice, _chooser(p.gen, splice), p.align)
+    for _, mod in targets:
+        p.state.undo.append(_calls_replacement(mod, key, replacement))
+
+
+_PATCH = {"carry": _patch_carry, "attention": _patch_attention, "router": _patch_moe, "experts": _patch_moe,
+          "linear": _patch_linear, "module": _patch_module}  # any other target: _patch_function
+
+
+def _splice_targets(splice: ManifestSplice, named: _Targets, manifest: Manifest, model: torch.nn.Module,
+                    align: frozenset[str]) -> _Targets:
+    """The model's modules a splice patches: its module pattern and class, and its group of layers if it has one."""
+    pattern = module_regex(splice.module)
+    targets = [(n, m) for n, m in named if pattern.match(n) and type(m).__name__ == splice.module_class]
+    if splice.layers:  # one group of layers sharing a rounding plan
+        targets = _group_targets(targets, splice, manifest.layers_scanned, _layer_count(model, named),
+                                 bool(align & set(splice.regions)))
+    return targets
 
 
 def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[str] | None = None, *,
@@ -373,75 +481,22 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
     path = path / "manifest.json" if path.is_dir() else path
     manifest = load_manifest(path)
     _check(model, manifest, path, allow_version_mismatch)
-    generated = [r.name for r in manifest.regions if r.generated]
-    if regions is None:  # the shipped patch: generated regions the scan did not measure widening the gap
-        regions = [r.name for r in manifest.regions if r.generated and r.enabled]
-    unknown = [r for r in regions if r not in {m.name for m in manifest.regions}]
-    if unknown:
-        raise PatchError(f"no region {', '.join(unknown)} in {path}; regions: {', '.join(generated)}")
-    failed = [f"{r.name} ({r.reason})" for r in manifest.regions if r.name in regions and not r.generated]
-    if failed:
-        raise PatchError(f"not generated, cannot apply: {'; '.join(failed)}")
+    chosen = _regions_to_apply(manifest, path, regions)
     gen = load_generated(manifest, path)
     remove(model)
-    align = frozenset(regions)
-    state = _State(path, list(regions))
+    p = _Patching(gen, frozenset(chosen), model, _State(path, chosen))
     named = list(model.named_modules())
     for splice in manifest.splices:
-        if splice.problems:
-            continue
-        pattern = _pattern(splice.module)
-        targets = [(n, m) for n, m in named if pattern.match(n) and type(m).__name__ == splice.module_class]
-        if splice.layers:  # one group of layers sharing a rounding plan
-            targets = _group_targets(targets, splice, manifest.layers_scanned, _layer_count(model, named),
-                                     bool(align & set(splice.regions)))
-        if splice.target == "carry":
-            if align & set(splice.regions):
-                for _, mod in targets:
-                    _carry(gen, splice, mod, state)
-        elif splice.target == "attention":
-            if align & set(splice.regions) and targets:
-                _require(splice)
-                state.undo.append(_use_attention(model, getattr(gen, splice.torch_fn)))
-        elif splice.target in ("router", "experts"):  # the module computes as the engine's MoE does
-            if align & set(splice.regions):
-                for name, mod in targets:
-                    _check_moe_module(mod, name, splice.target)
-                    mod.forward = functools.partial(getattr(gen, splice.torch_fn), mod)
-                    state.undo.append(lambda mod=mod: [mod.__dict__.pop(k, None)
-                                                       for k in ("forward", "_graphdiff_router_order")])
-            elif splice.target == "router":  # left as it is, it still gets the other regions' FP32 stream: its
-                for _, mod in targets:  # own F.linear (not an nn.Linear) reads it rounded, as the engine's GEMM
-                    state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
-        elif splice.target == "linear":
-            if align & set(splice.regions):
-                for name, mod in targets:
-                    state.undo.append(_split_k(mod, name, getattr(gen, splice.torch_fn), splice.shards))
-        elif splice.target == "module":
-            run = _chooser(gen, splice)
-            for name, mod in targets:  # each module sums its rows as its engine kernel does
-                mod.forward = _module_forward(mod, splice, run, align, splice.reduction_lanes.get(name, 0))
-                state.undo.append(lambda mod=mod: mod.__dict__.pop("forward", None))
-        elif targets:  # function: only when this model has the modules that call it
-            key = splice.function
-            owner_name, fn_name = key.rsplit(".", 1)
-            owner = importlib.import_module(owner_name)
-            if key not in _FUNCTIONS:  # one dispatcher per function and process; the replacement is per model
-                _FUNCTIONS[key] = (getattr(owner, fn_name), 0)
-                setattr(owner, fn_name, _dispatcher(key, _FUNCTIONS[key][0]))
-            original, users = _FUNCTIONS[key]
-            _FUNCTIONS[key] = (original, users + 1)
-            state.undo.append(lambda key=key, owner=owner, fn_name=fn_name: _unpatch(key, owner, fn_name))
-            replacement = _function(original, splice, _chooser(gen, splice), align)
-            for _, mod in targets:
-                state.undo.append(_calls_replacement(mod, key, replacement))
+        if not splice.problems:
+            _PATCH.get(splice.target, _patch_function)(p, splice, _splice_targets(splice, named, manifest, model,
+                                                                                   p.align))
     for _, mod in named:
         if isinstance(mod, torch.nn.Linear) or _is_conv1d(mod):
-            state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
+            p.state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
         elif isinstance(mod, torch.nn.LayerNorm):
-            state.undo.append(_layer_norm_takes_fp32(mod))
-    state.undo.append(_saved_fp32_recomputed(model))
-    setattr(model, _ATTR, state)
+            p.state.undo.append(_layer_norm_takes_fp32(mod))
+    p.state.undo.append(_saved_fp32_recomputed(model))
+    setattr(model, _ATTR, p.state)
     return model
 
 
@@ -514,18 +569,17 @@ def _split_k(mod: torch.nn.Module, name: str, fn: Callable, shards: int) -> Call
 
 def _use_attention(model: torch.nn.Module, fn: Callable) -> Callable[[], None]:
     """Register `fn` as a transformers attention function and make the model's attention layers call it (they
-    look the implementation up in the shared config at every forward); returns the undo."""
-    from transformers import AttentionInterface
+    look the implementation up in the shared config at every forward); returns the undo, which unregisters it
+    once no patched model uses it."""
+    from graphdiff.runtime.attention import use_attention
 
-    name = f"graphdiff_{fn.__module__}_{fn.__name__}"  # one per generated module: manifests may differ
-    AttentionInterface.register(name, fn)
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = name
+    return use_attention(model, f"graphdiff_{fn.__module__}_{fn.__name__}", fn)  # one per generated module
 
-    def undo() -> None:
-        model.config._attn_implementation = previous
 
-    return undo
+def _drop_attributes(mod: torch.nn.Module, names: tuple[str, ...]) -> None:
+    """Undo a patch's instance attributes on a module (its forward, ...): the class's own apply again."""
+    for name in names:
+        mod.__dict__.pop(name, None)
 
 
 def _unpatch(key: str, owner: ModuleType, fn_name: str) -> None:

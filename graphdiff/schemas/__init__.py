@@ -11,13 +11,10 @@ HERE = Path(__file__).parent
 
 
 def models() -> dict[str, type[BaseModel]]:
-    from graphdiff import records as model
+    from graphdiff import records
 
-    found = {"capture": model.Capture, "scan": model.ScanResult}
-    for name in ("KLResult", "Manifest"):  # written by later stages, when present
-        if hasattr(model, name):
-            found[name.lower().replace("klresult", "kl")] = getattr(model, name)
-    return found
+    return {"capture": records.Capture, "scan": records.ScanResult, "kl": records.KLResult,
+            "manifest": records.Manifest}
 
 
 def render(cls: type[BaseModel]) -> str:

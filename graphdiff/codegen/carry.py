@@ -1,0 +1,52 @@
+"""What a carry splice runs in the trainer: hooks on a layer that hold its incoming activation as the engine does.
+
+`carry_fp32` (every patch carries it) keeps the residual stream FP32 across layers; `carry_fp32_rounded`,
+`carry_fp32_child` and `carry_done` (ROUNDED_PARTS, carried where a region needs them) hold it as a piecewise
+engine does at a graph boundary. The generated module carries their source (prelude.source); the runtime registers
+them by these names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def carry_fp32(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook: the incoming activation in FP32, so eager type promotion keeps the residual sum
+    in FP32 across layers (the engine re-sums it in FP32 inside its norm kernels)."""
+    if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+        return (args[0].float(), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"].float()}
+    return args, kwargs
+
+
+def carry_fp32_rounded(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook: the incoming activation as a piecewise engine holds it. The engine stores the residual
+    stream in bfloat16 where it is live across a graph split (attention), so the module's own ops (the residual
+    add) read it rounded (held in FP32: the sum stays FP32, as in the engine's kernel); the child modules named in
+    the manifest read the FP32 value (the norm, inside the graph that computed it: carry_fp32_child)."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+        return args, kwargs
+    full = x.float()
+    rounded = full.to(torch.bfloat16).float()
+    module.__dict__["_graphdiff_carry"] = (rounded, full)
+    return ((rounded, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": rounded})
+
+
+def carry_fp32_child(parent: torch.nn.Module, child: torch.nn.Module, args: tuple) -> tuple | None:
+    """Forward pre-hook of a child module that reads the parent's incoming activation in FP32: the unrounded value
+    in place of the rounded one the parent's code passes it."""
+    state = parent.__dict__.get("_graphdiff_carry")
+    if state is not None and args and args[0] is state[0]:
+        return (state[1], *args[1:])
+    return None
+
+
+def carry_done(module: torch.nn.Module, args: tuple, output: object) -> None:
+    """Forward hook: drop the parent's references to its input."""
+    module.__dict__.pop("_graphdiff_carry", None)
+
+
+ROUNDED_PARTS = (carry_fp32_rounded, carry_fp32_child, carry_done)

@@ -1,0 +1,56 @@
+"""The helpers every generated patch module starts with, and how a patch carries a function: as its source.
+
+The runtime imports nothing of the scanner, so the generated module holds the source of every function it runs
+(`source`). The functions themselves are real ones, here and in the modules named below, so the scanner, the tests
+and the linters run the very code a patch carries:
+
+- `_f32`, `_round`: what the emitted region functions call on their inputs and at each rounding point;
+- `truncate_to_bf16` (capture.cpu_kind) and `round_toward_zero`: an FP32 -> BF16 store by truncation, as vLLM CPU's
+  `_C_AVX512` / `_C_AVX2` ops store (the attention and split-K splices' `_truncated` forms);
+- `ordered_sum`, `ordered_mean` (replay.sum_order): a row sum in an engine kernel's order.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from graphdiff.capture.cpu_kind import truncate_to_bf16
+from graphdiff.replay.sum_order import ordered_mean, ordered_sum
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.is_floating_point() else x
+
+
+def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Store in `dtype` (round to nearest even) and go on computing in FP32."""
+    return x.to(dtype).float()
+
+
+def round_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """Store FP32 `x` in BF16 by truncation and go on computing in FP32; the gradient passes the truncation as it
+    passes a cast."""
+    kept = x.detach()
+    return x + (truncate_to_bf16(kept) - kept)
+
+
+PARTS: tuple[Callable, ...] = (_f32, _round, truncate_to_bf16, round_toward_zero, ordered_sum, ordered_mean)
+
+
+def source(parts: tuple) -> list[str]:
+    """The lines a generated module carries for `parts` (their source, as written, two blank lines apart)."""
+    return "\n\n\n".join(inspect.getsource(part).rstrip("\n") for part in parts).splitlines()
+
+
+def text() -> str:
+    """The prelude's source, as the generated module carries it."""
+    return "\n".join(source(PARTS))
+
+
+def namespace() -> dict[str, Any]:
+    """The names emitted region code may call, bound to the real functions (and the modules it imports)."""
+    return {"torch": torch, "F": torch.nn.functional, **{part.__name__: part for part in PARTS}}
