@@ -262,26 +262,28 @@ def _gap(d: ScanDir, outcome: ScanOutcome, extras: Extras, progress: Progress) -
                      tensor_parallel_size=extras.tensor_parallel_size)
     result.scan_id, result.fingerprint = outcome.result.scan_id, outcome.result.fingerprint
     if manifest is not None:
-        result.departure, result.departure_note = patched_departure(d, outcome, manifest, result, progress)
+        result.departure, result.departure_note = patched_departure(outcome, manifest, result, progress)
     return result
 
 
-def patched_departure(d: ScanDir, outcome: ScanOutcome, manifest: Path, gap: KLResult,
+def patched_departure(outcome: ScanOutcome, manifest: Path, gap: KLResult,
                       progress: Progress) -> tuple[Departure | None, str]:
-    """Where more than REST_LIMIT of the patched gap is unnamed in some bucket: the patched trainer scanned against
-    the scan's own engine capture (no engine start), and the first value where it departs from the engine."""
+    """Where more than REST_LIMIT of the patched gap is unnamed in some bucket: the patched trainer analyzed against
+    the scan's own engine capture and buffers, already in memory (no engine start, nothing read again), and the
+    first value where it departs from the engine."""
     from graphdiff.measure.kl import REST_LIMIT, rest_buckets
 
     over = rest_buckets(gap.sources)
     if not over:
         return None, ""
     where = ", ".join(f"{i * gap.bucket}-{(i + 1) * gap.bucket - 1}" for i in over)
-    progress("scanning the patched trainer against the engine capture: where the rest departs")
     if outcome.engine.graphs and len({tp.rank_of(g) for g in outcome.engine.graphs}) > 1:
         return None, f"the rest is over {REST_LIMIT:.0%} of the patched gap at positions {where}; a tensor-parallel " \
                      "capture's departure is not searched"
-    patched = scan(str(outcome.model_dir), engine_dump=d.engine_dir, manifest=manifest, progress=progress)
-    departure = patched.result.departure
+    progress("tracing the patched trainer against the scan's engine capture: where the rest departs")
+    train = run_train_side(outcome.model_dir, outcome.engine.prompt_tokens, manifest)
+    departure = analyze(outcome.engine, outcome.buffers, train, model=outcome.result.model,
+                        layers_total=outcome.result.layers_total, config=outcome.config).departure
     if departure is None:
         return None, (f"the rest is over {REST_LIMIT:.0%} of the patched gap at positions {where}, but the patched "
                       "trainer equals the engine on every matched value of the scan's tokens: it departs at longer "
