@@ -64,8 +64,13 @@ def load_scan_dir(scan_dir: Path) -> tuple[ScanResult, Capture]:
     return scan, d.load_train()
 
 
-def _probe(node: Node, gen: torch.Generator) -> torch.Tensor:
-    shape = [s if isinstance(s, int) else 8 for s in (node.shape or [])]
+def _probe_shape(node: Node, tokens: int = 0, other: int = 0) -> list[int]:
+    """The node's captured shape (a symbolic size as 8), with the captured token count `tokens` made `other`."""
+    return [other if tokens and s == tokens else s if isinstance(s, int) else 8 for s in (node.shape or [])]
+
+
+def _probe(node: Node, gen: torch.Generator, tokens: int = 0, other: int = 0) -> torch.Tensor:
+    shape = _probe_shape(node, tokens, other)
     return torch.randn(shape, generator=gen).to(getattr(torch, node.dtype or "float32"))
 
 
@@ -109,22 +114,17 @@ def other_length_problem(frag: Fragment, nodes: dict[str, Node], tokens: int) ->
     if tokens < 2 or frag.compiled is None:  # one token, or nothing emitted: nothing to run at another count
         return ""
     other = tokens + 5
-
-    def at(node: Node) -> list[int]:
-        return [other if s == tokens else s if isinstance(s, int) else 8 for s in (node.shape or [])]
-
     gen = torch.Generator().manual_seed(1)
-    probes = [torch.randn(at(nodes[i]), generator=gen).to(getattr(torch, nodes[i].dtype or "float32"))
-              for i in frag.inputs]
+    probes = [_probe(nodes[i], gen, tokens, other) for i in frag.inputs]
     try:
         with torch.no_grad():
             outs = frag.compiled(*probes, align=frozenset(frag.regions))
     except Exception as e:  # the emitted code's own failure at that size is the finding
         return f"the emitted code does not run at {other} tokens (captured at {tokens}): {first_line(e)[:120]}"
     for o, name in zip(outs, frag.outputs):
-        if list(o.shape) != at(nodes[name]):
+        if list(o.shape) != (expected := _probe_shape(nodes[name], tokens, other)):
             return (f"the emitted code gives {name} the shape {list(o.shape)} at {other} tokens, not "
-                    f"{at(nodes[name])}: a size of the capture is baked in")
+                    f"{expected}: a size of the capture is baked in")
     return ""
 
 
