@@ -1,4 +1,4 @@
-"""Training-step cost of the patch: forward+backward time (and peak memory on GPU), patched / unpatched.
+"""Training-step cost of the patch: forward+backward time and peak memory, patched / unpatched.
 
     python benchmarks/patch_step_benchmark.py --scan fixtures/scans/tiny-qwen3 --arch qwen3
     python benchmarks/patch_step_benchmark.py --scan SCAN_DIR --batch 1 --seq 1024 --attention engine
@@ -10,7 +10,10 @@ depth with random weights made on the device (--config; the scan may have cut it
 applies to every layer). On CPU the runtime uses the generated PyTorch functions; on a GPU the Triton
 kernels. A variant is `unpatched`, `all`, or region kinds joined by `+` (e.g. `rope`, `rope+gated_act`):
 those regions aligned, the others spliced but rounding where HF does. Steps cycle through the variants
-(remove/apply between them) so that drift in machine speed hits all alike; medians are reported.
+(remove/apply between them) so that drift in machine speed hits all alike; medians are reported. Peak memory:
+on a GPU the allocator's maximum during one step (`peak_gib`, parameters included); on the CPU the most tensor
+memory live at once during one step above what was live before it (`peak_mib`, from the profiler's allocation and
+free events: patch_memory_benchmark.peak_of).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from patch_memory_benchmark import peak_of  # beside this script
 
 from graphdiff import runtime
 from graphdiff.codegen import generate
@@ -114,11 +118,13 @@ def main() -> None:
     for v in variants:  # warm-up (allocator, Triton compile), then one step for the peak memory
         use(v)
         step(model, ids)
+        model.zero_grad(set_to_none=True)
         if cuda:
-            model.zero_grad(set_to_none=True)
             torch.cuda.reset_peak_memory_stats()
             step(model, ids)
             peak[v] = torch.cuda.max_memory_allocated() / 2**30
+        else:
+            peak[v] = peak_of(lambda: step(model, ids)) / 2**20
     times: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.steps):
         for v in variants:
@@ -134,7 +140,8 @@ def main() -> None:
         "torch": torch.__version__,
         "variants": {v: {"regions": len(r) if r is not None else 0, "median_s": round(med[v], 4),
                          "ratio": round(med[v] / base, 4) if base else None,
-                         **({"peak_gib": round(peak[v], 2)} if v in peak else {})}
+                         ("peak_gib" if cuda else "peak_mib"): round(peak[v], 2),
+                         "peak_ratio": round(peak[v] / peak["unpatched"], 3) if peak.get("unpatched") else None}
                      for v, r in variants.items()},
     }
     print(json.dumps(result, indent=1))

@@ -8,7 +8,7 @@ import shlex
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -734,6 +734,39 @@ def check_kl_args(engine: str, prompts_file: Path | None, random: int | None, pr
     return engine_config(compile_option(compilation_config, optimization_level), optimization_level)
 
 
+def position_table(result, rows: list, patched: Callable) -> Table:  # noqa: ANN001 - KLResult
+    """The gap per position bucket: each measurement, the patched / unpatched and patched / floor ratios, whether
+    each bucket is at the engine (kl.at_target), and the named shares of the patched gap."""
+    from graphdiff.measure.kl import TARGET_OF_FLOOR, TARGET_OF_UNPATCHED, at_target, floor_ratio
+
+    p = Table(title=f"rms of diff (bit-identical) by continuation position, {result.bucket} at a time "
+                    "(0 = the first sampled token)")
+    p.add_column("engine / trainer")
+    for b in rows[0].position:
+        p.add_column(f"{b.start}-{b.stop - 1}", justify="right")
+    sub = result.engine_attention
+    for m in [*rows, *([sub] if sub else [])]:
+        who = "floor" if m.trainer_mode == "engine-prefill" else f"{m.engine_mode} / {m.trainer_mode}" + (
+            f" + {patched(m)}" if m.regions else "") + (", engine's attention op" if m is sub else "")
+        p.add_row(who, *(f"{b.rms:.4f} ({b.bitexact_fraction:.0%})" for b in m.position))
+    plain = next((m for m in result.measurements if m.regions is None and m.trainer_mode == "eager"), None)
+    fixed = next((m for m in result.measurements if m.regions and m.trainer_mode == "eager"), None)
+    for label, m in (("patched / unpatched rms", fixed), ("... with the engine's attention op", sub)):
+        if plain and m:
+            p.add_row(label, *(f"{b.rms / a.rms:.2f}" if a.rms else "-" for a, b in zip(plain.position, m.position)))
+    fl = result.floor
+    if fixed and fl:
+        p.add_row("patched / floor rms", *(floor_ratio(b, f) for b, f in zip(fixed.position, fl.position)))
+    if plain and fixed:
+        floors = fl.position if fl else [None] * len(fixed.position)
+        p.add_row(f"at the engine (<= {TARGET_OF_UNPATCHED:g} x unpatched or {TARGET_OF_FLOOR:g} x floor)",
+                  *("yes" if at_target(a, b, f) else "[red]no[/]"
+                    for a, b, f in zip(plain.position, fixed.position, floors)))
+    for src in result.sources:
+        p.add_row(f"share of the patched ms: {src.name}", *(f"{x:.0%}" for x in src.share))
+    return p
+
+
 def print_kl(result) -> None:  # noqa: ANN001 - KLResult
     t = Table(title=f"log-prob gap, diff = logp_engine - logp_train: {result.model} ({result.architecture}), "
                     f"{result.prompts} prompts x {result.max_tokens} tokens")
@@ -754,25 +787,7 @@ def print_kl(result) -> None:  # noqa: ANN001 - KLResult
                   pm(m.k1, m.k1_se), str(m.tokens))
     out.print(t)
     if rows and rows[0].position:
-        p = Table(title=f"rms of diff (bit-identical) by continuation position, {result.bucket} at a time "
-                        "(0 = the first sampled token)")
-        p.add_column("engine / trainer")
-        for b in rows[0].position:
-            p.add_column(f"{b.start}-{b.stop - 1}", justify="right")
-        sub = result.engine_attention
-        for m in [*rows, *([sub] if sub else [])]:
-            who = "floor" if m.trainer_mode == "engine-prefill" else f"{m.engine_mode} / {m.trainer_mode}" + (
-                f" + {patched(m)}" if m.regions else "") + (", engine's attention op" if m is sub else "")
-            p.add_row(who, *(f"{b.rms:.4f} ({b.bitexact_fraction:.0%})" for b in m.position))
-        plain = next((m for m in result.measurements if m.regions is None and m.trainer_mode == "eager"), None)
-        fixed = next((m for m in result.measurements if m.regions and m.trainer_mode == "eager"), None)
-        for label, m in (("patched / unpatched rms", fixed), ("... with the engine's attention op", sub)):
-            if plain and m:
-                p.add_row(label, *(f"{b.rms / a.rms:.2f}" if a.rms else "-"
-                                   for a, b in zip(plain.position, m.position)))
-        for src in result.sources:
-            p.add_row(f"share of the patched ms: {src.name}", *(f"{x:.0%}" for x in src.share))
-        out.print(p)
+        out.print(position_table(result, rows, patched))
     if result.sources_note:
         out.print(f"[yellow]note:[/] {result.sources_note}")
     for region in result.left_out:

@@ -712,6 +712,9 @@ class ManifestSplice(BaseModel):
     # carry with torch_fn carry_fp32_rounded: child modules (paths relative to the module) that read the incoming
     # activation in FP32 while the module's own ops read it rounded (a piecewise engine's BF16 graph boundary)
     fp32_children: list[str] = Field(default_factory=list)
+    # carry: child modules (paths relative to the module) whose output the module's own code scales before the
+    # residual add; the engine fuses the scale into its FP32 sum, so the child's output reaches it in FP32
+    fp32_outputs: list[str] = Field(default_factory=list)
     # the scanned decoder layers it serves, where its regions' layers run different rounding plans (one splice per
     # group of layers: first / middle / last, alternating types); [] = every layer the pattern matches
     layers: list[int] = Field(default_factory=list)

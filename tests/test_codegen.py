@@ -279,3 +279,125 @@ def test_an_attention_that_calls_sdpa_itself_is_not_patched(tmp_path: Path) -> N
     assert all("modeling_falcon.py" in r.reason and "attention interface" in r.reason for r in attention)
     assert any(r.generated for r in made.regions if r.kind != "attention")
     assert "attention_fp32_inputs" not in (tmp_path / "patch" / "graphdiff_patch.py").read_text()
+
+
+ROPE = "model.rotary_emb#rope"
+
+
+def _scan_with_rotary_region(tmp_path: Path) -> Path:
+    """The Qwen3 scan with a region on its rotary embedding, whose forward returns (cos, sin): HF rounds both to
+    BF16, the engine keeps them FP32 (as GPT-NeoX's engine computes them inside its RoPE kernel); the attention ran
+    vLLM CPU's op, so `--attention engine` splices it."""
+    edited = tmp_path / "scan"
+    shutil.copytree(QWEN3, edited)
+    data = json.loads((edited / "scan.json").read_text())
+    data["engine_attention"] = {"backend": "CPU_ATTN"}
+    casts = [d for d in data["plan"] if d["module"] == "model.rotary_emb" and d["train"]["rounds"]]
+    nodes = {n["name"]: n for n in json.loads((edited / "train.capture.json").read_text())["graphs"][0]["nodes"]}
+    template = data["sites"][0]
+    assert len(casts) == 2
+    for d in casts:
+        d.update(site=True, region=ROPE, kind="rope", engine={**d["train"], "dtype": "float32", "rounds": False})
+        n = nodes[d["node"]]
+        data["sites"].append({**template, "id": d["id"], "region": ROPE, "kind": "rope", "layer": None,
+                              "train": {**template["train"], "node": n["name"], "op": n["target"],
+                                        "module": n["module"], "source": n["source"]}})
+    region = next(r for r in data["regions"] if r["kind"] == "qk_norm")
+    data["regions"].append({**region, "name": ROPE, "kind": "rope", "module": "model.rotary_emb", "layers": [None],
+                            "sites": [d["id"] for d in casts], "differing_layers": [], "reduction_lanes": {}})
+    (edited / "scan.json").write_text(json.dumps(data))
+    return edited
+
+
+def test_a_module_forward_returning_cos_and_sin_is_re_emitted(tmp_path: Path) -> None:
+    """A rotary embedding's forward(x, position_ids) returns (cos, sin): the splice reads `position_ids` (x only for
+    its dtype), returns both in the forward's order, and the runtime's forward returns that tuple. Unaligned, HF's
+    values bit for bit (at another length than the captured 16); aligned, FP32 only while the attention region is
+    aligned too (HF's sdpa takes no FP32 query beside a BF16 value; the engine's op rounds it as the engine stores
+    it)."""
+    import torch
+    import transformers
+
+    from graphdiff.runtime import _chooser, _module_forward, load_generated
+
+    edited = _scan_with_rotary_region(tmp_path)
+    manifest = generate(edited, tmp_path / "patch", attention="engine")
+    rope = next(r for r in manifest.regions if r.name == ROPE)
+    assert rope.generated, rope.reason
+    splice = next(s for s in manifest.splices if s.key == "model.rotary_emb")
+    assert (splice.target, splice.inputs, splice.outputs) == ("module", ["arg:position_ids", "param:inv_freq"], [0, 1])
+    attention = next(r.name for r in manifest.regions if r.kind == "attention")
+    gen = load_generated(manifest, tmp_path / "patch" / "manifest.json")
+
+    config = transformers.Qwen3Config(**json.loads((edited / "scan.json").read_text())["config"])
+    mod = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(config)
+    x, positions = torch.zeros(1, dtype=torch.bfloat16), torch.arange(21)[None]
+    with torch.no_grad():
+        hf = mod(x, positions)
+        freqs = positions[..., None].float() * mod.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        fp32 = (emb.cos() * mod.attention_scaling, emb.sin() * mod.attention_scaling)
+        for align, want in ((frozenset(), hf), (frozenset({ROPE}), hf), (frozenset({ROPE, attention}), fp32)):
+            forward = _module_forward(mod, splice, _chooser(gen, splice), align)
+            for got in (forward(x, positions), forward(x, position_ids=positions)):
+                assert isinstance(got, tuple) and len(got) == 2
+                assert all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want)), sorted(align)
+
+
+def test_a_feature_size_equal_to_the_token_count_is_not_taken_for_a_baked_in_count() -> None:
+    """GPT-NeoX's tiny rotary dimension is 16, as is the captured prompt: at 21 tokens cos is [1, 21, 16]."""
+    from graphdiff.codegen.generate import _follows
+
+    assert _follows([1, 21, 16], [1, 16, 16], 16, 21) and _follows([1, 21, 21], [1, 16, 16], 16, 21)
+    assert not _follows([1, 16, 16], [1, 16, 16], 16, 21)  # the count baked in: nothing follows it
+    assert not _follows([1, 21, 8], [1, 16, 16], 16, 21) and _follows([4, 8], [4, 8], 16, 21)
+
+
+def test_a_buffer_whose_size_equals_the_token_count_keeps_it_at_another_count() -> None:
+    """Phi's tiny rotary embedding: inv_freq has 16 entries, as the captured prompt has tokens. The emitted code
+    run at 21 tokens reads a 16-entry inv_freq (a buffer has no token count) and gives cos [1, 21, 32]."""
+    import torch
+
+    from graphdiff.codegen.fragment import Fragment
+    from graphdiff.codegen.generate import other_length_problem
+    from graphdiff.records import Node
+
+    def rotary(position_ids: torch.Tensor, inv_freq: torch.Tensor, align: frozenset[str]) -> tuple[torch.Tensor]:
+        freqs = position_ids[..., None].float() * inv_freq
+        return (torch.cat((freqs, freqs), dim=-1).cos(),)
+
+    nodes = {"pos": Node(name="pos", op="placeholder", target="pos", dtype="int64", shape=[1, 16]),
+             "inv_freq": Node(name="inv_freq", op="placeholder", target="inv_freq", dtype="float32", shape=[16],
+                              param="model.rotary_emb.inv_freq"),
+             "cos": Node(name="cos", op="call_function", target="aten.cos.default", dtype="float32", shape=[1, 16, 32])}
+    frag = Fragment(key="model.rotary_emb", target="module", module="model.rotary_emb", module_class="Rotary",
+                    inputs=["pos", "inv_freq"], params={"inv_freq": "inv_freq"}, outputs=["cos"], compiled=rotary)
+    assert other_length_problem(frag, nodes, 16) == ""
+
+
+def test_a_post_norm_output_summed_by_a_carried_residual_add_leaves_in_fp32():
+    """`residual + post_attention_layernorm(h)` (Gemma 2, GLM-4, OLMo 2): the engine's fused add reads the norm's
+    unrounded output; with the carry's regions aligned the trainer's add sums it in FP32 too, so the norm splice
+    returns it unrounded, and only then."""
+    from graphdiff.codegen.fragment import Fragment, decide_outputs
+    from graphdiff.records import Graph, Node
+
+    def node(name: str, target: str, module: str, *inputs: str) -> Node:
+        return Node(name=name, op="call_function", target=target, inputs=list(inputs), module=module,
+                    dtype="bfloat16")
+
+    layer, norm = "model.layers.0", "model.layers.0.post_attention_layernorm"
+    nodes = [Node(name="residual", op="placeholder", target="residual", module=layer),
+             node("norm_out", "aten.mul.Tensor", norm, "residual"),
+             node("add", "aten.add.Tensor", layer, "residual", "norm_out"),
+             node("next", "aten.pow.Tensor_Scalar", "model.layers.1.input_layernorm", "add")]
+    graph = Graph(name="g", nodes=nodes)
+    frag = Fragment(key="model.layers.*.post_attention_layernorm", target="module",
+                    module="model.layers.*.post_attention_layernorm", module_class="RMSNorm", nodes=[nodes[1]],
+                    outputs=["norm_out"])
+    carry = Fragment(key="model.layers.*", target="carry", module="model.layers.*", module_class="Layer",
+                     nodes=[nodes[2]], regions=["model.layers.*#residual_norm"])
+    decide_outputs(graph, [frag, carry])
+    assert frag.keep_fp32["norm_out"] and frag.fp32_with["norm_out"] == ["model.layers.*#residual_norm"]
+    decide_outputs(graph, [frag])  # no carry: the add sums in BF16, the output is rounded at the boundary
+    assert not frag.keep_fp32["norm_out"]

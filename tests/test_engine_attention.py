@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,156 @@ def test_a_patch_with_the_engine_op_attention_equals_the_diagnostic(tiny_models,
                  manifest_regions(engine / "manifest.json")) as model:
         own = train_logprobs(model, samples)
     assert torch.equal(own[0], diagnostic[0])
+
+
+class _GemmaLayer(_Layer):
+    """A Gemma 2 layer: the scale from query_pre_attn_scalar, a logit softcap, a sliding window."""
+    scaling = 96 ** -0.5
+    sliding_window = 40
+
+
+def _engine_prefill(q, k, v, scale: float, window: int | None, softcap: float | None):  # noqa: ANN001, ANN202
+    """The engine's op as vLLM's CPU backend calls it in one prefill step: every batch row a request of its own in
+    one flat batch, the layer's `sliding_window` and `logits_soft_cap` passed as the backend passes them (None -> -1,
+    None -> 0), the scheduler given the window its KV-cache group shares."""
+    import vllm._custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    batch, heads, seq, dim = q.shape
+    isa = _get_attn_isa(torch.bfloat16, 128, dim, "auto")
+    blocks = -(-seq // 128)
+    starts = torch.arange(batch + 1, dtype=torch.int32) * seq
+    lengths = torch.full((batch,), seq, dtype=torch.int32)
+    window = -1 if window is None else window
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=batch, num_heads=heads, num_kv_heads=k.shape[1], head_dim=dim, seq_lens=lengths,
+        dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=window, isa=isa,
+        enable_kv_split=True)
+    cache = torch.zeros(batch * blocks, k.shape[1], 256, dim, dtype=torch.bfloat16)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    flat = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim).contiguous() for t in (q, k, v)]
+    slots = (torch.arange(batch)[:, None] * blocks * 128 + torch.arange(seq)[None]).flatten()
+    ops.cpu_attn_reshape_and_cache(flat[1], flat[2], key_cache, value_cache, slots, isa)
+    out = torch.zeros(batch * seq, heads, dim, dtype=torch.bfloat16)
+    ops.cpu_attention_with_kv_cache(
+        query=flat[0], key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
+        seq_lens=lengths, scale=scale, causal=True, alibi_slopes=None, sliding_window=window,
+        block_table=torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks),
+        softcap=0 if softcap is None else softcap, scheduler_metadata=meta, s_aux=None)
+    return out.view(batch, seq, heads, dim)
+
+
+def _hf_window_mask(seq: int, window: int | None) -> torch.Tensor:
+    """HF's causal mask with its sliding-window overlay (`kv > q - window`), as an additive FP32 mask."""
+    q, kv = torch.arange(seq)[:, None], torch.arange(seq)[None]
+    allowed = (kv <= q) & ((kv > q - window) if window else True)
+    return torch.zeros(seq, seq).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+
+
+def test_the_engine_op_takes_the_window_as_hf_does():
+    """vLLM's CPU op given the config's window W lets a query see itself and the W - 1 keys before it: on 100
+    keys the vec kernel equals sdpa on FP32-upcast inputs under HF's sliding-window mask, rounded once."""
+    if _isa() != "vec":
+        pytest.skip("the vec kernel's FP32 probabilities; amx rounds them")
+    from graphdiff.codegen.attention_splice import vllm_cpu_attention
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 100, 64, generator=gen).to(torch.bfloat16) for h in (4, 2, 2))
+    mask = _hf_window_mask(100, 16)
+    ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1),
+                                         v.float().repeat_interleave(2, 1), attn_mask=mask, scale=0.125)
+    out = vllm_cpu_attention(q, k, v, 0.125, sliding_window=16)
+    assert torch.equal(out, store_like(ref.transpose(1, 2), _build()))
+    assert not torch.equal(out, vllm_cpu_attention(q, k, v, 0.125, sliding_window=17))
+
+
+@pytest.mark.parametrize("window,softcap", [(40, None), (None, 50.0), (40, 50.0), (400, 50.0)])
+def test_the_engine_op_splice_takes_sliding_windows_and_softcap(window, softcap):
+    """Gemma 2's layers (`sliding_window` and `softcap` as its attention passes them): the splice's forward is the
+    engine's op bit for bit, each batch row a request of one prefill; its gradient is FP32 eager attention's with
+    the same window and softcap (HF's own eager attention on FP32 inputs), not the BF16 one's."""
+    pytest.importorskip("vllm._custom_ops")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from graphdiff.codegen.attention_splice import attention_engine_op
+
+    layer, scale = _GemmaLayer(), _GemmaLayer.scaling
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, h, 150, 64, generator=gen).mul(s).to(torch.bfloat16).requires_grad_()
+               for h, s in ((4, 12.0), (2, 1.0), (2, 1.0)))  # scores up to ~50: the softcap bends them
+    kwargs = dict(scaling=scale, sliding_window=window, softcap=softcap, dropout=0.0)
+    mask = _hf_window_mask(150, window)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # taken by the engine's op, no FP32 fallback
+        out, _ = attention_engine_op(layer, q, k, v, mask.expand(2, 1, 150, 150) == 0, **kwargs)
+    assert torch.equal(out, _engine_prefill(*(t.detach() for t in (q, k, v)), scale, window, softcap))
+    plain, _ = attention_engine_op(_Layer(), *(t.detach() for t in (q, k, v)), None, scaling=scale)
+    assert not torch.equal(out, plain)  # the window and the softcap change the engine's output
+    grad = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    if softcap:
+        ref, _ = eager_attention_forward(layer, q32, k32, v32, mask, scaling=scale, softcap=softcap)
+    else:
+        ref, _ = sdpa_attention_forward(layer, q32, k32, v32, mask == 0, scaling=scale)
+    want = torch.autograd.grad(ref, (q32, k32, v32), grad.float())
+    bf16, _ = eager_attention_forward(layer, q, k, v, mask.to(torch.bfloat16), scaling=scale, softcap=softcap)
+    low = torch.autograd.grad(bf16, (q, k, v), grad)
+    for g, w, b in zip(got, want, low):
+        assert g.dtype == torch.bfloat16 and torch.equal(g, w.to(torch.bfloat16))
+        assert not torch.equal(b, g)
+
+
+def test_the_engine_op_splice_reads_the_window_the_layer_passes():
+    """Exaone 4 keeps the config's window on every layer and passes `sliding_window=None` on its full ones: the
+    splice takes the call's window; a padding mask still runs FP32 attention, with a warning."""
+    pytest.importorskip("vllm._custom_ops")
+    from graphdiff.codegen.attention_splice import attention_engine_op
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, h, 150, 64, generator=gen).to(torch.bfloat16) for h in (4, 2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        full, _ = attention_engine_op(_GemmaLayer(), q, k, v, None, scaling=0.125, sliding_window=None)
+        windowed, _ = attention_engine_op(_GemmaLayer(), q, k, v, None, scaling=0.125)  # no kwarg: the module's
+    assert torch.equal(full, _engine_prefill(q, k, v, 0.125, None, None))
+    assert torch.equal(windowed, _engine_prefill(q, k, v, 0.125, 40, None))
+    padded = _hf_window_mask(150, 40) == 0
+    padded[..., :3] = False
+    with pytest.warns(UserWarning, match="padding mask"):
+        attention_engine_op(_GemmaLayer(), q, k, v, padded, scaling=0.125, sliding_window=40)
+
+
+def test_a_registered_attention_gets_the_sliding_window_mask():
+    """transformers passes no mask to an attention function its mask registry has no entry for: the patch's
+    attention gets sdpa's mask (the sliding window of Gemma 2's sliding layers, none on its full ones), and the
+    engine-op splice takes both layers without falling back."""
+    pytest.importorskip("vllm._custom_ops")
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from graphdiff.codegen.attention_splice import attention_engine_op
+    from graphdiff.runtime.attention import use_attention
+
+    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=16,
+                          layer_types=["sliding_attention", "full_attention"], attn_implementation="eager")
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config).to(torch.bfloat16).eval()
+    seen: list = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202
+        seen.append((attention_mask, kwargs.get("sliding_window"), kwargs.get("softcap")))
+        return attention_engine_op(module, query, key, value, attention_mask, **kwargs)
+
+    ids = torch.randint(0, 128, (1, 40))
+    undo = use_attention(model, "graphdiff_test_window", recording)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(ids)
+    finally:
+        undo()
+    (sliding, window, softcap), (full, no_window, _) = seen
+    assert window == 16 and no_window is None and softcap == 50.0 and full is None
+    assert torch.equal(sliding[0, 0], _hf_window_mask(40, 16)[0, 0] == 0)

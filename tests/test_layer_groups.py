@@ -94,3 +94,27 @@ def test_groups_that_alternate_refuse_a_model_of_another_depth(patch: Path, tmp_
     with pytest.raises(PatchError, match="rescan with --layers 6"):
         runtime.apply(_cohere(tmp_path, 6), alt, regions=[RESIDUAL])
     runtime.apply(_cohere(tmp_path, 6), alt, regions=[])  # not aligned: nothing to tell apart, HF's own code runs
+
+
+def test_a_scaled_child_output_before_the_residual_add_is_carried_in_fp32():
+    """`residual + self_attn(x)[0] * residual_multiplier` (Granite): the trainer rounds the product, the engine sums
+    it in FP32; the carry keeps the child's output FP32 for that scale, and only where nothing else reads it."""
+    from graphdiff.codegen.carry import carry_fp32_output
+    from graphdiff.codegen.fragment import _scaled_child_outputs
+    from graphdiff.records import Graph, Node
+
+    def node(name: str, target: str, module: str, *inputs: str) -> Node:
+        return Node(name=name, op="call_function", target=target, inputs=list(inputs), module=module)
+
+    layer = "model.layers.0"
+    nodes = [Node(name="residual", op="placeholder", target="residual", module=layer),
+             node("o_proj", "aten.mm.default", f"{layer}.self_attn.o_proj", "residual"),
+             node("mul", "aten.mul.Tensor", layer, "o_proj"),
+             node("add", "aten.add.Tensor", layer, "residual", "mul")]
+    assert _scaled_child_outputs(Graph(name="g", nodes=nodes), layer, ["mul"]) == {"mul": "self_attn"}
+    also_read = [*nodes, node("other", "aten.sum.default", layer, "o_proj")]
+    assert _scaled_child_outputs(Graph(name="g", nodes=also_read), layer, ["mul"]) == {}
+    not_added = [*nodes[:3], node("add", "aten.div.Tensor", layer, "residual", "mul")]
+    assert _scaled_child_outputs(Graph(name="g", nodes=not_added), layer, ["mul"]) == {}
+    out = carry_fp32_output(torch.nn.Identity(), (), (torch.ones(2, dtype=torch.bfloat16), None))
+    assert out[0].dtype == torch.float32 and out[1] is None

@@ -85,6 +85,22 @@ def test_the_default_buckets_are_128_tokens_up_to_max_tokens():
     assert m.k3_se is not None and m.k3 > 0
 
 
+def test_a_bucket_is_at_the_engine_within_5_percent_or_the_floor():
+    def b(rms: float, exact: float = 0.0) -> PositionBin:
+        return PositionBin(start=0, stop=128, tokens=128, k1=0.0, rms=rms, bitexact_fraction=exact)
+
+    plain = b(0.03)
+    assert kl.at_target(plain, b(0.0014), b(0.001, 0.9))  # under 5% of the unpatched RMS
+    assert kl.at_target(plain, b(0.0021), b(0.002, 0.9))  # over 5%, under 1.1x the floor
+    assert not kl.at_target(plain, b(0.0023), b(0.002, 0.9))  # over both
+    assert not kl.at_target(plain, b(0.0001, 0.99), b(0.0, 1.0))  # the floor is 0: bit-identical or nothing
+    assert kl.at_target(plain, b(0.0, 1.0), b(0.0, 1.0))
+    assert kl.at_target(plain, b(0.0014), None)  # no floor measured: 5% of the unpatched RMS
+    assert kl.floor_ratio(b(0.0, 1.0), b(0.0, 1.0)) == "= floor"
+    assert kl.floor_ratio(b(0.001), b(0.0, 1.0)) == "inf"
+    assert kl.floor_ratio(b(0.003), b(0.002)) == "1.50"
+
+
 def test_mismatched_lengths_are_refused():
     with pytest.raises(ValueError):
         gap_metrics([_t([1.0, 2.0])], [_t([1.0])], engine_mode="eager", trainer_mode="eager")

@@ -11,6 +11,11 @@ scanner; round_toward_zero is in its prelude), so these are the functions the pa
   the engine has none; the gradient is FP32 attention's, recomputed from the saved BF16 inputs, the gradient the FP32
   splice takes. It imports vLLM's op library (`vllm._custom_ops`, not an engine) when it first runs: a trainer that
   runs vLLM beside it (colocated RL trainers) has it; elsewhere `runtime.apply` refuses the splice.
+
+A layer's sliding window and logit softcap come from the kwargs transformers' attention layers pass
+(`sliding_window`, `softcap`; Gemma 2/3, Exaone 4 give `sliding_window=None` on their full layers): the engine
+passes the same config values to its op (vLLM's `per_layer_sliding_window`, `logits_soft_cap`), and a window W
+lets each query see itself and the W - 1 keys before it on both sides (HF's `kv > q - W`, vLLM CPU's kernel).
 """
 
 from __future__ import annotations
@@ -25,23 +30,27 @@ KV_BLOCK = 128  # the KV-cache block size of vLLM's CPU attention backend
 
 
 def vllm_cpu_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                       softcap: float = 0.0) -> torch.Tensor:
+                       softcap: float = 0.0, sliding_window: int | None = None) -> torch.Tensor:
     """vLLM CPU's attention on causal sequences: query [batch, heads, seq, dim], key/value [batch, kv_heads, seq,
-    dim] -> [batch, seq, heads, dim] in BF16, each batch row one sequence of its own."""
+    dim] -> [batch, seq, heads, dim] in BF16, each batch row one sequence of its own. `sliding_window` W: each
+    query sees itself and the W - 1 keys before it (the engine passes the config's value as it is)."""
     import vllm._custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     batch, heads, seq, dim = query.shape
     kv_heads = key.shape[1]
+    window = int(sliding_window) if sliding_window else -1  # the engine's "no window"
     isa = _get_attn_isa(torch.bfloat16, KV_BLOCK, dim, "auto")
     if isa == "amx":
         torch.cpu._init_amx()  # a process asks the kernel for AMX tiles first (vLLM's worker does), else SIGILL
     blocks = -(-seq // KV_BLOCK)
     starts = torch.tensor([0, seq], dtype=torch.int32)
     lengths = torch.tensor([seq], dtype=torch.int32)
+    # The engine's scheduler takes the window its KV-cache group's layers share (-1 where they differ): it only
+    # skips key blocks no query sees, the same output either way.
     meta = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, seq_lens=lengths, dtype=torch.bfloat16,
-        query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
+        query_start_loc=starts, causal=True, sliding_window_size=window, isa=isa, enable_kv_split=True)
     rows = []
     for b in range(batch):
         q, k, v = (t[b].transpose(0, 1).to(torch.bfloat16).contiguous() for t in (query, key, value))  # [seq, h, d]
@@ -51,11 +60,62 @@ def vllm_cpu_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         out = torch.zeros(seq, heads, dim, dtype=torch.bfloat16)
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
-            seq_lens=lengths, scale=scaling, causal=True, alibi_slopes=None, sliding_window=-1,
+            seq_lens=lengths, scale=scaling, causal=True, alibi_slopes=None, sliding_window=window,
             block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=float(softcap or 0.0),
             scheduler_metadata=meta, s_aux=None)
         rows.append(out)
     return torch.stack(rows)
+
+
+def engine_attention_op():  # noqa: ANN201 - a torch op
+    """`vllm_cpu_attention` as one torch op, `graphdiff::vllm_cpu_attention` (registered on first use): a traced
+    trainer (make_fx, the scan's capture) records it as one node and runs it again, where it would not see vLLM's
+    own op calls and would keep the zeros their output started as."""
+    try:
+        return torch.ops.graphdiff.vllm_cpu_attention.default
+    except (AttributeError, RuntimeError):
+        pass
+
+    def impl(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, softcap: float,
+             sliding_window: int) -> torch.Tensor:
+        return vllm_cpu_attention(query, key, value, scaling, softcap, sliding_window)
+
+    op = torch.library.custom_op("graphdiff::vllm_cpu_attention", impl, mutates_args=())
+
+    @op.register_fake
+    def _(query, key, value, scaling, softcap, sliding_window):  # noqa: ANN001, ANN202
+        batch, heads, seq, dim = query.shape
+        return query.new_empty(batch, seq, heads, dim, dtype=torch.bfloat16)
+
+    return torch.ops.graphdiff.vllm_cpu_attention.default
+
+
+def _causal_window_mask(q_len: int, kv_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[q_len, kv_len] True where a query attends: causal (queries the last q_len positions), within the window."""
+    query = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    key = torch.arange(kv_len, device=device)[None]
+    allowed = key <= query
+    return allowed & (key > query - window) if window else allowed
+
+
+def _softcapped_fp32(module, query, key, value, attention_mask, scaling=None, softcap=None, dropout=0.0,
+                     **kwargs):
+    """HF's eager attention (Gemma 2's `eager_attention_forward`, op for op) on FP32 inputs: sdpa has no softcap.
+    No mask means causal attention, as sdpa takes it."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = (t[:, :, None].expand(t.shape[0], t.shape[1], groups, *t.shape[2:]).flatten(1, 2)
+                  for t in (key, value))  # HF's repeat_kv: its backward sums the group as HF's eager does
+    scores = torch.matmul(query, key.transpose(2, 3)) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is None and getattr(module, "is_causal", True):
+        attention_mask = _causal_window_mask(query.shape[2], key.shape[2], None, query.device)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    elif attention_mask is not None:
+        scores = scores + attention_mask[..., :key.shape[2]]
+    weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
 def _attention_in_fp32(module, query, key, value, attention_mask, **kwargs):
@@ -63,7 +123,10 @@ def _attention_in_fp32(module, query, key, value, attention_mask, **kwargs):
 
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()
-    return sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    query, key, value = query.float(), key.float(), value.float()
+    if kwargs.get("softcap"):
+        return _softcapped_fp32(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def attention_fp32_inputs(module, query, key, value, attention_mask, **kwargs):
@@ -81,7 +144,8 @@ def attention_fp32_inputs_truncated(module, query, key, value, attention_mask, *
 
 
 class _EngineAttention(torch.autograd.Function):
-    """Forward: the engine's op. Backward: FP32 attention's exact gradient, recomputed from the saved inputs."""
+    """Forward: the engine's op. Backward: FP32 attention's exact gradient, recomputed from the saved inputs with
+    the same scale, window and softcap."""
 
     @staticmethod
     def forward(ctx, query, key, value, module, kwargs):  # noqa: ANN001, ANN205 - autograd.Function signature
@@ -89,8 +153,9 @@ class _EngineAttention(torch.autograd.Function):
         ctx.module, ctx.kwargs = module, kwargs
         dim = query.shape[-1]
         scaling = kwargs.get("scaling")
-        return vllm_cpu_attention(query, key, value, dim ** -0.5 if scaling is None else scaling,
-                                  kwargs.get("softcap") or 0.0).to(value.dtype)
+        return engine_attention_op()(query, key, value, dim ** -0.5 if scaling is None else float(scaling),
+                                     float(kwargs.get("softcap") or 0.0),
+                                     int(kwargs.get("sliding_window") or -1)).to(value.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205
@@ -98,38 +163,49 @@ class _EngineAttention(torch.autograd.Function):
         with torch.enable_grad():
             inputs = [t.detach().float().requires_grad_(t.requires_grad) for t in saved]
             query, key, value = inputs
-            out = _attention_in_fp32(ctx.module, query, key, value, None, **ctx.kwargs)[0]
+            seq, window = query.shape[2], ctx.kwargs.get("sliding_window")
+            # No mask where the window leaves every key in sight: sdpa's causal kernel, as the forward's trainer runs
+            mask = _causal_window_mask(seq, seq, window, query.device) if window and window < seq else None
+            out = _attention_in_fp32(ctx.module, query, key, value, mask, **ctx.kwargs)[0]
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad_output.float()) if wanted else [])
         return (*[next(grads).to(t.dtype) if t.requires_grad else None for t in saved], None, None)
 
 
-def _causal_only(mask: torch.Tensor | None, seq: int) -> bool:
-    """Is the attention mask plain causal attention over the whole row (no padding, no window)?"""
+def _causal_only(mask: torch.Tensor | None, seq: int, window: int | None = None) -> bool:
+    """Is the attention mask plain causal attention over the whole row within `window` (no padding)?"""
     if mask is None:
         return True
     allowed = mask if mask.dtype == torch.bool else mask == 0
-    return bool((allowed[..., -seq:, -seq:] == torch.ones(seq, seq, dtype=torch.bool, device=mask.device).tril()
-                 ).all())
+    return bool((allowed[..., -seq:, -seq:] == _causal_window_mask(seq, seq, window, mask.device)).all())
+
+
+def layer_window(module, kwargs) -> int | None:
+    """The layer's sliding window: what its attention call passes (Exaone 4 keeps the config's window on every
+    layer and passes None on its full ones), else the module's own attribute."""
+    return kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
 
 
 def attention_engine_op(module, query, key, value, attention_mask, **kwargs):
     """Attention as the engine computes it, by the engine's own op (vLLM CPU's prefill kernel): the forward is the
-    engine's bit for bit on causal rows without padding; the backward FP32 attention's exact gradient. Rows the op
-    cannot take (padding, a sliding window, non-causal attention) run the FP32 attention instead, with a warning."""
-    seq = query.shape[2]
-    why = ("a sliding window" if getattr(module, "sliding_window", None) else
-           "non-causal attention" if not getattr(module, "is_causal", True) else
-           "a padding mask" if not _causal_only(attention_mask, seq) else
+    engine's bit for bit on causal rows without padding (sliding window and logit softcap as the layer passes
+    them); the backward FP32 attention's exact gradient. Rows the op cannot take (padding, a KV cache, non-causal
+    attention, dropout) run the FP32 attention instead, with a warning."""
+    seq, window = query.shape[2], layer_window(module, kwargs) or None
+    why = ("non-causal attention" if not getattr(module, "is_causal", True) else
+           "keys other than the queries' own (a KV cache)" if key.shape[2] != seq else
+           "a padding mask" if not _causal_only(attention_mask, seq, window) else
            "dropout" if kwargs.get("dropout") else "")
     if why:
         warnings.warn(f"graphdiff: the engine's attention op cannot take {why}: FP32 attention runs instead",
                       stacklevel=2)
         return attention_fp32_inputs(module, query, key, value, attention_mask, **kwargs)
     kept = {k: kwargs[k] for k in ("scaling", "softcap") if kwargs.get(k) is not None}
-    out = _EngineAttention.apply(query, key, value, module, kept)
+    out = _EngineAttention.apply(query, key, value, module, {**kept, "sliding_window": window})
     return out, None
 
 
-FP32_PARTS = (_attention_in_fp32, attention_fp32_inputs, attention_fp32_inputs_truncated)
-ENGINE_PARTS = (vllm_cpu_attention, _EngineAttention, _causal_only, attention_engine_op)
+FP32_PARTS = (_causal_window_mask, _softcapped_fp32, _attention_in_fp32, attention_fp32_inputs,
+              attention_fp32_inputs_truncated)
+ENGINE_PARTS = (vllm_cpu_attention, engine_attention_op, _EngineAttention, _causal_only, layer_window,
+                attention_engine_op)

@@ -1,6 +1,7 @@
 """What a carry splice runs in the trainer: hooks on a layer that hold its incoming activation as the engine does.
 
-`carry_fp32` (every patch carries it) keeps the residual stream FP32 across layers; `carry_fp32_rounded`,
+`carry_fp32` (every patch carries it) keeps the residual stream FP32 across layers, `carry_fp32_output` a child's
+output FP32 where the layer scales it before the residual add; `carry_fp32_rounded`,
 `carry_fp32_child` and `carry_done` (ROUNDED_PARTS, carried where a region needs them) hold it as a piecewise
 engine does at a graph boundary. The generated module carries their source (prelude.source); the runtime registers
 them by these names.
@@ -19,6 +20,16 @@ def carry_fp32(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
         return args, {**kwargs, "hidden_states": kwargs["hidden_states"].float()}
     return args, kwargs
+
+
+def carry_fp32_output(module: torch.nn.Module, args: tuple, output: object) -> object:
+    """Forward hook: the module's output (a tensor, or a tuple's first) in FP32, so its parent's own code scales it
+    and adds it to the residual stream in FP32, as the engine's fused kernel does."""
+    if isinstance(output, torch.Tensor) and output.is_floating_point():
+        return output.float()
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (output[0].float(), *output[1:])
+    return output
 
 
 def carry_fp32_rounded(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -148,7 +148,8 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
         if not is_low(n.dtype):
             outs.append(x)
         elif o in frag.sites and frag.keep_fp32.get(o, False):
-            outs.append(f"{x} if {flag(index, frag.sites[o])} else {x}.to({DTYPES[str(n.dtype)]})")
+            cond = " and ".join([flag(index, frag.sites[o]), *(f"{r!r} in align" for r in frag.fp32_with.get(o, []))])
+            outs.append(f"{x} if {cond} else {x}.to({DTYPES[str(n.dtype)]})")
         else:
             outs.append(f"{x}.to({DTYPES[str(n.dtype)]})")  # exact: already rounded, or rounded at the boundary
     lines.append(f"    return ({', '.join(outs)},)")

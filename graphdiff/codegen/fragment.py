@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from graphdiff.ops import MATMULS, is_heavy, op_name
+from graphdiff.ops import CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site
 from graphdiff.replay.sum_order import is_row_reduction
 
@@ -55,10 +55,14 @@ class Fragment:
     engine_sites: dict[str, str] = field(default_factory=dict)  # engine-rounded site node -> region
     rounds: set[str] = field(default_factory=set)  # nodes HF eager rounds (from the scan's plan)
     keep_fp32: dict[str, bool] = field(default_factory=dict)  # output -> may leave the fragment in FP32
+    # output -> the attention regions it reaches: it leaves in FP32 only while they are aligned too (their splice, the
+    # engine's op, rounds its inputs as the engine stores them; HF's sdpa refuses mixed dtypes)
+    fp32_with: dict[str, list[str]] = field(default_factory=dict)
     # carry: the module's own ops read its incoming activation rounded (the engine's low-precision copy at a
     # piecewise graph split), these child modules read it in FP32
     carry_rounded: bool = False
     fp32_children: list[str] = field(default_factory=list)
+    fp32_outputs: list[str] = field(default_factory=list)  # carry: children whose scaled output stays FP32
     regions: list[str] = field(default_factory=list)
     # row sums/means the engine sums in its own order when their region is aligned (node -> region), and that
     # order's lanes per HF module (Region.reduction_lanes; the runtime passes each module's)
@@ -206,9 +210,11 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
         frag.nodes = [n for n in graph.nodes if n.op == "call_function" and n.module == path]
         if any((m.module or "").startswith(path + ".") for m in graph.nodes):
             frag.target = "carry"
-            if any(op_name(nodes[s].target) != "add" for s in site_nodes):
-                frag.problems.append("the module calls submodules and its sites are not residual adds: "
-                                     "its forward cannot be re-emitted")
+            scaled = _scaled_child_outputs(graph, path, [s for s in site_nodes if sides[s] == "train"])
+            if any(op_name(nodes[s].target) != "add" and s not in scaled for s in site_nodes):
+                frag.problems.append("the module calls submodules and its sites are not residual adds or scaled "
+                                     "child outputs: its forward cannot be re-emitted")
+            frag.fp32_outputs = sorted(set(scaled.values()))
             frag.carry_rounded, frag.fp32_children = _carry_reads(scan, graph, region)
     names = [n.name for n in frag.nodes]
     frag.inputs, frag.outputs = _boundary(graph, names)
@@ -229,14 +235,34 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
                     frag.problems.append(f"parameter {param} is not an attribute of {path}")
                 frag.params[i] = attr
         acts = [i for i in frag.inputs if i not in frag.params]
-        if len(acts) != 1 or len(frag.outputs) != 1:
+        if len(acts) != 1 or not frag.outputs:  # several outputs: a tuple, bound to the return statement (generate)
             frag.problems.append(f"module forward with {len(acts)} activation inputs and {len(frag.outputs)} "
-                                 "outputs: only one-in one-out module forwards are re-emitted")
+                                 "outputs: only module forwards of one activation input are re-emitted")
     frag.problems += problems
     frag.notes += notes
     if layers:
         frag.key, frag.layers = f"{frag.key}@layers {','.join(map(str, layers))}", list(layers)
     return frag
+
+
+def _scaled_child_outputs(graph: Graph, path: str, sites: list[str]) -> dict[str, str]:
+    """The sites that scale a child module's output by a constant before a residual add of the module's own
+    (`residual + hidden_states * residual_multiplier`), each with that child (its path relative to `path`): the
+    trainer rounds the product, the engine sums it in FP32; with the child's output in FP32 the module's own code
+    computes as the engine does. Only where the child's output feeds nothing but such scales."""
+    nodes, users = graph.node_map(), graph.users()
+    prefix = path + "."
+    found: dict[str, str] = {}
+    for s in sites:
+        n = nodes[s]
+        if op_name(n.target) != "mul" or len(n.inputs) != 1:  # one activation times a constant
+            continue
+        src = nodes[n.inputs[0]]
+        if not (src.module or "").startswith(prefix) or set(users.get(src.name, [])) - set(sites):
+            continue
+        if all(op_name(nodes[u].target) == "add" and nodes[u].module == path for u in users.get(s, [])):
+            found[s] = (src.module or "").removeprefix(prefix).split(".")[0]
+    return found
 
 
 def _carry_reads(scan: ScanResult, graph: Graph, region: Region) -> tuple[bool, list[str]]:
@@ -282,14 +308,16 @@ def merge(frags: list[Fragment]) -> list[Fragment]:
     return [*by_key.values(), *refused]
 
 
-def cut_fragments(scan: ScanResult, graph: Graph, regions: list[str] | None = None) -> list[Fragment]:
+def cut_fragments(scan: ScanResult, graph: Graph, regions: list[str] | None = None,
+                  fp32_attention: frozenset[str] = frozenset()) -> list[Fragment]:
     """The splice points of `regions` (default all; attention regions are one opaque op, no fragment): cut per
-    group of layers sharing one rounding plan, merged per splice, boundary outputs decided. Generation and
-    verification both cut them here."""
+    group of layers sharing one rounding plan, merged per splice, boundary outputs decided (`fp32_attention`: the
+    attention regions whose splice takes FP32 inputs, rounding them as the engine stores them: the engine's own op).
+    Generation and verification both cut them here."""
     wanted = [r for r in scan.regions if (regions is None or r.name in regions) and r.kind not in OPAQUE_KINDS]
     cuts = [(r, g, fragment_for(scan, graph, r, g)) for r in wanted for g in layer_groups(scan, r)]
     frags = merge(_common_groups(scan, graph, cuts))
-    decide_outputs(graph, frags)
+    decide_outputs(graph, frags, {s.train.node: s.region for s in scan.sites if s.region in fp32_attention})
     return frags
 
 
@@ -332,13 +360,24 @@ def rounding(frag: Fragment, node: str) -> Rounding | None:
 
 
 def rounding_points(frag: Fragment, align: frozenset[str]) -> set[str]:
-    """The nodes the generated code rounds when the regions in `align` are aligned."""
+    """The nodes the generated code rounds when the regions in `align` are aligned (with the outputs it rounds as it
+    returns them that no node of the fragment reads)."""
     out = set()
     for n in frag.nodes:
         r = rounding(frag, n.name)
         if r is not None and (r[0] == "always" or (r[0] == "unless-aligned") != (r[1] in align)):
             out.add(n.name)
-    return out
+    read = {i for n in frag.nodes for i in n.inputs}
+    low = {n.name for n in frag.nodes if is_low(n.dtype)}
+    return out | {o for o in frag.outputs if o in low and o not in read and not leaves_fp32(frag, o, align)}
+
+
+def leaves_fp32(frag: Fragment, output: str, align: frozenset[str]) -> bool:
+    """Does the generated code return `output` in FP32 when the regions in `align` are aligned? Its site's region
+    aligned, and it may cross the boundary so (with the attention regions it reaches aligned too, `fp32_with`)."""
+    region = frag.sites.get(output)
+    return (region in align and frag.keep_fp32.get(output, False)
+            and set(frag.fp32_with.get(output, [])) <= align)
 
 
 def ordered_points(frag: Fragment, align: frozenset[str], lanes: int) -> dict[str, int]:
@@ -347,42 +386,90 @@ def ordered_points(frag: Fragment, align: frozenset[str], lanes: int) -> dict[st
     return {n: lanes for n, r in frag.ordered.items() if r in align} if lanes else {}
 
 
-def decide_outputs(graph: Graph, frags: list[Fragment]) -> None:
+def decide_outputs(graph: Graph, frags: list[Fragment], attention: dict[str, str] | None = None) -> None:
     """May an output that an aligned site leaves in FP32 cross the splice boundary unrounded?
 
     Yes when every consumer is re-emitted by the patch (it reads FP32 and rounds where the engine
     stores), a matmul (the runtime rounds nn.Linear inputs to the weight dtype: the engine stores
     matmul inputs in BF16), or plain elementwise code whose results only reach matmuls (SwiGLU's
     `act(gate) * up` stays FP32 by type promotion, as it does in the engine's fused kernel).
+    Also, while the attention regions it reaches are aligned, when the unpatched code it feeds only reaches
+    matmuls and the attention ops in `attention` (op node -> region; their splice rounds its inputs to BF16 as the
+    engine stores them): a rotary embedding's FP32 cos/sin, which the engine's RoPE kernel reads in FP32 and HF's
+    `q * cos + rotate_half(q) * sin` then computes in FP32 by type promotion, rounded once by the engine's op.
+    Also, while the carry regions are aligned, when it feeds a carried module's own residual add (a post-norm's
+    output: the engine's fused add reads it unrounded, the carried FP32 residual sums it in FP32).
     Otherwise (attention, unpatched code) the value is rounded at the boundary.
     """
-    nodes, users = graph.node_map(), graph.users()
-    patched = {n.name for f in frags if not f.problems and f.target != "carry" for n in f.nodes}
+    r = _Reach(graph, frags, attention or {})
+    for f in frags:
+        for o in f.outputs:
+            ok, carried = True, set()
+            for u in r.through_views(o):
+                if u in r.patched or r.matmul(u):
+                    continue
+                if (regions := r.carried_add(u)) is not None:
+                    carried.update(regions)
+                    continue
+                n = r.nodes[u]
+                if not is_boundary(n) and n.op == "call_function" and all(r.matmul(w) for w in r.through_views(u)):
+                    continue
+                ok = False
+            reached = None if ok or not attention else r.reached_attention(o)
+            f.keep_fp32[o] = ok or bool(reached)
+            if f.keep_fp32[o] and (reached or carried):
+                f.fp32_with[o] = sorted(set(reached or []) | carried)
 
-    def through_views(name: str) -> list[str]:
+
+class _Reach:
+    """What the consumers of a fragment's output are (decide_outputs): re-emitted code, matmuls, a carried
+    module's residual add, or the attention ops of `attention` (op node -> region)."""
+
+    def __init__(self, graph: Graph, frags: list[Fragment], attention: dict[str, str]) -> None:
+        self.nodes, self.users, self.attention = graph.node_map(), graph.users(), attention
+        self.patched = {n.name for f in frags if not f.problems and f.target != "carry" for n in f.nodes}
+        self.carries = [(re.compile("^" + re.escape(f.module).replace(r"\*", r"\d+") + "$"), f.regions)
+                        for f in frags if not f.problems and f.target == "carry"]
+
+    def matmul(self, u: str) -> bool:
+        return op_name(self.nodes[u].target) in MATMULS
+
+    def through_views(self, name: str) -> list[str]:
         out = []
-        for u in users.get(name, []):
-            if op_name(nodes[u].target) in ("view", "_unsafe_view", "reshape", "transpose", "t", "permute") \
-                    and u not in patched:
-                out += through_views(u)
+        for u in self.users.get(name, []):
+            if op_name(self.nodes[u].target) in ("view", "_unsafe_view", "reshape", "transpose", "t", "permute") \
+                    and u not in self.patched:
+                out += self.through_views(u)
             else:
                 out.append(u)
         return out
 
-    def matmul(u: str) -> bool:
-        return op_name(nodes[u].target) in MATMULS
+    def carried_add(self, u: str) -> list[str] | None:
+        """The carry regions of the module whose own residual add `u` is: with them aligned it sums in FP32 (the
+        residual carried in FP32, type promotion), as the engine's fused add reads a norm's unrounded output."""
+        if op_name(self.nodes[u].target) != "add":
+            return None
+        return next((regions for rx, regions in self.carries if rx.match(self.nodes[u].module or "")), None)
 
-    for f in frags:
-        for o in f.outputs:
-            ok = True
-            for u in through_views(o):
-                if u in patched or matmul(u):
+    def reached_attention(self, name: str) -> list[str] | None:
+        """The attention regions the unpatched code fed by `name` reaches, if it reaches only them and matmuls and
+        computes on the way (through data movement alone, rounding at the boundary is the attention op's rounding)."""
+        regions: set[str] = set()
+        seen, frontier, computes = {name}, [name], False
+        while frontier:
+            u = frontier.pop()
+            for w in self.users.get(u, []):
+                if w in seen or self.matmul(w) or w in self.patched:  # re-emitted code reads FP32, rounds as the engine
                     continue
-                if not is_boundary(nodes[u]) and nodes[u].op == "call_function" and all(matmul(w)
-                                                                                   for w in through_views(u)):
-                    continue
-                ok = False
-            f.keep_fp32[o] = ok
+                seen.add(w)
+                if w in self.attention:
+                    regions.add(self.attention[w])
+                elif is_boundary(self.nodes[w]) or self.nodes[w].op != "call_function":
+                    return None
+                else:
+                    computes = computes or op_name(self.nodes[w].target) not in EXACT | CASTS
+                    frontier.append(w)
+        return sorted(regions) if computes else None
 
 
 def region_slug(name: str) -> str:

@@ -8,6 +8,7 @@ kernels (emit_triton.py) with the bound names (names.py) -> manifest.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import inspect
@@ -24,6 +25,7 @@ from graphdiff.analysis import moe_engine
 from graphdiff.analysis.opaque import truncates_output
 from graphdiff.artifacts import ScanDir
 from graphdiff.codegen import (
+    attention_order,
     attention_splice,
     carry,
     emit_torch,
@@ -115,17 +117,27 @@ def other_length_problem(frag: Fragment, nodes: dict[str, Node], tokens: int) ->
         return ""
     other = tokens + 5
     gen = torch.Generator().manual_seed(1)
-    probes = [_probe(nodes[i], gen, tokens, other) for i in frag.inputs]
+    # a parameter or buffer keeps its size (Phi's tiny inv_freq has 16 entries, as the captured prompt has tokens)
+    probes = [_probe(nodes[i], gen, *((tokens, other) if nodes[i].param is None else ())) for i in frag.inputs]
     try:
         with torch.no_grad():
             outs = frag.compiled(*probes, align=frozenset(frag.regions))
     except Exception as e:  # the emitted code's own failure at that size is the finding
         return f"the emitted code does not run at {other} tokens (captured at {tokens}): {first_line(e)[:120]}"
     for o, name in zip(outs, frag.outputs):
-        if list(o.shape) != (expected := _probe_shape(nodes[name], tokens, other)):
+        if not _follows(list(o.shape), _probe_shape(nodes[name]), tokens, other):
             return (f"the emitted code gives {name} the shape {list(o.shape)} at {other} tokens, not "
-                    f"{expected}: a size of the capture is baked in")
+                    f"{_probe_shape(nodes[name], tokens, other)}: a size of the capture is baked in")
     return ""
+
+
+def _follows(shape: list[int], captured: list[int], tokens: int, other: int) -> bool:
+    """Is `shape` the `captured` shape at `other` tokens? Each size the captured count is follows the count or, a
+    feature size that happens to equal it (GPT-NeoX's rotary dimension 16 at 16 tokens), keeps it; one follows."""
+    if len(shape) != len(captured):
+        return False
+    same = all(s == c or (c == tokens and s == other) for s, c in zip(shape, captured))
+    return same and (tokens not in captured or other in shape)
 
 
 def _compile(lines: list[str], name: str) -> Callable[..., Any]:
@@ -140,6 +152,7 @@ def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, st
     """An attention region is one opaque op: the trainer's own sdpa, called the way the engine computes it (its
     output truncated where the engine's op stores it so), or (`form` "engine") the engine's own op forward."""
     site = next((nodes[site_node[i]] for i in r.sites if site_node.get(i) in nodes), None)
+    site = site or attention_order.attention_node(list(nodes.values()), r)
     owner = (site.module_type if site else "") or ""
     splice = ManifestSplice(key="attention", target="attention", module=r.module, module_class=owner,
                             regions=[r.name], function=SDPA_FUNCTION,
@@ -180,11 +193,109 @@ def _moe_splice(r: Region, graph: Graph) -> ManifestSplice:
                           triton_problem="the engine's fused MoE computation, run with PyTorch ops")
 
 
+METADATA = frozenset({"dtype", "device", "shape", "ndim"})  # attributes that read a tensor's metadata, not its values
+
+
+def _forward_def(frag: Fragment) -> ast.FunctionDef | None:
+    """The module's `forward` as written: the definition in its source file holding the fragment's lines."""
+    src = next((n.source for n in frag.nodes if n.source is not None and n.source.function == "forward"), None)
+    if src is None:
+        return None
+    try:
+        tree = ast.parse(Path(src.file).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return next((f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "forward"
+                 and f.lineno <= src.line <= (f.end_lineno or f.lineno)), None)
+
+
+def _spans(node: ast.stmt, line: int) -> bool:
+    return node.lineno <= line <= (node.end_lineno or node.lineno)
+
+
+def _statement(fn: ast.FunctionDef, line: int) -> ast.stmt | None:
+    """The innermost statement of `fn` on source line `line`."""
+    found = [s for s in ast.walk(fn) if isinstance(s, ast.stmt) and s is not fn and _spans(s, line)]
+    return min(found, key=lambda s: (s.end_lineno or s.lineno) - s.lineno, default=None)
+
+
+def _values_read(tree: ast.AST) -> set[str]:
+    """The names whose values `tree` reads: every name it loads but those it reads only metadata of (`x.dtype`)."""
+    meta = {id(a.value) for a in ast.walk(tree) if isinstance(a, ast.Attribute) and a.attr in METADATA}
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+            and id(n) not in meta}
+
+
+def _module_argument(frag: Fragment, fn: ast.FunctionDef) -> str:
+    """The forward parameter the activation input is: the one parameter whose values the lines reading it read
+    (a rotary embedding's `position_ids`, beside an `x` it reads only the dtype of); "0", the first parameter (as
+    for a norm's `hidden_states`), where that is the first or not one parameter."""
+    params = [a.arg for a in (fn.args.posonlyargs + fn.args.args)[1:]]
+    act = next(i for i in frag.inputs if i not in frag.params)
+    read: set[str] = set()
+    for n in frag.nodes:
+        if act in n.inputs and n.source is not None and (stmt := _statement(fn, n.source.line)) is not None:
+            read |= _values_read(stmt) & set(params)
+    return read.pop() if len(read) == 1 and params and read != {params[0]} else "0"
+
+
+def _variable(frag: Fragment, output: str, nodes: dict[str, Node], ret: ast.Return) -> str | None:
+    """The variable an output's value is assigned to before the return statement (`cos` for `cos.to(x.dtype)`):
+    the first line, walking back from the output, that assigns a simple variable."""
+    inside, frontier, seen = {n.name for n in frag.nodes}, [output], {output}
+    while frontier:
+        for name in frontier:
+            src = nodes[name].source
+            if src is not None and not _spans(ret, src.line) and (var := names.assigned(src.code)) is not None:
+                return var
+        frontier = [i for name in frontier for i in nodes[name].inputs if i in inside and i not in seen]
+        seen.update(frontier)
+    return None
+
+
+def _returned_positions(frag: Fragment, fn: ast.FunctionDef, nodes: dict[str, Node]) -> list[int] | str:
+    """Where each output of a module forward returning a tuple goes in it: the item of its one return statement
+    that reads the output's variable; or why that cannot be told."""
+    returns = [r for r in ast.walk(fn) if isinstance(r, ast.Return) and r.value is not None]
+    if len(returns) != 1 or not isinstance(returns[0].value, ast.Tuple):
+        return f"{frag.module_class}.forward has {len(frag.outputs)} outputs and not one `return` of a tuple"
+    reads = [_values_read(item) for item in returns[0].value.elts]
+    positions: list[int] = []
+    for o in frag.outputs:
+        var = _variable(frag, o, nodes, returns[0])
+        hits = [k for k, r in enumerate(reads) if var in r]
+        if len(hits) != 1 or hits[0] in positions:
+            return f"cannot tell which value {frag.module_class}.forward returns {o} as ({var or 'no variable'})"
+        positions.append(hits[0])
+    return positions
+
+
+def _bind_module(frag: Fragment, splice: ManifestSplice, nodes: dict[str, Node]) -> None:
+    """A module forward's activation argument and, for a forward returning a tuple, each output's place in it; read
+    from the forward's source (one activation, one output where it cannot be read: its first argument, returned)."""
+    fn = _forward_def(frag)
+    if fn is None:
+        if len(frag.outputs) > 1:
+            frag.problems.append(f"{frag.module_class}.forward's source is not readable: cannot tell which returned "
+                                 "value each output is")
+        return
+    arg = _module_argument(frag, fn)
+    splice.inputs = [f"param:{frag.params[i]}" if i in frag.params else f"arg:{arg}" for i in frag.inputs]
+    if len(frag.outputs) > 1:
+        positions = _returned_positions(frag, fn, nodes)
+        if isinstance(positions, str):
+            frag.problems.append(positions)
+        else:
+            splice.outputs = positions
+
+
 def _bind(frag: Fragment, splice: ManifestSplice, nodes: dict[str, Node]) -> None:
     """Which forward or function argument feeds each input, which returned value each output is."""
     splice.inputs = [f"param:{frag.params[i]}" if i in frag.params else "arg:0" for i in frag.inputs]
     splice.outputs = [0]
-    if frag.target == "function":
+    if frag.target == "module":
+        _bind_module(frag, splice, nodes)
+    elif frag.target == "function":
         owner, name = frag.function.rsplit(".", 1)
         fn = getattr(importlib.import_module(owner), name, None)
         if not callable(fn):  # a method (XIELU's _xielu_python), not a module-level function the runtime can swap
@@ -198,6 +309,16 @@ def _bind(frag: Fragment, splice: ManifestSplice, nodes: dict[str, Node]) -> Non
             splice.inputs, splice.outputs = [f"arg:{p}" for p in bound[0]], bound[1]
 
 
+def _argument_names(frag: Fragment, splice: ManifestSplice) -> list[str]:
+    """The emitted function's argument names: the bound HF parameters (a module forward's activation bound to a
+    parameter other than its first is named after it: `position_ids`)."""
+    bound = [i.removeprefix("arg:") for i in splice.inputs]
+    args = names.arguments(frag, bound)
+    if frag.target != "module":
+        return args
+    return [b if s.startswith("arg:") and b != "0" else a for a, b, s in zip(args, bound, splice.inputs)]
+
+
 def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[ManifestSplice, list[str]]:
     """One splice point: its PyTorch function (bound against HF's own code) and, where possible, its Triton kernels."""
     slug = region_slug(frag.key.rsplit(".", 1)[-1] if frag.target == "function" else frag.key)
@@ -208,6 +329,7 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
     if frag.target == "carry" and not frag.problems:
         splice.torch_fn = "carry_fp32_rounded" if frag.carry_rounded else "carry_fp32"
         splice.fp32_children = list(frag.fp32_children)
+        splice.fp32_outputs = list(frag.fp32_outputs)
         if frag.carry_rounded:
             body += ["", "", f"# carry {frag.key}: regions {', '.join(frag.regions)}; FP32 for "
                      f"{', '.join(frag.fp32_children) or 'no child'}, rounded for the module's own ops",
@@ -224,12 +346,12 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
             _bind(frag, splice, nodes)
             if not frag.problems:
                 # named by role: a function's arguments by the HF parameters the binding found
-                bound = [i.removeprefix("arg:") for i in splice.inputs]
-                values = names.value_names(frag, names.arguments(frag, bound))
+                values = names.value_names(frag, _argument_names(frag, splice))
                 lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes, values)
                 frag.compiled = _compile(lines, f"torch_{slug}")
                 body += ["", "", f"# {frag.target} {frag.key}: regions {', '.join(frag.regions)}", *lines]
-                kernel = emit_triton.emit(frag, slug, nodes, values)
+                kernel = (emit_triton.emit(frag, slug, nodes, values) if not frag.fp32_with else
+                          "an output leaves in FP32 only while an attention region is aligned too")
                 if isinstance(kernel, str):
                     splice.triton_problem = kernel
                 else:
@@ -248,14 +370,15 @@ class _Parts:
     status: dict[str, str] = field(default_factory=dict)
 
 
-def _wanted(scan: ScanResult, regions: list[str] | None) -> list[Region]:
-    """The scan's regions named in `regions` (default all), or one error naming the unknown ones."""
+def _wanted(scan: ScanResult, regions: list[str] | None, more: list[Region]) -> list[Region]:
+    """The scan's regions and `more` named in `regions` (default all), or one error naming the unknown ones."""
+    every = [*scan.regions, *more]
     if regions is not None:
-        unknown = sorted(set(regions) - {r.name for r in scan.regions})
+        unknown = sorted(set(regions) - {r.name for r in every})
         if unknown:
-            known = ", ".join(r.name for r in scan.regions)
+            known = ", ".join(r.name for r in every)
             raise GraphdiffError(f"no region {', '.join(unknown)} in the scan; regions: {known}")
-    return [r for r in scan.regions if regions is None or r.name in regions]
+    return [r for r in every if regions is None or r.name in regions]
 
 
 def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Region],
@@ -325,10 +448,13 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None,
     splice computes as the registry says the engine does ("fp32"), or runs the engine's own op ("engine")."""
     scan, train = load_scan_dir(scan_dir)
     graph = train.graphs[0]
-    wanted = _wanted(scan, regions)
+    # the engine's attention op also where it rounds as sdpa does (no site): its key order is still its own
+    wanted = _wanted(scan, regions, attention_order.order_regions(scan, graph) if attention == "engine" else [])
     parts = _Parts()
     _add_opaque(parts, scan, graph, wanted, attention)
-    frags = cut_fragments(scan, graph, [r.name for r in wanted])
+    engine_op = frozenset(r for s in parts.splices if s.target == "attention" and not s.problems
+                          and s.torch_fn == attention_splice.attention_engine_op.__name__ for r in s.regions)
+    frags = cut_fragments(scan, graph, [r.name for r in wanted], engine_op)
     _add_fragments(parts, frags, graph.node_map(), len(train.prompt_tokens))
     source = render_module(scan, parts.body, any(s.triton_fn for s in parts.splices))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -365,7 +491,7 @@ def render_module(scan: ScanResult, body: list[str], triton: bool) -> str:
         *prelude.source(prelude.PARTS),
         "",
         "",
-        *prelude.source((carry.carry_fp32,)),
+        *prelude.source((carry.carry_fp32, carry.carry_fp32_output)),
     ]
     if triton:
         head += ["", "", f"# Triton kernels' math: {inductor_lowering.source()}", emit_triton.PRELUDE.strip("\n")]

@@ -31,8 +31,6 @@ NAME = "graphdiff_engine_attention"
 
 def unsupported(module: torch.nn.Module) -> str:
     """Why this attention layer cannot run on the engine's op here ("" if it can)."""
-    if getattr(module, "sliding_window", None):
-        return "sliding-window attention"
     if not getattr(module, "is_causal", True):
         return "non-causal attention"
     return ""
@@ -40,7 +38,7 @@ def unsupported(module: torch.nn.Module) -> str:
 
 def engine_attention_fn() -> Callable[..., tuple[torch.Tensor, None]]:
     """A transformers attention function computing as vLLM's CPU attention op does (batch 1, causal)."""
-    from graphdiff.codegen.attention_splice import vllm_cpu_attention
+    from graphdiff.codegen.attention_splice import layer_window, vllm_cpu_attention
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, scaling: float | None = None, softcap: float | None = None,
@@ -49,7 +47,9 @@ def engine_attention_fn() -> Callable[..., tuple[torch.Tensor, None]]:
         if why:
             raise GraphdiffError(f"the engine's attention op cannot stand in here: {why}")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return vllm_cpu_attention(query, key, value, scale, float(softcap or 0.0)).to(query.dtype), None
+        window = layer_window(module, kwargs)  # a sliding layer's window, as the engine's op takes it
+        return vllm_cpu_attention(query, key, value, scale, float(softcap or 0.0),
+                                  sliding_window=window).to(query.dtype), None
 
     return attention
 

@@ -220,6 +220,24 @@ def _attribution(base: torch.nn.Module, manifest: Path, names: list[str], run: S
 
 
 REST_LIMIT = 0.05  # the share of the patched gap that may stay unnamed in a bucket
+TARGET_OF_UNPATCHED = 0.05  # the patched RMS may be this share of the unpatched RMS in a bucket ...
+TARGET_OF_FLOOR = 1.1  # ... or this multiple of the engine floor's RMS
+
+
+def at_target(unpatched: PositionBin, patched: PositionBin, floor_bin: PositionBin | None) -> bool:
+    """Whether a bucket's patched gap is at the engine: RMS at most the larger of 5% of the unpatched RMS and 1.1x
+    the floor's; where the floor is bit-identical (0), the patched log-probs must be bit-identical too."""
+    if floor_bin is not None and floor_bin.bitexact_fraction == 1.0:
+        return patched.bitexact_fraction == 1.0
+    limit = max(TARGET_OF_UNPATCHED * unpatched.rms, TARGET_OF_FLOOR * (floor_bin.rms if floor_bin else 0.0))
+    return patched.rms <= limit
+
+
+def floor_ratio(patched: PositionBin, floor_bin: PositionBin) -> str:
+    """Patched RMS / floor RMS, for the terminal: '= floor' where both are 0, 'inf' where only the floor is."""
+    if floor_bin.rms:
+        return f"{patched.rms / floor_bin.rms:.2f}"
+    return "= floor" if patched.rms == 0 else "inf"
 
 
 def gap_sources(patched: KLMeasurement, substituted: KLMeasurement | None,

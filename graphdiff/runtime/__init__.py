@@ -268,12 +268,29 @@ def _saved_fp32_recomputed(model: torch.nn.Module) -> Callable[[], None]:
 
 def _module_forward(mod: torch.nn.Module, splice: ManifestSplice, run: Callable, align: frozenset[str],
                     lanes: int = 0) -> Callable:
-    first = next(iter(inspect.signature(mod.forward).parameters))
+    sig = inspect.signature(mod.forward)
+    first = next(iter(sig.parameters))
+    width = max(splice.outputs, default=0) + 1
 
-    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-        x = args[0] if args else kwargs[first]
-        inputs = [x if s.startswith("arg:") else getattr(mod, s.removeprefix("param:")) for s in splice.inputs]
-        return run(inputs, align, lanes)[0]
+    def argument(source: str, args: tuple, kwargs: dict) -> Any:
+        """An input's value: "arg:0" the forward's first argument, "arg:NAME" its argument NAME (a rotary
+        embedding's `position_ids`), "param:NAME" a module attribute."""
+        if source.startswith("param:"):
+            return getattr(mod, source.removeprefix("param:"))
+        if source == "arg:0":
+            return args[0] if args else kwargs[first]
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments[source.removeprefix("arg:")]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        outs = run([argument(s, args, kwargs) for s in splice.inputs], align, lanes)
+        if width == 1:
+            return outs[0]
+        result: list[Any] = [None] * width  # a forward returning a tuple (a rotary embedding's cos, sin)
+        for value, position in zip(outs, splice.outputs):
+            result[position] = value
+        return tuple(result)
 
     return forward
 
@@ -591,18 +608,23 @@ def _unpatch(key: str, owner: ModuleType, fn_name: str) -> None:
         _FUNCTIONS[key] = (original, users - 1)
 
 
+def _child(mod: torch.nn.Module, child: str, splice: ManifestSplice) -> torch.nn.Module:
+    try:
+        return mod.get_submodule(child)
+    except AttributeError:
+        raise PatchError(f"{type(mod).__name__} has no child module {child!r} (carry splice {splice.key})") from None
+
+
 def _carry(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state: _State) -> None:
     """The carry hooks on one module: its incoming activation in FP32 (carry_fp32); or rounded for the module's
     own ops and FP32 for the named children (carry_fp32_rounded: a piecewise engine's BF16 graph boundary)."""
+    for child in splice.fp32_outputs:  # a scaled child output, summed in FP32
+        state.undo.append(_child(mod, child, splice).register_forward_hook(gen.carry_fp32_output).remove)
     if splice.torch_fn != "carry_fp32_rounded":
         state.undo.append(mod.register_forward_pre_hook(gen.carry_fp32, with_kwargs=True).remove)
         return
     for child in splice.fp32_children:
-        try:
-            sub = mod.get_submodule(child)
-        except AttributeError:
-            raise PatchError(f"{type(mod).__name__} has no child module {child!r} (carry splice "
-                             f"{splice.key})") from None
+        sub = _child(mod, child, splice)
         state.undo.append(sub.register_forward_pre_hook(functools.partial(gen.carry_fp32_child, mod)).remove)
     state.undo.append(mod.register_forward_pre_hook(gen.carry_fp32_rounded, with_kwargs=True).remove)
     state.undo.append(mod.register_forward_hook(gen.carry_done).remove)

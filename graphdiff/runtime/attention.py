@@ -5,6 +5,10 @@ transformers looks a model's attention implementation up by name in one process-
 points the model's config at it and returns the undo, which puts the config back and, once no model uses the
 name any more, puts back what the registry held under it (nothing, usually).
 
+transformers builds a layer's attention mask with the function its mask registry (`AttentionMaskInterface`) holds
+under the same name, and for a name it does not hold it passes no mask at all: no padding, no sliding window. So
+the name gets sdpa's mask function too (a boolean mask; none where plain causal attention is all it says).
+
 transformers is imported only when a function is registered.
 """
 
@@ -14,18 +18,30 @@ from collections.abc import Callable
 from typing import Any
 
 _ABSENT = object()
-_USERS: dict[str, tuple[Any, int]] = {}  # name -> (what the registry held under it before, models using it)
+_USERS: dict[str, tuple[Any, Any, int]] = {}  # name -> (what each registry held under it before, models using it)
+
+
+def _put_back(registry: Any, name: str, previous: Any) -> None:
+    """The registry's entry for `name` as it was (removed where it held none)."""
+    if previous is _ABSENT:
+        registry._global_mapping.pop(name, None)  # what `register` writes; there is no unregister
+    else:
+        registry.register(name, previous)
 
 
 def register_attention(name: str, fn: Callable) -> Callable[[], None]:
-    """Register `fn` under `name` with transformers' AttentionInterface; returns the undo (idempotent). The last
-    user's undo puts back what the name held before (or removes it)."""
+    """Register `fn` under `name` with transformers' AttentionInterface (and sdpa's mask function with its
+    AttentionMaskInterface); returns the undo (idempotent). The last user's undo puts back what the name held
+    before (or removes it)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    registry = AttentionInterface._global_mapping  # what AttentionInterface.register writes; there is no unregister
-    previous, users = _USERS.get(name, (registry.get(name, _ABSENT), 0))
-    _USERS[name] = (previous, users + 1)
+    attention, masks = AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping
+    before = (attention.get(name, _ABSENT), masks.get(name, _ABSENT), 0)
+    previous, previous_mask, users = _USERS.get(name, before)
+    _USERS[name] = (previous, previous_mask, users + 1)
     AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
     done = False
 
     def undo() -> None:
@@ -33,13 +49,12 @@ def register_attention(name: str, fn: Callable) -> Callable[[], None]:
         if done:
             return
         done = True
-        previous, users = _USERS.pop(name)
+        previous, previous_mask, users = _USERS.pop(name)
         if users > 1:
-            _USERS[name] = (previous, users - 1)
-        elif previous is _ABSENT:
-            registry.pop(name, None)
-        else:
-            AttentionInterface.register(name, previous)
+            _USERS[name] = (previous, previous_mask, users - 1)
+            return
+        _put_back(AttentionInterface, name, previous)
+        _put_back(AttentionMaskInterface, name, previous_mask)
 
     return undo
 
