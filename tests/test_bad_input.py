@@ -203,8 +203,11 @@ def test_check_names_the_model_it_was_asked_about_in_the_regenerate_line():
 
 def _interrupt_once(argv: list[str], ready: Path, pattern: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """Run the CLI; once `pattern` exists under the staging directory beside `ready`, send it SIGINT."""
+    # SIGINT as a terminal delivers it: a child inherits an ignored SIGINT (something in this test process may have
+    # set SIG_IGN, e.g. a library's worker setup), and Python then never raises KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "graphdiff_cli.main", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     staging = ready.parent / f".{ready.name}.graphdiff-staging-{proc.pid}"
     t0 = time.monotonic()
     while not any(staging.glob(pattern)) and proc.poll() is None and time.monotonic() - t0 < timeout:
