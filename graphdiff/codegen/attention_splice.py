@@ -29,21 +29,41 @@ from graphdiff.codegen.prelude import round_toward_zero
 KV_BLOCK = 128  # the KV-cache block size of vLLM's CPU attention backend
 
 
+def attention_isa(dim: int) -> str:
+    """The ISA vLLM CPU's attention backend picks for BF16 heads of `dim` (`amx` after asking for AMX tiles, as
+    vLLM's worker does: a process that has not dies of SIGILL in the kernel)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(torch.bfloat16, KV_BLOCK, dim, "auto")
+    if isa == "amx":
+        torch.cpu._init_amx()
+    return isa
+
+
+def kv_cache(key: torch.Tensor, value: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One sequence's BF16 key/value [seq, kv_heads, dim] written into a fresh KV cache of vLLM CPU's layout, in
+    positions 0..seq-1: (key_cache, value_cache, blocks)."""
+    import vllm._custom_ops as ops
+
+    seq, kv_heads, dim = key.shape
+    blocks = -(-seq // KV_BLOCK)
+    cache = torch.zeros(blocks, kv_heads, 2 * KV_BLOCK, dim, dtype=torch.bfloat16)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(seq), isa)
+    return key_cache, value_cache, blocks
+
+
 def vllm_cpu_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                        softcap: float = 0.0, sliding_window: int | None = None) -> torch.Tensor:
     """vLLM CPU's attention on causal sequences: query [batch, heads, seq, dim], key/value [batch, kv_heads, seq,
     dim] -> [batch, seq, heads, dim] in BF16, each batch row one sequence of its own. `sliding_window` W: each
     query sees itself and the W - 1 keys before it (the engine passes the config's value as it is)."""
     import vllm._custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     batch, heads, seq, dim = query.shape
     kv_heads = key.shape[1]
     window = int(sliding_window) if sliding_window else -1  # the engine's "no window"
-    isa = _get_attn_isa(torch.bfloat16, KV_BLOCK, dim, "auto")
-    if isa == "amx":
-        torch.cpu._init_amx()  # a process asks the kernel for AMX tiles first (vLLM's worker does), else SIGILL
-    blocks = -(-seq // KV_BLOCK)
+    isa = attention_isa(dim)
     starts = torch.tensor([0, seq], dtype=torch.int32)
     lengths = torch.tensor([seq], dtype=torch.int32)
     # The engine's scheduler takes the window its KV-cache group's layers share (-1 where they differ): it only
@@ -54,9 +74,7 @@ def vllm_cpu_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     rows = []
     for b in range(batch):
         q, k, v = (t[b].transpose(0, 1).to(torch.bfloat16).contiguous() for t in (query, key, value))  # [seq, h, d]
-        cache = torch.zeros(blocks, kv_heads, 2 * KV_BLOCK, dim, dtype=torch.bfloat16)
-        key_cache, value_cache = cache.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(seq), isa)
+        key_cache, value_cache, blocks = kv_cache(k, v, isa)
         out = torch.zeros(seq, heads, dim, dtype=torch.bfloat16)
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
@@ -207,5 +225,5 @@ def attention_engine_op(module, query, key, value, attention_mask, **kwargs):
 
 FP32_PARTS = (_causal_window_mask, _softcapped_fp32, _attention_in_fp32, attention_fp32_inputs,
               attention_fp32_inputs_truncated)
-ENGINE_PARTS = (vllm_cpu_attention, engine_attention_op, _EngineAttention, _causal_only, layer_window,
-                attention_engine_op)
+ENGINE_PARTS = (attention_isa, kv_cache, vllm_cpu_attention, engine_attention_op, _EngineAttention, _causal_only,
+                layer_window, attention_engine_op)

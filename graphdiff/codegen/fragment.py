@@ -25,6 +25,7 @@ from typing import Any, Literal
 from graphdiff.ops import CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site
 from graphdiff.replay.sum_order import is_row_reduction
+from graphdiff.runtime import module_regex
 
 Target = Literal["module", "function", "carry"]
 # Regions whose engine side is one opaque op: the patch calls a function that computes as the registry says the op
@@ -55,8 +56,9 @@ class Fragment:
     engine_sites: dict[str, str] = field(default_factory=dict)  # engine-rounded site node -> region
     rounds: set[str] = field(default_factory=set)  # nodes HF eager rounds (from the scan's plan)
     keep_fp32: dict[str, bool] = field(default_factory=dict)  # output -> may leave the fragment in FP32
-    # output -> the attention regions it reaches: it leaves in FP32 only while they are aligned too (their splice, the
-    # engine's op, rounds its inputs as the engine stores them; HF's sdpa refuses mixed dtypes)
+    # output -> the regions it leaves in FP32 only while they are aligned too: the attention regions it reaches (their
+    # splice, the engine's op, rounds its inputs as the engine stores them; HF's sdpa refuses mixed dtypes) and the
+    # carry regions whose residual add sums it (in FP32 only with the residual carried)
     fp32_with: dict[str, list[str]] = field(default_factory=dict)
     # carry: the module's own ops read its incoming activation rounded (the engine's low-precision copy at a
     # piecewise graph split), these child modules read it in FP32
@@ -272,7 +274,7 @@ def _carry_reads(scan: ScanResult, graph: Graph, region: Region) -> tuple[bool, 
     that computed it (the plan's `read_rounded_by`)."""
     nodes, users = graph.node_map(), graph.users()
     node_of = {d.id: d.node for d in scan.plan}
-    pattern = re.compile("^" + re.escape(region.module).replace(r"\*", r"\d+") + "$")
+    pattern = module_regex(region.module)
     rounded, children = False, set()
     for d in scan.plan:
         readers = {node_of[i] for i in d.evidence.read_rounded_by if i in node_of}
@@ -428,8 +430,7 @@ class _Reach:
     def __init__(self, graph: Graph, frags: list[Fragment], attention: dict[str, str]) -> None:
         self.nodes, self.users, self.attention = graph.node_map(), graph.users(), attention
         self.patched = {n.name for f in frags if not f.problems and f.target != "carry" for n in f.nodes}
-        self.carries = [(re.compile("^" + re.escape(f.module).replace(r"\*", r"\d+") + "$"), f.regions)
-                        for f in frags if not f.problems and f.target == "carry"]
+        self.carries = [(module_regex(f.module), f.regions) for f in frags if not f.problems and f.target == "carry"]
 
     def matmul(self, u: str) -> bool:
         return op_name(self.nodes[u].target) in MATMULS

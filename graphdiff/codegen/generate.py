@@ -13,7 +13,6 @@ import hashlib
 import importlib
 import inspect
 import itertools
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +49,7 @@ from graphdiff.records import (
     ScanResult,
     save_json,
 )
+from graphdiff.runtime import module_regex
 
 MODULE_FILE = "graphdiff_patch.py"
 SDPA_FUNCTION = "transformers.integrations.sdpa_attention.sdpa_attention_forward"
@@ -180,7 +180,7 @@ def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, st
 
 def _module_class(graph: Graph, pattern: str) -> str:
     """The class of the modules a `layers.*` pattern names, from the trainer graph."""
-    rx = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+    rx = module_regex(pattern)
     return next((n.module_type for n in graph.nodes if n.module and rx.match(n.module) and n.module_type), "") or ""
 
 
@@ -351,7 +351,7 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
                 frag.compiled = _compile(lines, f"torch_{slug}")
                 body += ["", "", f"# {frag.target} {frag.key}: regions {', '.join(frag.regions)}", *lines]
                 kernel = (emit_triton.emit(frag, slug, nodes, values) if not frag.fp32_with else
-                          "an output leaves in FP32 only while an attention region is aligned too")
+                          "an output leaves in FP32 only while other regions are aligned too")
                 if isinstance(kernel, str):
                     splice.triton_problem = kernel
                 else:

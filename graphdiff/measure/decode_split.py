@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from graphdiff.codegen.attention_splice import KV_BLOCK
+from graphdiff.codegen.attention_splice import attention_isa, kv_cache
 
 
 @dataclasses.dataclass
@@ -30,15 +30,6 @@ class DecodeBatch:
     prompt_len: int = 0
     batch: int = 1
     request: int = 0
-
-
-def _isa(dim: int) -> str:
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    isa = _get_attn_isa(torch.bfloat16, KV_BLOCK, dim, "auto")
-    if isa == "amx":
-        torch.cpu._init_amx()  # the kernel asks for AMX tiles (vLLM's worker does this first)
-    return isa
 
 
 def _metadata(ops: Any, q_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, dim: int,
@@ -68,12 +59,9 @@ def decode_split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
 
     _, heads, seq, dim = query.shape
     kv_heads, n, r = key.shape[1], step.batch, step.request
-    isa = _isa(dim)
+    isa = attention_isa(dim)
     q, k, v = (t[0].transpose(0, 1).to(torch.bfloat16).contiguous() for t in (query, key, value))  # [seq, h, d]
-    blocks = -(-seq // KV_BLOCK)
-    cache = torch.zeros(blocks, kv_heads, 2 * KV_BLOCK, dim, dtype=torch.bfloat16)
-    key_cache, value_cache = cache.chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(seq), isa)
+    key_cache, value_cache, blocks = kv_cache(k, v, isa)
     table = torch.arange(blocks, dtype=torch.int32)[None].expand(n, -1).contiguous()  # every request reads it
 
     def run(rows: torch.Tensor, q_len: int, seq_len: int) -> torch.Tensor:
