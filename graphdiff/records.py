@@ -299,7 +299,7 @@ Progress = Callable[[str], None]  # a long step's one-line messages ("engine: co
 
 # What a region of sites computes (analysis.plan.classify decides it), in the order reports list regions.
 RegionKind = Literal["rope", "qk_norm", "attention", "router", "expert_combine", "gated_act", "embedding_scale",
-                     "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "other"]
+                     "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "sum_order", "other"]
 REGION_KINDS: tuple[RegionKind, ...] = get_args(RegionKind)
 
 
@@ -490,6 +490,13 @@ class ScanResult(BaseModel):
     nonuniformity: dict[str, float] = Field(default_factory=dict)
     routing: list[RoutingAgreement] = Field(default_factory=list)  # MoE models: engine vs trainer expert choice
     departure: Departure | None = None  # where the trainer's values first differ from the engine's (first shape)
+    # HF module -> the lanes its engine kernel sums the module's row sums/means in (an RMS norm's mean of squares), for
+    # every module whose matched row reductions all sit in kernels of one such order, sites or not: a module with no
+    # site still sums in another order than ATen's (codegen.norm_order makes it a region of its own)
+    ordered_sums: dict[str, int] = Field(default_factory=dict)
+    # HF modules whose engine norm kernel reads its input back from the BF16 copy it stored, after summing the mean
+    # over the FP32 values it computed (sum_order.cpp_rereads_store)
+    norm_rereads: list[str] = Field(default_factory=list)
 
 
 # --- log-prob gap measurement (`graphdiff kl`) -------------------------------------------------------

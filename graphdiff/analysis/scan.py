@@ -42,6 +42,7 @@ from graphdiff.records import (
     ScanResult,
     Site,
 )
+from graphdiff.replay.sum_order import cpp_rereads_store, cpp_sum_lanes_each, is_row_norm, is_row_reduction
 
 PROVEN = 0.999  # a kernel whose predicted replay is below this is unexplained: its sites are unproven
 
@@ -259,6 +260,75 @@ def kernel_lanes(replay: list[KernelEvidence]) -> dict[str, int]:
     return {k: next(iter(v)) for k, v in seen.items() if len(v) == 1 and next(iter(v)) > 0}
 
 
+def ordered_sums(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]]], engine_graphs: list[Graph],
+                 lanes: dict[str, int]) -> dict[str, int]:
+    """HF module -> the lanes its engine kernels sum its row reductions in, for modules whose matched row
+    reductions (`replay.sum_order.is_row_reduction`) all sit in kernels of one lane order (`kernel_lanes`)."""
+    nodes = tgraph.node_map()
+    kernel_of = {(g.name, n.name): n.kernel or "" for g in engine_graphs for n in g.nodes}
+    each = _reduction_lanes(engine_graphs)
+    found: dict[str, set[int]] = {}
+    for g, (ms, _) in matched.items():
+        for m in ms:
+            n = nodes.get(m.train)
+            if n is not None and n.module and is_row_reduction(n, nodes):
+                kernel = kernel_of.get((g, m.engine), "")
+                found.setdefault(n.module, set()).add(lanes.get(kernel) or each.get((g, m.engine), 0))
+    for module, count in _layer_norm_lanes(tgraph, engine_graphs, lanes).items():
+        found.setdefault(module, set()).add(count)
+    return {m: next(iter(v)) for m, v in sorted(found.items()) if len(v) == 1 and next(iter(v)) > 0}
+
+
+def _reduction_lanes(engine_graphs: list[Graph]) -> dict[tuple[str, str], int]:
+    """(engine graph, row-reduction node) -> the lanes of its accumulator, for kernels whose sums differ in lanes
+    (two norms fused in one kernel): the kernel's sum accumulators in code order pair with its mean/sum nodes in
+    graph order where they are as many."""
+    found: dict[tuple[str, str], int] = {}
+    for g in engine_graphs:
+        code = {k.id: k.code for k in g.kernels if k.kind == "generated"}
+        reductions: dict[str, list[str]] = {}
+        for n in g.nodes:
+            if n.kernel in code and n.target.endswith((".mean.dim", ".sum.dim_IntList")):
+                reductions.setdefault(n.kernel, []).append(n.name)
+        for kernel, names in reductions.items():
+            each = cpp_sum_lanes_each(code[kernel])
+            if len(each) == len(names):
+                found.update({(g.name, name): lanes for name, lanes in zip(names, each)})
+    return found
+
+
+def norm_rereads(tgraph: Graph, engine_graphs: list[Graph]) -> list[str]:
+    """The trainer layer norms (HF modules) whose engine kernel reads its input back from the BF16 copy it stored
+    (paired with the kernels by position, as `_layer_norm_lanes` pairs them)."""
+    modules = [n.module for n in tgraph.nodes if n.module and is_row_norm(n)]
+    kernels = _layer_norm_kernels(engine_graphs)
+    if len(kernels) != len(modules):
+        return []
+    code = {k.id: k.code for g in engine_graphs for k in g.kernels}
+    return [m for m, k in zip(modules, kernels) if cpp_rereads_store(code.get(k, ""))]
+
+
+def _layer_norm_kernels(engine_graphs: list[Graph]) -> list[str]:
+    """The engine kernels holding a `var_mean` (a decomposed layer norm), in graph order."""
+    return list(dict.fromkeys(n.kernel for g in engine_graphs for n in g.nodes
+                              if n.kernel and ".var_mean." in n.target))
+
+
+def _layer_norm_lanes(tgraph: Graph, engine_graphs: list[Graph], lanes: dict[str, int]) -> dict[str, int]:
+    """HF module -> the lanes of the engine kernel computing its layer norm. A trainer layer norm is one ATen op
+    whose output the matcher does not pair, so its kernel is found by position: the engine kernels holding a
+    `var_mean` (its decomposed layer norm), in graph order, pair with the trainer's layer norms in graph order
+    when they are as many; otherwise every layer norm gets their lanes only where all of them agree."""
+    modules = [n.module for n in tgraph.nodes if n.module and is_row_norm(n)]
+    kernels = _layer_norm_kernels(engine_graphs)
+    if not modules or not kernels:
+        return {}
+    found = [lanes.get(k, 0) for k in kernels]
+    if len(found) == len(modules):
+        return dict(zip(modules, found))
+    return {m: found[0] for m in modules} if len(set(found)) == 1 else {}
+
+
 def module_lanes(members: list[Site], lanes: dict[str, int]) -> dict[str, int]:
     """HF module -> its sites' engine kernel's lanes, for modules whose sites all sit in kernels of one order."""
     found: dict[str, set[int]] = {}
@@ -355,6 +425,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         engine_unread=engine_cap.unread_params,
         timings={"analysis_s": round(time.perf_counter() - t0, 3), **{k: round(v, 3) for k, v in timings.items()}},
         reproduce=reproduce, notes=notes, nonuniformity=uniformity, routing=sorted(routing, key=lambda a: a.layer),
-        departure=departure,
+        departure=departure, ordered_sums=ordered_sums(tgraph, matched, engine_cap.graphs, kernel_lanes(replay)),
+        norm_rereads=norm_rereads(tgraph, engine_cap.graphs),
     )
 

@@ -13,7 +13,7 @@ from graphdiff.codegen.fragment import Fragment, rounding
 from graphdiff.codegen.names import arguments, value_names
 from graphdiff.ops import is_low, op_name
 from graphdiff.records import Node
-from graphdiff.replay.sum_order import MEAN_FN, SUM_FN
+from graphdiff.replay.sum_order import LAYER_NORM_FN, MEAN_FN, SUM_FN
 
 BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 UNARY = {"rsqrt": "torch.rsqrt", "sqrt": "torch.sqrt", "exp": "torch.exp", "sigmoid": "torch.sigmoid",
@@ -103,9 +103,16 @@ def flag(region_index: dict[str, int], region: str) -> str:
     return f"a{region_index[region]}"
 
 
-def ordered_expression(n: Node, flag_var: str, nodes: dict[str, Node], names: dict[str, str]) -> str:
-    """A row sum/mean in the engine kernel's order (`lanes`, passed per module) when its region is aligned."""
+def ordered_expression(n: Node, flag_var: str, nodes: dict[str, Node], names: dict[str, str],
+                       reads_store: bool = False) -> str:
+    """A row sum/mean or layer norm in the engine kernel's order (`lanes`, passed per module) when its region is
+    aligned; `reads_store`: the kernel reads the norm's input back from its store, in HF's input dtype."""
     args = n.call[0]
+    if op_name(n.target) == "native_layer_norm":
+        source = nodes.get(n.inputs[0]) if n.inputs and reads_store else None
+        stored = DTYPES.get(source.dtype or "") if source is not None else None
+        ordered = f"{LAYER_NORM_FN}({', '.join(literal(a, names) for a in args[:5])}, lanes, {stored})"
+        return f"{ordered} if {flag_var} and lanes else {expression(n, nodes, names)}"
     keep = args[2] if len(args) > 2 else False
     fn = MEAN_FN if op_name(n.target) == "mean" else SUM_FN
     ordered = f"{fn}({literal(args[0], names)}, {literal(args[1], names)}, {keep!r}, lanes)"
@@ -128,7 +135,7 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
         lines.append(f"    {names[name]} = _f32({names[name]})  # {nodes_by_name[name].dtype}")
     for n in frag.nodes:
         code = (n.source.code if n.source else "")[:70]
-        expr = (ordered_expression(n, flag(index, frag.ordered[n.name]), nodes_by_name, names)
+        expr = (ordered_expression(n, flag(index, frag.ordered[n.name]), nodes_by_name, names, frag.reads_store)
                 if n.name in frag.ordered else expression(n, nodes_by_name, names))
         x = names[n.name]
         lines.append(f"    {x} = {expr}  # {n.target}: {code}")

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from graphdiff.codegen import norm_order
 from graphdiff.ops import CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site
-from graphdiff.replay.sum_order import is_row_reduction
+from graphdiff.replay.sum_order import is_row_op
 from graphdiff.runtime import module_regex
 
 Target = Literal["module", "function", "carry"]
@@ -70,6 +71,8 @@ class Fragment:
     # order's lanes per HF module (Region.reduction_lanes; the runtime passes each module's)
     ordered: dict[str, str] = field(default_factory=dict)
     lanes: dict[str, int] = field(default_factory=dict)
+    # its layer norms' engine kernels read the input back from their BF16 store after the mean (norm_order)
+    reads_store: bool = False
     # the scanned decoder layers this splice serves (a group of layers sharing one rounding plan); [] = every layer
     layers: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -101,6 +104,8 @@ def layer_groups(scan: ScanResult, region: Region) -> list[list[int]]:
     """The region's layers in groups that share one rounding plan, first layer first; [[]] when one code serves every
     layer: its layers do not differ, or one engine kernel code serves them all (then a site seen in only some layers
     is weak evidence, and the union is generated; `_representative_sites`)."""
+    if region.kind == norm_order.KIND:
+        return norm_order.layer_groups(scan, region)
     layers = [ly for ly in region.layers if ly is not None]
     if not region.differing_layers or len(region.kernels) == 1 or not layers:
         return [[]]
@@ -191,14 +196,16 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     nodes = graph.node_map()
     sides, problems, notes = _representative_sites(scan, graph, region, layers)
     site_nodes = [n for n in sides if n in nodes]
-    if not site_nodes:
+    # a region with no sites (a norm the engine sums in its own order) is cut at its first row reduction's module
+    seed = norm_order.seed_node(graph, region, layers) if region.kind == norm_order.KIND else None
+    first = nodes[site_nodes[0]] if site_nodes else seed
+    if first is None:
         return Fragment(key=region.name, target="module", module=region.module, module_class="",
                         problems=["no site of the region is in the training graph"])
-    first = nodes[site_nodes[0]]
     src = first.source
     path = first.module or ""
     module_class = first.module_type or ""
-    if src is not None and src.function != "forward":
+    if src is not None and src.function != "forward" and seed is None:
         dotted = dotted_module(src.file)
         frag = Fragment(key=f"{dotted}.{src.function}", target="function", module=region.module,
                         module_class=module_class, function=f"{dotted}.{src.function}")
@@ -226,25 +233,31 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     frag.rounds = {n.name for n in frag.nodes if n.name in trainer_rounds}
     frag.regions = [region.name]
     if region.reduction_lanes and frag.target != "carry":
-        frag.ordered = {n.name: region.name for n in frag.nodes if is_row_reduction(n, nodes)}
+        frag.ordered = {n.name: region.name for n in frag.nodes if is_row_op(n, nodes)}
         frag.lanes = dict(region.reduction_lanes) if frag.ordered else {}
+        frag.reads_store = region.kind == norm_order.KIND and norm_order.reads_store(scan, region, layers)
     if frag.target == "module":
-        for i in frag.inputs:
-            param = nodes[i].param
-            if param is not None:
-                attr = param.removeprefix(path + ".")
-                if "." in attr:
-                    frag.problems.append(f"parameter {param} is not an attribute of {path}")
-                frag.params[i] = attr
-        acts = [i for i in frag.inputs if i not in frag.params]
-        if len(acts) != 1 or not frag.outputs:  # several outputs: a tuple, bound to the return statement (generate)
-            frag.problems.append(f"module forward with {len(acts)} activation inputs and {len(frag.outputs)} "
-                                 "outputs: only module forwards of one activation input are re-emitted")
+        _bind_params(frag, nodes, path)
     frag.problems += problems
     frag.notes += notes
     if layers:
         frag.key, frag.layers = f"{frag.key}@layers {','.join(map(str, layers))}", list(layers)
     return frag
+
+
+def _bind_params(frag: Fragment, nodes: dict[str, Node], path: str) -> None:
+    """A module fragment's parameter inputs as attributes of the module at `path`; one activation input."""
+    for i in frag.inputs:
+        param = nodes[i].param
+        if param is not None:
+            attr = param.removeprefix(path + ".")
+            if "." in attr:
+                frag.problems.append(f"parameter {param} is not an attribute of {path}")
+            frag.params[i] = attr
+    acts = [i for i in frag.inputs if i not in frag.params]
+    if len(acts) != 1 or not frag.outputs:  # several outputs: a tuple, bound to the return statement (generate)
+        frag.problems.append(f"module forward with {len(acts)} activation inputs and {len(frag.outputs)} "
+                             "outputs: only module forwards of one activation input are re-emitted")
 
 
 def _scaled_child_outputs(graph: Graph, path: str, sites: list[str]) -> dict[str, str]:

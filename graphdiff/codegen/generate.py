@@ -31,6 +31,7 @@ from graphdiff.codegen import (
     emit_triton,
     inductor_lowering,
     names,
+    norm_order,
     prelude,
     tp_linear,
 )
@@ -448,6 +449,7 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None,
     splice computes as the registry says the engine does ("fp32"), or runs the engine's own op ("engine")."""
     scan, train = load_scan_dir(scan_dir)
     graph = train.graphs[0]
+    scan = norm_order.with_order_regions(scan, graph)  # norms with no site that the engine sums in its own order
     # the engine's attention op also where it rounds as sdpa does (no site): its key order is still its own
     wanted = _wanted(scan, regions, attention_order.order_regions(scan, graph) if attention == "engine" else [])
     parts = _Parts()

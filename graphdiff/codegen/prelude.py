@@ -7,7 +7,8 @@ and the linters run the very code a patch carries:
 - `_f32`, `_round`: what the emitted region functions call on their inputs and at each rounding point;
 - `truncate_to_bf16` (capture.cpu_kind) and `round_toward_zero`: an FP32 -> BF16 store by truncation, as vLLM CPU's
   `_C_AVX512` / `_C_AVX2` ops store (the attention and split-K splices' `_truncated` forms);
-- `ordered_sum`, `ordered_mean` (replay.sum_order): a row sum in an engine kernel's order.
+- `ordered_sum`, `ordered_mean`, `ordered_layer_norm` (replay.sum_order): a row sum, and a layer norm's two passes
+  of them, in an engine kernel's order.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from graphdiff.capture.cpu_kind import truncate_to_bf16
-from graphdiff.replay.sum_order import ordered_mean, ordered_sum
+from graphdiff.replay.sum_order import ordered_layer_norm, ordered_mean, ordered_sum
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,8 @@ def round_toward_zero(x: torch.Tensor) -> torch.Tensor:
     return x + (truncate_to_bf16(kept) - kept)
 
 
-PARTS: tuple[Callable, ...] = (_f32, _round, truncate_to_bf16, round_toward_zero, ordered_sum, ordered_mean)
+PARTS: tuple[Callable, ...] = (_f32, _round, truncate_to_bf16, round_toward_zero, ordered_sum, ordered_mean,
+                               ordered_layer_norm)
 
 
 def source(parts: tuple) -> list[str]:

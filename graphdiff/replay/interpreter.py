@@ -22,7 +22,7 @@ import torch.fx
 from graphdiff.ops import DATA_MOVEMENT, op_name
 from graphdiff.records import Node
 from graphdiff.replay.inductor_math import INDUCTOR_MATH, inductor_unary
-from graphdiff.replay.sum_order import ordered_mean, ordered_sum
+from graphdiff.replay.sum_order import ordered_op, ordered_sum
 
 LOW = (torch.bfloat16, torch.float16)
 SUM = "#sum"  # values[mean + SUM]: a mean's row sum (what a kernel that computes the mean stores)
@@ -138,8 +138,7 @@ class RoundingInterpreter(torch.fx.Interpreter):
                     and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
                 out = inductor_unary(name, args[0])
             elif n.name in self.ordered and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
-                fn = ordered_mean if name == "mean" else ordered_sum
-                out = fn(args[0], args[1], bool(args[2]) if len(args) > 2 else False, self.ordered[n.name])
+                out = ordered_op(name, args, self.ordered[n.name])
             else:
                 assert callable(n.target)  # a call_function node: its target is the op
                 out = n.target(*args, **kwargs)

@@ -46,9 +46,40 @@ def ordered_mean(x: torch.Tensor, dims: list[int], keepdim: bool, lanes: int) ->
     return ordered_sum(x, dims, keepdim, lanes) / x.shape[-1]
 
 
+def ordered_layer_norm(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None,
+                       bias: torch.Tensor | None, eps: float, lanes: int,
+                       stored: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """`native_layer_norm` over the last dim as an Inductor kernel computes it in two passes of ordered row sums
+    (the mean, then the squared deviations), `1 / std::sqrt(var + eps)`, then `(x - mean) * rstd * w + b`; returns
+    (output, mean, rstd) as the ATen op does. The kernel's `1 / std::sqrt` is built with fast math (an approximate
+    reciprocal square root refined), which eager `rsqrt` equals on every row; an exact `1 / sqrt` differs on ~15%.
+    `stored`: the dtype the input is stored in. The kernel sums the mean in the loop that computes the input (a
+    fused residual add: the FP32 sum the patch carries) and reads it back from that store in the later passes."""
+    mean = ordered_sum(x, [-1], True, lanes) / x.shape[-1]
+    if stored is not None:
+        x = x.to(stored).to(x.dtype)
+    centered = x - mean
+    rstd = torch.rsqrt(ordered_sum(centered * centered, [-1], True, lanes) / x.shape[-1] + eps)
+    out = centered * rstd
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out, mean, rstd
+
+
+def ordered_op(name: str, args: tuple | list, lanes: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """A row sum, mean or layer norm (an `is_row_op` node's op and arguments) in an engine kernel's order."""
+    if name == "native_layer_norm":
+        x, shape, weight, bias, eps = args[:5]
+        return ordered_layer_norm(x, shape, weight, bias, eps, lanes)
+    fn = ordered_mean if name == "mean" else ordered_sum
+    return fn(args[0], args[1], bool(args[2]) if len(args) > 2 else False, lanes)
+
+
 # what a generated patch carries (their source), and the names its code calls them by
-PATCH_PARTS = (ordered_sum, ordered_mean)
-SUM_FN, MEAN_FN = ordered_sum.__name__, ordered_mean.__name__
+PATCH_PARTS = (ordered_sum, ordered_mean, ordered_layer_norm)
+SUM_FN, MEAN_FN, LAYER_NORM_FN = ordered_sum.__name__, ordered_mean.__name__, ordered_layer_norm.__name__
 
 # An accumulator of a vectorized sum: `at::vec::VectorizedN<float,2> tmp_acc0_vec = ...(0);` (or Vectorized<float>)
 _ACC = re.compile(r"at::vec::Vectorized(?:N<float,\s*(\d+)>|<float>)\s+(tmp_acc\d+)_vec\s*=")
@@ -69,20 +100,42 @@ def cpp_sum_lanes(code: str) -> int:
 
     The lanes are the step of the loop the accumulator is declared before (elements per vectorized iteration);
     every sum accumulator of the kernel must agree."""
+    lanes = set(cpp_sum_lanes_each(code))
+    return next(iter(lanes)) if len(lanes) == 1 else 0
+
+
+def cpp_sum_lanes_each(code: str) -> list[int]:
+    """The lanes of each sum accumulator of an Inductor C++ kernel, in code order (a kernel holding two norms may
+    sum one in 32 lanes, the next in 16); other accumulators (a max, a sum with a scalar tail) are not listed, and
+    [] where a sum's loop step is not found."""
     if 'extern "C"' not in code:
-        return 0
-    lanes: set[int] = set()
+        return []
+    lanes: list[int] = []
     for m in _ACC.finditer(code):
         if not _is_sum(code, m.group(2)):
             continue
         step = _STEP.search(code, m.end())
         if step is None:
-            return 0
-        lanes.add(int(step.group(1)))
-    if len(lanes) != 1:
-        return 0
-    (n,) = lanes
-    return n if n & (n - 1) == 0 else 0  # the halving tree needs a power of two
+            return []
+        n = int(step.group(1))
+        if n & (n - 1):  # the halving tree needs a power of two
+            return []
+        lanes.append(n)
+    return lanes
+
+
+_BF16_OUT = re.compile(r"at::BFloat16\*\s+(out_ptr\d+)")
+
+
+def cpp_rereads_store(code: str) -> bool:
+    """Does an Inductor C++ row kernel store a BF16 buffer and read it back in a later loop (a fused residual add
+    stored as the layer's output, its norm's later passes reading the stored copy, its first pass the FP32 sum)?"""
+    for m in _BF16_OUT.finditer(code):
+        ptr = re.escape(m.group(1))
+        store = re.search(rf"\.store\({ptr}\b", code)
+        if store is not None and re.search(rf"loadu\({ptr}\b", code[store.end():]):
+            return True
+    return False
 
 
 def is_row_reduction(node: Node, nodes: dict[str, Node]) -> bool:
@@ -94,3 +147,15 @@ def is_row_reduction(node: Node, nodes: dict[str, Node]) -> bool:
     ndim = len(source.shape) if source is not None and source.shape else None
     dims = args[1]
     return ndim is not None and isinstance(dims, list) and len(dims) == 1 and dims[0] in (-1, ndim - 1)
+
+
+def is_row_norm(node: Node) -> bool:
+    """`aten.native_layer_norm` over the last dim only (what `ordered_layer_norm` computes)."""
+    args = node.call[0]
+    return node.target.endswith(".native_layer_norm.default") and len(args) >= 5 \
+        and isinstance(args[1], list) and len(args[1]) == 1
+
+
+def is_row_op(node: Node, nodes: dict[str, Node]) -> bool:
+    """A node an engine kernel computes with ordered row sums: a row sum/mean, or a layer norm over the last dim."""
+    return is_row_reduction(node, nodes) or is_row_norm(node)

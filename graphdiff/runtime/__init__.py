@@ -362,8 +362,11 @@ def _layer_norm_takes_fp32(mod: torch.nn.LayerNorm) -> Callable[[], None]:
     """An nn.LayerNorm given an FP32 input (the carried residual stream) normalizes it in FP32 with its weights
     upcast, as the engine's kernel normalizes the FP32 sum (eager's CPU LayerNorm refuses an FP32 input with BF16
     weights); a subclass with its own forward (LayerNorm1P) gets the input rounded to its weight dtype, as HF
-    does. Any other input runs the module unchanged."""
+    does. Any other input runs the module unchanged. A module whose forward a splice replaced (its layer norm in
+    the engine's order) runs the splice, which computes in FP32 from any input."""
     before = mod.__dict__.get("forward")
+    if before is not None:
+        return lambda: None
     forward = mod.forward
     plain = type(mod).forward is torch.nn.LayerNorm.forward
 
@@ -378,13 +381,7 @@ def _layer_norm_takes_fp32(mod: torch.nn.LayerNorm) -> Callable[[], None]:
 
     mod.forward = run  # type: ignore[method-assign,assignment]  # this instance's forward, until undo
 
-    def undo() -> None:
-        if before is None:
-            mod.__dict__.pop("forward", None)
-        else:
-            mod.forward = before  # type: ignore[method-assign]
-
-    return undo
+    return lambda: mod.__dict__.pop("forward", None)  # the class's forward again
 
 
 def _regions_to_apply(manifest: Manifest, path: Path, regions: Sequence[str] | None) -> list[str]:

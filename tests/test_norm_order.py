@@ -1,0 +1,154 @@
+"""Norms with no rounding site that the engine sums in its own lane order get a `sum_order` region
+(graphdiff.codegen.norm_order), from the recorded 3-layer tiny Gemma scan (fixtures/scans/README.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphdiff import runtime
+from graphdiff.codegen import generate
+from graphdiff.codegen.norm_order import order_regions
+from graphdiff.models.tiny import make_tiny
+from graphdiff.records import Graph, ScanResult
+from graphdiff.replay.sum_order import ordered_mean
+from tests.conftest import FIXTURES
+
+GEMMA = FIXTURES / "scans" / "tiny-gemma-3"
+INPUT_NORM = "model.layers.*.input_layernorm#sum_order"
+
+
+@pytest.fixture(scope="module")
+def patch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gemma") / "patch"
+    generate(GEMMA, out, attention="engine")
+    return out
+
+
+def test_every_norm_the_engine_orders_is_a_region_with_its_kernels_lanes(patch: Path) -> None:
+    manifest = runtime.load_manifest(patch / "manifest.json")
+    regions = {r.name: r for r in manifest.regions if r.kind == "sum_order"}
+    assert sorted(regions) == [INPUT_NORM, "model.layers.*.post_attention_layernorm#sum_order", "model.norm#sum_order"]
+    assert all(r.generated and r.sites == [] for r in regions.values())
+    assert regions[INPUT_NORM].layers == [0, 1, 2]
+    splice = next(s for s in manifest.splices if INPUT_NORM in s.regions)
+    assert splice.target == "module" and splice.module == "model.layers.*.input_layernorm" and not splice.problems
+    # per module, as the recorded kernels sum: layer 1's input norm kernel in 16 lanes, the others in 32
+    assert splice.reduction_lanes == {"model.layers.0.input_layernorm": 32, "model.layers.1.input_layernorm": 16,
+                                      "model.layers.2.input_layernorm": 32}
+
+
+def test_no_region_where_a_scanned_region_orders_the_module_or_nothing_is_ordered() -> None:
+    scan = ScanResult.model_validate_json((GEMMA / "scan.json").read_text())
+    graph = Graph.model_validate(__import__("json").loads((GEMMA / "train.capture.json").read_text())["graphs"][0])
+    assert len(order_regions(scan, graph)) == 3
+    assert order_regions(scan.model_copy(update={"ordered_sums": {}}), graph) == []
+    # a norm region with sites that sums the module's rows already: the module gets no second region
+    owned = scan.regions[0].model_copy(update={"reduction_lanes": {m: 32 for m in scan.ordered_sums
+                                                                   if "input_layernorm" in m}})
+    names = {r.name for r in order_regions(scan.model_copy(update={"regions": [owned, *scan.regions[1:]]}), graph)}
+    assert INPUT_NORM not in names and len(names) == 2
+
+
+def test_the_splice_sums_the_row_in_the_engine_kernels_order(patch: Path, tmp_path: Path) -> None:
+    """Aligned, the norm's output is HF's Gemma RMSNorm with its mean of squares summed in the kernel's lanes; on
+    some of these rows that differs from HF's own (ATen's order), so the splice is what changes them."""
+    from graphdiff.capture.hf import load_hf_model
+
+    model = load_hf_model(make_tiny("gemma", tmp_path / "gemma", layers=3))
+    x = torch.randn(4096, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    norms = {ly: model.model.layers[ly].input_layernorm for ly in (0, 1)}
+    hf = {ly: norm(x) for ly, norm in norms.items()}
+
+    def engine_order(norm: torch.nn.Module, lanes: int) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(ordered_mean(h.pow(2), [-1], True, lanes) + norm.eps)
+        return (h * (1.0 + norm.weight.float())).to(x.dtype)
+
+    runtime.apply(model, patch, regions=[INPUT_NORM])
+    try:
+        for ly, lanes in ((0, 32), (1, 16)):
+            out = norms[ly](x)
+            assert torch.equal(out, engine_order(norms[ly], lanes))
+            assert not torch.equal(out, hf[ly])
+    finally:
+        runtime.remove(model)
+    assert torch.equal(norms[0](x), hf[0])  # removed: HF's own code again
+
+
+STABLELM = FIXTURES / "scans" / "tiny-stablelm-3"
+POST_NORM = "model.layers.*.post_attention_layernorm#sum_order"
+
+
+def test_ordered_layer_norm_is_inductors_layer_norm_bit_for_bit() -> None:
+    """Two passes of 32-lane row sums and eager `rsqrt` (the kernel's fast-math `1 / std::sqrt`) reproduce an
+    Inductor-compiled layer norm on every row; ATen's own layer norm differs on some."""
+    import torch.nn.functional as F
+
+    from graphdiff.replay.sum_order import ordered_layer_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 256, generator=gen).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(256, generator=gen)).to(torch.bfloat16)
+    b = (0.1 * torch.randn(256, generator=gen)).to(torch.bfloat16)
+
+    def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), (256,), w.float(), b.float(), 1e-5).to(torch.bfloat16)
+
+    from torch._inductor.utils import run_and_get_code
+
+    from graphdiff.replay.sum_order import cpp_sum_lanes
+
+    compiled, code = run_and_get_code(torch.compile(layer_norm, backend="inductor", dynamic=True), x, w, b)
+    lanes = cpp_sum_lanes("\n".join(code))  # this CPU's vector width (32 with AVX-512)
+    assert lanes > 0
+    ours = ordered_layer_norm(x.float(), [256], w.float(), b.float(), 1e-5, lanes)[0].to(torch.bfloat16)
+    assert torch.equal(ours, compiled)
+    assert not torch.equal(layer_norm(x, w, b), compiled)
+
+
+def test_a_kernel_that_reads_its_stored_input_back_is_told_apart() -> None:
+    import json
+
+    from graphdiff.replay.sum_order import cpp_rereads_store, cpp_sum_lanes
+
+    code = json.loads((STABLELM / "layer_norm_kernels.json").read_text())
+    recompute, reread = (next(c for k, c in code.items() if k.split(":")[0].endswith(end)) for end in ("_2", "_5"))
+    assert cpp_sum_lanes(recompute) == cpp_sum_lanes(reread) == 32
+    assert not cpp_rereads_store(recompute) and cpp_rereads_store(reread)
+
+
+def test_layer_norms_are_generated_per_group_of_kernels_that_read_alike(tmp_path: Path) -> None:
+    """StableLM's layer norms (one ATen op in the trainer) get `sum_order` regions; the post-attention norm is cut in
+    two groups: layer 1's kernel reads the input back from its BF16 store after the mean, layers 0 and 2 do not."""
+    scan = ScanResult.model_validate_json((STABLELM / "scan.json").read_text())
+    assert scan.ordered_sums and set(scan.ordered_sums.values()) == {32}
+    assert scan.norm_rereads == ["model.layers.1.post_attention_layernorm"]
+    manifest = generate(STABLELM, tmp_path / "patch", attention="engine")
+    post = [s for s in manifest.splices if POST_NORM in s.regions]
+    assert sorted(s.layers for s in post) == [[0, 2], [1]] and not any(s.problems for s in post)
+    source = (tmp_path / "patch" / "graphdiff_patch.py").read_text()
+    calls = [line for line in source.splitlines() if "= ordered_layer_norm(" in line]
+    assert len(calls) == 4  # input norm, post-attention norm (two groups), final norm
+    assert sum("lanes, torch.bfloat16)" in line for line in calls) == 1
+
+
+def test_a_carried_fp32_input_reaches_the_layer_norm_splice(tmp_path: Path) -> None:
+    """The runtime gives an `nn.LayerNorm` an FP32 input (the carried residual) in FP32; where a splice replaced its
+    forward, the splice computes it: the mean over the FP32 values, the rest over the BF16 store (layer 1)."""
+    from graphdiff.capture.hf import load_hf_model
+    from graphdiff.replay.sum_order import ordered_layer_norm
+
+    generate(STABLELM, tmp_path / "patch", attention="engine")
+    model = load_hf_model(make_tiny("stablelm", tmp_path / "stablelm", layers=3))
+    x = torch.randn(64, model.config.hidden_size, generator=torch.Generator().manual_seed(1)) * 4
+    runtime.apply(model, tmp_path / "patch", regions=[POST_NORM])
+    try:
+        for ly, stored in ((0, None), (1, torch.bfloat16)):
+            norm = model.model.layers[ly].post_attention_layernorm
+            want = ordered_layer_norm(x, [x.shape[-1]], norm.weight.float(), norm.bias.float(), norm.eps, 32, stored)
+            assert torch.equal(norm(x), want[0].to(torch.bfloat16))
+    finally:
+        runtime.remove(model)
