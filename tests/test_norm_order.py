@@ -152,3 +152,21 @@ def test_a_carried_fp32_input_reaches_the_layer_norm_splice(tmp_path: Path) -> N
             assert torch.equal(norm(x), want[0].to(torch.bfloat16))
     finally:
         runtime.remove(model)
+
+
+def test_two_norms_in_one_kernel_take_each_its_own_lanes() -> None:
+    """A kernel fusing two RMSNorms (Gemma 2's post-attention and pre-feedforward norms) sums one row in 32 lanes,
+    the next in 16: no single lane count, but each mean node pairs with its accumulator in order."""
+    import json
+
+    from graphdiff.analysis.scan import _reduction_lanes
+    from graphdiff.records import Kernel, Node
+    from graphdiff.replay.sum_order import cpp_sum_lanes, cpp_sum_lanes_each
+
+    ((kid, code),) = json.loads((FIXTURES / "scans" / "gemma2_two_norms_kernel.json").read_text()).items()
+    assert cpp_sum_lanes_each(code) == [32, 16] and cpp_sum_lanes(code) == 0
+    means = [Node(name=f"mean_{i}", op="call_function", target="aten.mean.dim", kernel=kid) for i in (1, 2)]
+    graph = Graph(name="g", nodes=means, kernels=[Kernel(id=kid, name=kid.split(":")[0], kind="generated",
+                                                         nodes=["mean_1", "mean_2"], code=code)])
+    assert _reduction_lanes([graph]) == {("g", "mean_1"): 32, ("g", "mean_2"): 16}
+    assert _reduction_lanes([graph.model_copy(update={"nodes": means[:1]})]) == {}  # as many or none
