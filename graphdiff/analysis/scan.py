@@ -298,14 +298,18 @@ def _reduction_lanes(engine_graphs: list[Graph]) -> dict[tuple[str, str], int]:
 
 
 def norm_rereads(tgraph: Graph, engine_graphs: list[Graph]) -> list[str]:
-    """The trainer layer norms (HF modules) whose engine kernel reads its input back from the BF16 copy it stored
-    (paired with the kernels by position, as `_layer_norm_lanes` pairs them)."""
+    """The trainer layer norms (HF modules) whose engine kernel reads its input back from the BF16 copy it stored."""
+    code = {k.id: k.code for g in engine_graphs for k in g.kernels}
+    return [m for m, k in _layer_norm_pairs(tgraph, engine_graphs) if cpp_rereads_store(code.get(k, ""))]
+
+
+def _layer_norm_pairs(tgraph: Graph, engine_graphs: list[Graph]) -> list[tuple[str, str]]:
+    """(HF module, engine kernel) per trainer layer norm. A trainer layer norm is one ATen op whose output the matcher
+    does not pair, so its kernel is found by position: the engine kernels holding a `var_mean` (its decomposed layer
+    norm), in graph order, pair with the trainer's layer norms in graph order; [] unless they are as many."""
     modules = [n.module for n in tgraph.nodes if n.module and is_row_norm(n)]
     kernels = _layer_norm_kernels(engine_graphs)
-    if len(kernels) != len(modules):
-        return []
-    code = {k.id: k.code for g in engine_graphs for k in g.kernels}
-    return [m for m, k in zip(modules, kernels) if cpp_rereads_store(code.get(k, ""))]
+    return list(zip(modules, kernels)) if len(modules) == len(kernels) else []
 
 
 def _layer_norm_kernels(engine_graphs: list[Graph]) -> list[str]:
@@ -315,18 +319,14 @@ def _layer_norm_kernels(engine_graphs: list[Graph]) -> list[str]:
 
 
 def _layer_norm_lanes(tgraph: Graph, engine_graphs: list[Graph], lanes: dict[str, int]) -> dict[str, int]:
-    """HF module -> the lanes of the engine kernel computing its layer norm. A trainer layer norm is one ATen op
-    whose output the matcher does not pair, so its kernel is found by position: the engine kernels holding a
-    `var_mean` (its decomposed layer norm), in graph order, pair with the trainer's layer norms in graph order
-    when they are as many; otherwise every layer norm gets their lanes only where all of them agree."""
+    """HF module -> the lanes of the engine kernel computing its layer norm (`_layer_norm_pairs`); where the kernels
+    and the layer norms are not as many, every layer norm gets the kernels' lanes only where all of them agree."""
+    pairs = _layer_norm_pairs(tgraph, engine_graphs)
+    if pairs:
+        return {m: lanes.get(k, 0) for m, k in pairs}
     modules = [n.module for n in tgraph.nodes if n.module and is_row_norm(n)]
-    kernels = _layer_norm_kernels(engine_graphs)
-    if not modules or not kernels:
-        return {}
-    found = [lanes.get(k, 0) for k in kernels]
-    if len(found) == len(modules):
-        return dict(zip(modules, found))
-    return {m: found[0] for m in modules} if len(set(found)) == 1 else {}
+    found = {lanes.get(k, 0) for k in _layer_norm_kernels(engine_graphs)}
+    return {m: next(iter(found)) for m in modules} if len(found) == 1 else {}
 
 
 def module_lanes(members: list[Site], lanes: dict[str, int]) -> dict[str, int]:
