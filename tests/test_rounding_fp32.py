@@ -38,3 +38,22 @@ def test_an_uninitialized_allocation_and_its_views_get_no_glue_value() -> None:
     _evaluate_glue(graph, set(), values, seen, {"k": {"in": {}, "out": {}, "scalars": {"s0": 8}}})
     assert "empty" not in values and "view" not in values
     assert torch.equal(values["cast"], torch.ones(4))  # other glue still evaluated
+
+
+def test_a_split_outside_every_kernel_gives_its_pieces_values() -> None:
+    """A fused QKV GEMM's output split in glue, the V piece read only by the attention op: the piece is what the
+    trainer's v_proj output matches. Without a value for it, the matcher paired v_proj with a same-sized slice of Q
+    whose sorted values happened to lie within the tolerance, and the departure search named a false departure."""
+    from graphdiff.analysis.rounding import _evaluate_glue
+    from graphdiff.records import Graph, Node
+
+    nodes = [Node(name="qkv", op="placeholder", target="qkv", dtype="bfloat16", shape=[4, 12]),
+             Node(name="split", op="call_function", target="aten.split_with_sizes.default", inputs=["qkv"],
+                  call=[[{"node": "qkv"}, [6, 3, 3], -1], {}]),
+             Node(name="v", op="call_function", target="getitem", inputs=["split"],
+                  call=[[{"node": "split"}, 2], {}], dtype="bfloat16", shape=[4, 3])]
+    qkv = torch.arange(48, dtype=torch.bfloat16).reshape(4, 12)
+    values: dict = {}
+    _evaluate_glue(Graph(name="g", nodes=nodes), set(), values, {"qkv": qkv}, {})
+    assert "split" not in values  # a tuple of views is no value the matcher compares
+    assert torch.equal(values["v"], qkv[:, 9:])

@@ -274,11 +274,17 @@ def _stretch(ev: _Evidence, name: str) -> _Stretch:
 
 def _compared_after_downcast(ev: _Evidence, t: Node) -> bool:
     """Rule: a matched FP32 trainer value that a downcast of the same value follows is not decided here; the two
-    sides are compared at that downcast."""
+    sides are compared at that downcast. Unless an op also reads the FP32 value itself (a residual sum the next
+    residual add reads in FP32 while a matmul reads its downcast): that op computes with what the engine may have
+    rounded, so the value is decided here."""
     if t.name not in ev.by_train or is_low(t.dtype):
         return False
-    tnodes = ev.train.node_map()
-    return any(is_low(tnodes[c].dtype) and not is_view(tnodes[c]) for c in _same_value_chain(ev.train, t.name)[1:])
+    tnodes, users = ev.train.node_map(), ev.train.users()
+    chain = _same_value_chain(ev.train, t.name)
+    fp32 = [c for c in chain if not is_low(tnodes[c].dtype)]
+    if any(u not in chain for c in fp32 for u in users.get(c, [])):
+        return False
+    return any(is_low(tnodes[c].dtype) and not is_view(tnodes[c]) for c in chain[1:])
 
 
 def _rule_matched(ev: _Evidence, t: Node, ts: SideState, base: dict[str, Any]) -> Decision | None:

@@ -145,18 +145,19 @@ def _evaluate_glue(graph: Graph, owned: set[str], values: dict[str, torch.Tensor
     for rec in buffers.values():
         syms.update({k: v for k, v in rec.get("scalars", {}).items() if isinstance(v, int)})
     declared = Declared(graph)
+    nodes = graph.node_map()
+    groups: dict[str, object] = {}  # a split's tuple of views: not a value, but what its getitems index
     for n in graph.nodes:
         if n.op != "call_function" or n.name in values or n.name in owned or n.name in extern_nodes \
                 or op_name(n.target) in UNINITIALIZED:
             continue
         ins: dict[str, object] = {}
-        nodes = graph.node_map()
         for i in dict.fromkeys(n.inputs):
             node_i = nodes[i]
             if node_i is not None and node_i.sym in syms:
                 ins[i] = syms[node_i.sym]
-            elif i in seen_outside or i in values:
-                ins[i] = seen_outside.get(i, values.get(i))
+            elif i in seen_outside or i in values or i in groups:
+                ins[i] = seen_outside.get(i, values.get(i, groups.get(i)))
         if len(ins) != len(set(n.inputs)):
             continue
         run = run_fragment([n], ins, declared, "fp32", syms)
@@ -164,6 +165,8 @@ def _evaluate_glue(graph: Graph, owned: set[str], values: dict[str, torch.Tensor
         if isinstance(v, torch.Tensor):
             values[n.name] = v
             seen_outside[n.name] = v
+        elif isinstance(v, (tuple, list)):
+            groups[n.name] = v
 
 
 # --- training side ---------------------------------------------------------------------------
