@@ -281,8 +281,12 @@ def _compared_after_downcast(ev: _Evidence, t: Node) -> bool:
         return False
     tnodes, users = ev.train.node_map(), ev.train.users()
     chain = _same_value_chain(ev.train, t.name)
-    fp32 = [c for c in chain if not is_low(tnodes[c].dtype)]
-    if any(u not in chain for c in fp32 for u in users.get(c, [])):
+    unrounded, frontier = {t.name}, [t.name]  # the chain up to its downcasts: the FP32 value itself
+    while frontier:
+        frontier = [u for n in frontier for u in users.get(n, [])
+                    if u in chain and u not in unrounded and not is_low(tnodes[u].dtype)]
+        unrounded.update(frontier)
+    if any(u not in chain for c in unrounded for u in users.get(c, [])):
         return False
     return any(is_low(tnodes[c].dtype) and not is_view(tnodes[c]) for c in chain[1:])
 
