@@ -106,13 +106,18 @@ def reduction(res: dict) -> float | None:
 
 
 def departure_summary(scan_dir: Path) -> str:
-    """The patched trainer's first departure from the engine, as `scan --manifest` records it."""
-    d = json.loads((scan_dir / "scan.json").read_text()).get("departure")
+    """What `scan --manifest` finds the patch leaves: its sites by region (where the patched trainer still rounds
+    otherwise than the engine), then the patched trainer's first departure from the engine."""
+    scan = json.loads((scan_dir / "scan.json").read_text())
+    left = [f"{r['name']}: {len(r.get('sites', []))} sites the patch leaves (rounded on "
+            f"{', '.join(r.get('rounded_on', []))}, layers {', '.join(str(x) for x in r.get('layers', []))})"
+            for r in scan.get("regions", [])]
+    d = scan.get("departure")
     if not d:
-        return "no departure at the scan's shapes"
-    return (f"first departure: layer {d.get('layer')} {d.get('op', '').removeprefix('aten.')} "
-            f"({d.get('module') or d.get('node')}; {d.get('source') or 'no source line'}), "
-            f"{d.get('differing', 0):.1%} of elements differ")
+        return "; ".join([*left, "no departure at the scan's shapes"])
+    return "; ".join([*left, f"first departure: layer {d.get('layer')} {d.get('op', '').removeprefix('aten.')} "
+                             f"({d.get('module') or d.get('node')}; {d.get('source') or 'no source line'}), "
+                             f"{d.get('differing', 0):.1%} of elements differ"])
 
 
 def sweep_one(arch: str, root: Path, args: argparse.Namespace) -> dict:

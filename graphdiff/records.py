@@ -722,6 +722,9 @@ class ManifestSplice(BaseModel):
     # carry: child modules (paths relative to the module) whose output the module's own code scales before the
     # residual add; the engine fuses the scale into its FP32 sum, so the child's output reaches it in FP32
     fp32_outputs: list[str] = Field(default_factory=list)
+    # carry: child module (path relative to the module) -> the decoder layers where the module's own residual add
+    # of that child's output is rounded to BF16, as the engine stores that sum (the child's output may be held FP32)
+    rounded_sums: dict[str, list[int]] = Field(default_factory=dict)
     # the scanned decoder layers it serves, where its regions' layers run different rounding plans (one splice per
     # group of layers: first / middle / last, alternating types); [] = every layer the pattern matches
     layers: list[int] = Field(default_factory=list)

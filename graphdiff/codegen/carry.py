@@ -3,7 +3,8 @@
 `carry_fp32` (every patch carries it) keeps the residual stream FP32 across layers, `carry_fp32_output` a child's
 output FP32 where the layer scales it before the residual add; `carry_fp32_rounded`,
 `carry_fp32_child` and `carry_done` (ROUNDED_PARTS, carried where a region needs them) hold it as a piecewise
-engine does at a graph boundary. The generated module carries their source (prelude.source); the runtime registers
+engine does at a graph boundary; `RoundedSums` and its hooks (SUM_PARTS) round the layer's own residual sums where
+the engine stores them in BF16. The generated module carries their source (prelude.source); the runtime registers
 them by these names.
 """
 
@@ -61,3 +62,45 @@ def carry_done(module: torch.nn.Module, args: tuple, output: object) -> None:
 
 
 ROUNDED_PARTS = (carry_fp32_rounded, carry_fp32_child, carry_done)
+
+
+class RoundedSums(torch.overrides.TorchFunctionMode):
+    """Active while a carried layer runs: an add that reads one of `outputs` (child outputs the patch may hold in
+    FP32, a post-norm's) returns its sum in bfloat16, as the engine stores that residual sum; eager type promotion
+    would otherwise keep it FP32 into the next add and the next layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        out = func(*args, **(kwargs or {}))
+        adds = (torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.add)
+        if func in adds and isinstance(out, torch.Tensor) and any(a is o for a in args for o in self.outputs):
+            return out.to(torch.bfloat16)
+        return out
+
+
+def carry_round_sums(module: torch.nn.Module, args: tuple) -> None:
+    """Forward pre-hook of the layer: its residual sums of the named children's outputs are rounded while it runs."""
+    mode = RoundedSums()
+    module.__dict__["_graphdiff_sums"] = mode
+    mode.__enter__()
+
+
+def carry_sum_output(parent: torch.nn.Module, child: torch.nn.Module, args: tuple, output: object) -> None:
+    """Forward hook of a named child: its output is one the parent's residual add sums and the engine rounds."""
+    mode = parent.__dict__.get("_graphdiff_sums")
+    value = output[0] if isinstance(output, tuple) and output else output
+    if mode is not None and isinstance(value, torch.Tensor):
+        mode.outputs.append(value)
+
+
+def carry_sums_done(module: torch.nn.Module, args: tuple, output: object) -> None:
+    """Forward hook of the layer (also when its forward raises): leave the mode, drop the references."""
+    mode = module.__dict__.pop("_graphdiff_sums", None)
+    if mode is not None:
+        mode.__exit__(None, None, None)
+
+
+SUM_PARTS = (RoundedSums, carry_round_sums, carry_sum_output, carry_sums_done)

@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 from graphdiff.codegen import norm_order
 from graphdiff.ops import CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
-from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site
+from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site, layer_of
+from graphdiff.replay.kernels import is_view
 from graphdiff.replay.sum_order import is_row_op
 from graphdiff.runtime import module_regex
 
@@ -66,6 +67,9 @@ class Fragment:
     carry_rounded: bool = False
     fp32_children: list[str] = field(default_factory=list)
     fp32_outputs: list[str] = field(default_factory=list)  # carry: children whose scaled output stays FP32
+    # carry: child module -> the decoder layers where the module's own residual add reading that child's output is
+    # stored by the engine in BF16 (the patch may hold the child's output in FP32: the sum is then rounded there)
+    rounded_sums: dict[str, list[int]] = field(default_factory=dict)
     regions: list[str] = field(default_factory=list)
     # row sums/means the engine sums in its own order when their region is aligned (node -> region), and that
     # order's lanes per HF module (Region.reduction_lanes; the runtime passes each module's)
@@ -225,6 +229,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
                                      "child outputs: its forward cannot be re-emitted")
             frag.fp32_outputs = sorted(set(scaled.values()))
             frag.carry_rounded, frag.fp32_children = _carry_reads(scan, graph, region)
+            frag.rounded_sums = rounded_sums(scan, graph, region.module)
     names = [n.name for n in frag.nodes]
     frag.inputs, frag.outputs = _boundary(graph, names)
     frag.sites = {s: region.name for s in site_nodes if sides[s] == "train"}
@@ -300,6 +305,27 @@ def _carry_reads(scan: ScanResult, graph: Graph, region: Region) -> tuple[bool, 
             if u not in readers and module.startswith(owner + "."):
                 children.add(module[len(owner) + 1:].split(".")[0])
     return rounded, sorted(children)
+
+
+def rounded_sums(scan: ScanResult, graph: Graph, pattern: str) -> dict[str, list[int]]:
+    """Per child module of the carried modules (`pattern`), the layers whose own residual add of that child's
+    output the engine rounds: it stores the sum in BF16 (a post-norm's output added in FP32, the sum stored for the
+    next add and the next layer). Where the patch holds the child's output in FP32, eager type promotion would keep
+    that sum FP32 across the layer; the carry rounds it where the engine does."""
+    nodes, rx = graph.node_map(), module_regex(pattern)
+    rounds = {d.node for d in scan.plan if d.engine is not None and d.engine.rounds and d.rule == "matched"}
+    out: dict[str, set[int]] = {}
+    for n in graph.nodes:
+        owner, layer = n.module or "", layer_of(n.module)
+        if op_name(n.target) != "add" or n.name not in rounds or not rx.fullmatch(owner) or layer is None:
+            continue
+        for i in n.inputs:
+            p = nodes.get(i)
+            while p is not None and (is_view(p) or op_name(p.target) in CASTS) and p.inputs:
+                p = nodes.get(p.inputs[0])
+            if p is not None and (p.module or "").startswith(owner + "."):
+                out.setdefault((p.module or "")[len(owner) + 1:], set()).add(layer)
+    return {child: sorted(layers) for child, layers in sorted(out.items())}
 
 
 def merge(frags: list[Fragment]) -> list[Fragment]:

@@ -417,8 +417,9 @@ _Targets = list[tuple[str, torch.nn.Module]]
 def _patch_carry(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
     """Aligned: the carry hooks on each module (its incoming activation kept in FP32)."""
     if p.aligned(splice):
-        for _, mod in targets:
+        for name, mod in targets:
             _carry(p.gen, splice, mod, p.state)
+            _round_sums(p.gen, splice, name, mod, p.state)
 
 
 def _patch_attention(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
@@ -610,6 +611,19 @@ def _child(mod: torch.nn.Module, child: str, splice: ManifestSplice) -> torch.nn
         return mod.get_submodule(child)
     except AttributeError:
         raise PatchError(f"{type(mod).__name__} has no child module {child!r} (carry splice {splice.key})") from None
+
+
+def _round_sums(gen: ModuleType, splice: ManifestSplice, name: str, mod: torch.nn.Module, state: _State) -> None:
+    """The hooks that round the layer's own residual sums of the named children's outputs (`rounded_sums` for this
+    layer): the engine stores them in BF16."""
+    children = [c for c, layers in splice.rounded_sums.items() if layer_of(name) in layers]
+    if not children:
+        return
+    for child in children:
+        hook = functools.partial(gen.carry_sum_output, mod)
+        state.undo.append(_child(mod, child, splice).register_forward_hook(hook).remove)
+    state.undo.append(mod.register_forward_pre_hook(gen.carry_round_sums).remove)
+    state.undo.append(mod.register_forward_hook(gen.carry_sums_done, always_call=True).remove)
 
 
 def _carry(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state: _State) -> None:
