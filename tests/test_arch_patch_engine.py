@@ -1,6 +1,7 @@
 """The shipped patch does not widen the gap, measured against the real engine, on architectures that differ: Gemma
-(1 + w RMSNorm, tanh-GELU, scaled embedding), Qwen3-MoE (router and experts) and Granite (scalar multipliers on
-the embedding, the residual branches, the attention scores and the logits). One engine start per architecture:
+(1 + w RMSNorm, tanh-GELU, scaled embedding), Qwen3-MoE (router and experts), Granite (scalar multipliers on
+the embedding, the residual branches, the attention scores and the logits) and Exaone 4 (post-norms whose residual
+sums the engine stores in BF16). One engine start per architecture:
 it records the trainer's prompt and samples 8 seeded prompts; the gate chooses the regions on the first 4, and
 the gap is measured with and without the shipped patch on the other 4 (other prompts, other sampling seeds)."""
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.engine
 SAMPLE = dict(count=8, prompt_tokens=16, max_tokens=96, seed=0, temperature=1.0)
 
 
-@pytest.mark.parametrize("arch", ["gemma", "qwen3_moe", "granite"])
+@pytest.mark.parametrize("arch", ["gemma", "qwen3_moe", "granite", "exaone4"])
 def test_the_shipped_patch_does_not_widen_the_gap_on_held_out_samples(arch, tmp_path):
     model = make_tiny(arch, tmp_path / "model", layers=2)
     d = ScanDir(tmp_path / "scan")
@@ -35,6 +36,9 @@ def test_the_shipped_patch_does_not_widen_the_gap_on_held_out_samples(arch, tmp_
     assert any(r.generated for r in made.regions)
     if arch == "gemma":  # its (1 + weight) norms have no site; the engine's kernels sum their rows in lanes
         assert any(r.kind == "sum_order" and r.generated for r in made.regions), made.regions
+    if arch == "exaone4":  # every post-norm sum but the last layer's (read by the final norm's kernel in FP32)
+        sums = next(s.rounded_sums for s in made.splices if s.target == "carry" and not s.problems)
+        assert sums == {"post_attention_layernorm": [0, 1], "post_feedforward_layernorm": [0]}, sums
     prompts = random_prompts(outcome.config, SAMPLE["count"], SAMPLE["prompt_tokens"], SAMPLE["seed"])
     samples = sample_engine(model, prompts, ["compiled"], max_tokens=SAMPLE["max_tokens"], out_dir=d.root
                             )["compiled"].samples  # cached by the scan's engine: no second start

@@ -104,3 +104,13 @@ def test_the_scan_names_post_norm_sums_the_engine_stores() -> None:
     scan = ScanResult.model_validate({**json.loads(Path("fixtures/scans/tiny-qwen3/scan.json").read_text()),
                                       "plan": plan})
     assert rounded_sums(scan, graph, "model.layers.*") == {"post_attention_layernorm": [0]}
+
+
+def test_an_op_the_mode_passes_on_keeps_its_callers_source() -> None:
+    from graphdiff.capture.fx import _source
+
+    trace = ('  File "/m/modeling_exaone4.py", line 307, in forward\n    hidden_states = residual + hidden_states\n'
+             '  File "/p/graphdiff_patch.py", line 576, in __torch_function__\n'
+             '    out = func(*args, **(kwargs or {}))\n')
+    src = _source(trace)
+    assert src is not None and (src.file, src.line) == ("/m/modeling_exaone4.py", 307)

@@ -59,8 +59,10 @@ def _tensor_info(val: Any) -> tuple[str | None, list[int | str] | None]:
 
 
 def _source(stack_trace: str | None) -> Source | None:
-    """The innermost frame outside torch: the library or model line that issued the op."""
-    frames = [m for m in _FRAME.finditer(stack_trace or "") if not m["file"].startswith(_TORCH_DIR)]
+    """The innermost frame outside torch: the library or model line that issued the op (a torch function mode that
+    passes ops on, the patch's rounded residual sums, is not where they were issued)."""
+    frames = [m for m in _FRAME.finditer(stack_trace or "")
+              if not m["file"].startswith(_TORCH_DIR) and m["function"] != "__torch_function__"]
     if not frames:
         return None
     m = frames[-1]
