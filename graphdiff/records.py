@@ -497,6 +497,10 @@ class ScanResult(BaseModel):
     # HF modules whose engine norm kernel reads its input back from the BF16 copy it stored, after summing the mean
     # over the FP32 values it computed (sum_order.cpp_rereads_store)
     norm_rereads: list[str] = Field(default_factory=list)
+    # trainer residual adds whose sum the engine rounds (stores in BF16 for every consumer), and those it computes in
+    # one kernel in FP32 and stores in BF16 for the kernels after it (scan.residual_sums)
+    rounded_sums: list[str] = Field(default_factory=list)
+    stored_sums: list[str] = Field(default_factory=list)
 
 
 # --- log-prob gap measurement (`graphdiff kl`) -------------------------------------------------------
@@ -725,6 +729,10 @@ class ManifestSplice(BaseModel):
     # carry: child module (path relative to the module) -> the decoder layers where the module's own residual add
     # of that child's output is rounded to BF16, as the engine stores that sum (the child's output may be held FP32)
     rounded_sums: dict[str, list[int]] = Field(default_factory=dict)
+    # carry: child module -> the decoder layers where the module's own residual add of that child's output is stored
+    # by the engine in BF16 for the kernels after it (its own kernel's norm reads it in FP32): later adds read it
+    # rounded
+    stored_sums: dict[str, list[int]] = Field(default_factory=dict)
     # the scanned decoder layers it serves, where its regions' layers run different rounding plans (one splice per
     # group of layers: first / middle / last, alternating types); [] = every layer the pattern matches
     layers: list[int] = Field(default_factory=list)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from graphdiff.analysis.match import Match
 from graphdiff.codegen import carry
 from graphdiff.codegen.fragment import rounded_sums
 from graphdiff.records import Graph, ManifestSplice, Node, ScanResult
@@ -84,9 +85,9 @@ def test_gradients_flow_through_a_rounded_sum() -> None:
     assert x.grad is not None and torch.isfinite(x.grad.float()).all() and x.grad.abs().sum() > 0
 
 
-def test_the_scan_names_post_norm_sums_the_engine_stores() -> None:
-    """Hand-made plan: layer 0's sum of the post-norm's output is stored by the engine in BF16, layer 1's is FP32
-    (fused into the final norm)."""
+def test_the_carry_names_each_rounded_sum_by_the_child_it_sums() -> None:
+    """Layer 0's sum of the post-norm's output is one the engine rounds, layer 1's (read by the final norm's kernel in
+    FP32) is not."""
     def add(name: str, layer: int, inputs: list[str]) -> Node:
         return Node(name=name, op="call_function", target="aten.add.Tensor", inputs=inputs, dtype="bfloat16",
                     module=f"model.layers.{layer}")
@@ -97,12 +98,8 @@ def test_the_scan_names_post_norm_sums_the_engine_stores() -> None:
 
     graph = Graph(name="t", nodes=[norm_out("n0", 0), add("a0", 0, ["x", "n0"]), norm_out("n1", 1),
                                    add("a1", 1, ["a0", "n1"]), Node(name="x", op="placeholder", target="x")])
-    plan = [{"id": "a0", "node": "a0", "op": "aten.add.Tensor", "rule": "matched", "train": {"dtype": "bfloat16"},
-             "engine": {"dtype": "bfloat16", "rounds": True, "on_grid": True}},
-            {"id": "a1", "node": "a1", "op": "aten.add.Tensor", "rule": "matched", "train": {"dtype": "bfloat16"},
-             "engine": {"dtype": "float32"}}]
     scan = ScanResult.model_validate({**json.loads(Path("fixtures/scans/tiny-qwen3/scan.json").read_text()),
-                                      "plan": plan})
+                                      "rounded_sums": ["a0"]})
     assert rounded_sums(scan, graph, "model.layers.*") == {"post_attention_layernorm": [0]}
 
 
@@ -114,3 +111,53 @@ def test_an_op_the_mode_passes_on_keeps_its_callers_source() -> None:
              '    out = func(*args, **(kwargs or {}))\n')
     src = _source(trace)
     assert src is not None and (src.file, src.line) == ("/m/modeling_exaone4.py", 307)
+
+
+class _PreNormLayer(torch.nn.Module):
+    """StableLM's order: the sum after attention feeds the post-attention norm and the residual add after the MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _Norm()
+        self.post_attention_layernorm = _Norm()
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = hidden_states + self.attn(hidden_states)
+        normed = self.post_attention_layernorm(residual)
+        return normed, residual + normed.bfloat16()
+
+
+def test_a_stored_sum_is_read_rounded_by_the_later_adds_only() -> None:
+    layer, state = _PreNormLayer(), SimpleNamespace(undo=[])
+    splice = ManifestSplice(key="k", target="carry", module="model.layers.*", regions=["r"], stored_sums={"attn": [0]})
+    _round_sums(carry, splice, "model.layers.0", layer, state)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).float()
+    normed, out = layer(x)
+    mid = x + x * 1.001
+    assert torch.equal(normed, mid * 1.001)  # the norm beside it reads the FP32 sum
+    assert out.dtype == torch.float32 and torch.equal(out, mid.bfloat16().float() + (mid * 1.001).bfloat16().float())
+    assert not torch.equal(out, mid + (mid * 1.001).bfloat16().float())
+
+
+def test_the_scan_names_a_sum_one_kernel_stores_for_the_next() -> None:
+    """The engine's sum `e_add` (of the matched operands) is computed in kernel k1 (its norm reads it in FP32) and
+    loaded by kernel k2; an engine sum of other operands is not the trainer's (Cohere's association)."""
+    from graphdiff.analysis.scan import residual_sums
+    from graphdiff.records import Kernel
+
+    def n(name: str, target: str, inputs: list[str], kernel: str = "") -> Node:
+        return Node(name=name, op="call_function", target=target, inputs=inputs, dtype="bfloat16",
+                    module="model.layers.0", kernel=kernel or None)
+
+    train = Graph(name="t", nodes=[n("x", "aten.mm.default", []), n("y", "aten.mm.default", []),
+                                   n("add", "aten.add.Tensor", ["x", "y"])])
+    for operands, readers, want in ((["e_x", "e_y"], [n("e_next", "aten.add.Tensor", ["e_add"], "k2")], ["add"]),
+                                    (["e_x", "e_y"], [n("e_norm", "aten.mul.Tensor", ["e_add"], "k1")], []),
+                                    (["e_x", "e_z"], [n("e_next", "aten.add.Tensor", ["e_add"], "k2")], [])):
+        engine = Graph(name="e", nodes=[n("e_x", "aten.mm.default", []), n("e_y", "aten.mm.default", []),
+                                        n("e_z", "aten.mm.default", []),
+                                        n("e_add", "aten.add.Tensor", operands, "k1"), *readers],
+                       kernels=[Kernel(id="k1", name="k1", kind="generated", nodes=["e_add", "e_norm"]),
+                                Kernel(id="k2", name="k2", kind="generated", nodes=["e_next"])])
+        matches = [Match(a, b, 0.0, 1.0, "") for a, b in (("add", "e_add"), ("x", "e_x"), ("y", "e_y"))]
+        assert residual_sums(train, {"e": (matches, [])}, [engine], []) == ([], want), operands

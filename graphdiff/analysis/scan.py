@@ -30,18 +30,20 @@ from graphdiff.analysis.plan import classify, decide, mark_rounded_reads, merge_
 from graphdiff.analysis.regions import group_regions
 from graphdiff.analysis.rounding import EngineRounding, eager_values, engine_rounding, train_rounding
 from graphdiff.analysis.uniformity import site_nonuniformity
-from graphdiff.ops import is_attention
+from graphdiff.ops import CASTS, is_attention, is_low, op_name
 from graphdiff.records import (
     Buffers,
     Capture,
     Decision,
     Graph,
     KernelEvidence,
+    Node,
     RegionKind,
     RoutingAgreement,
     ScanResult,
     Site,
 )
+from graphdiff.replay.kernels import is_view
 from graphdiff.replay.sum_order import cpp_rereads_store, cpp_sum_lanes_each, is_row_norm, is_row_reduction
 
 PROVEN = 0.999  # a kernel whose predicted replay is below this is unexplained: its sites are unproven
@@ -297,6 +299,62 @@ def _reduction_lanes(engine_graphs: list[Graph]) -> dict[tuple[str, str], int]:
     return found
 
 
+def residual_sums(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]]], engine_graphs: list[Graph],
+                  plan: list[Decision]) -> tuple[list[str], list[str]]:
+    """Trainer adds whose sum the engine keeps in BF16, as (rounded, stored): `rounded`, the engine rounds the sum
+    (its state at the match: stored in BF16, read back by every consumer); `stored`, one kernel computes it in FP32
+    for its own readers (a norm) and stores it in BF16 for the kernels after it, which load that copy (Inductor
+    realizes a residual sum it otherwise recomputes in each consumer). Only where the engine's add sums the same
+    operands (both sides' matches): vLLM's Cohere sums `residual + (attn + mlp)`, HF `(residual + attn) + mlp`."""
+    rounds = {d.node for d in plan if d.engine is not None and d.engine.rounds and d.rule == "matched"}
+    tnodes = tgraph.node_map()
+    rounded, stored = [], []
+    for g in engine_graphs:
+        nodes, users = g.node_map(), g.users()
+        computed_in: dict[str, set[str]] = {}
+        for k in g.kernels:
+            for n in k.nodes:
+                computed_in.setdefault(n, set()).add(k.id)
+        by_train = {m.train: m.engine for m in matched.get(g.name, ([], []))[0]}
+        for t_name, e_name in by_train.items():
+            t, e = tnodes.get(t_name), _value_base(nodes, e_name)
+            if t is None or e is None or op_name(t.target) != "add" or op_name(e.target) != "add" or \
+                    not is_low(e.dtype) or not _same_operands(t, e, tnodes, nodes, by_train):
+                continue
+            if t_name in rounds:
+                rounded.append(t_name)
+            elif len(own := computed_in.get(e.name, set())) == 1 and \
+                    any(computed_in.get(u) and not computed_in[u] & own for u in users.get(e.name, [])):
+                stored.append(t_name)
+    return rounded, stored
+
+
+def _value_base(nodes: dict[str, Node], name: str) -> Node | None:
+    """The node computing a value, looking through casts and views (an FP32 copy of a sum is the sum)."""
+    n = nodes.get(name)
+    while n is not None and n.inputs and (op_name(n.target) in CASTS or is_view(n)):
+        n = nodes.get(n.inputs[0])
+    return n
+
+
+def _same_operands(t: Node, e: Node, tnodes: dict[str, Node], enodes: dict[str, Node],
+                   by_train: dict[str, str]) -> bool:
+    """Does the engine's add `e` sum what the trainer's add `t` sums: every matched operand of `t` an operand of `e`,
+    and at least one matched?"""
+    operands = {b.name for i in e.inputs if (b := _value_base(enodes, i)) is not None}
+    seen = 0
+    for i in t.inputs:
+        tb = _value_base(tnodes, i)
+        m = by_train.get(tb.name) if tb is not None else None
+        eb = _value_base(enodes, m) if m else None
+        if eb is None:
+            continue
+        if eb.name not in operands:
+            return False
+        seen += 1
+    return seen > 0
+
+
 def norm_rereads(tgraph: Graph, engine_graphs: list[Graph]) -> list[str]:
     """The trainer layer norms (HF modules) whose engine kernel reads its input back from the BF16 copy it stored."""
     code = {k.id: k.code for g in engine_graphs for k in g.kernels}
@@ -407,6 +465,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
                   if train.gm else {})
     timings["nonuniformity_s"] = time.perf_counter() - t
     departure = first_departure(tgraph, train.values, matched, engine_cap.graphs, engine_values)
+    sums = residual_sums(tgraph, matched, engine_cap.graphs, plan)
     used = {m.engine for ms, _ in matched.values() for m in ms}
     unmatched_all = set.intersection(*(set(u) for _, u in matched.values())) if matched else set()
     return ScanResult(
@@ -427,5 +486,6 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         reproduce=reproduce, notes=notes, nonuniformity=uniformity, routing=sorted(routing, key=lambda a: a.layer),
         departure=departure, ordered_sums=ordered_sums(tgraph, matched, engine_cap.graphs, kernel_lanes(replay)),
         norm_rereads=norm_rereads(tgraph, engine_cap.graphs),
+        rounded_sums=sums[0], stored_sums=sums[1],
     )
 

@@ -65,19 +65,27 @@ ROUNDED_PARTS = (carry_fp32_rounded, carry_fp32_child, carry_done)
 
 
 class RoundedSums(torch.overrides.TorchFunctionMode):
-    """Active while a carried layer runs: an add that reads one of `outputs` (child outputs the patch may hold in
-    FP32, a post-norm's) returns its sum in bfloat16, as the engine stores that residual sum; eager type promotion
-    would otherwise keep it FP32 into the next add and the next layer."""
+    """Active while a carried layer runs, for the residual adds of its own code, named by the child output they sum.
+    An add reading one of `outputs` (child outputs the patch may hold in FP32, a post-norm's) returns its sum in
+    bfloat16, as the engine stores it; eager type promotion would keep it FP32 into the next add and the next layer.
+    An add reading one of `stored_from` keeps its sum, but later adds read that sum rounded: the engine's norm
+    beside it read the FP32 sum in the kernel computing it, the kernels after it load the BF16 copy it stored."""
 
     def __init__(self) -> None:
         super().__init__()
         self.outputs: list[torch.Tensor] = []
+        self.stored_from: list[torch.Tensor] = []
+        self.stored: list[torch.Tensor] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        if func not in (torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.add):
+            return func(*args, **(kwargs or {}))
+        args = tuple(a.to(torch.bfloat16).to(a.dtype) if any(a is s for s in self.stored) else a for a in args)
         out = func(*args, **(kwargs or {}))
-        adds = (torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.add)
-        if func in adds and isinstance(out, torch.Tensor) and any(a is o for a in args for o in self.outputs):
+        if isinstance(out, torch.Tensor) and any(a is o for a in args for o in self.outputs):
             return out.to(torch.bfloat16)
+        if isinstance(out, torch.Tensor) and any(a is o for a in args for o in self.stored_from):
+            self.stored.append(out)
         return out
 
 
@@ -88,12 +96,14 @@ def carry_round_sums(module: torch.nn.Module, args: tuple) -> None:
     mode.__enter__()
 
 
-def carry_sum_output(parent: torch.nn.Module, child: torch.nn.Module, args: tuple, output: object) -> None:
-    """Forward hook of a named child: its output is one the parent's residual add sums and the engine rounds."""
+def carry_sum_output(parent: torch.nn.Module, stored: bool, child: torch.nn.Module, args: tuple,
+                     output: object) -> None:
+    """Forward hook of a named child: its output is one the parent's residual add sums, rounded by the engine
+    (or, `stored`, kept for the norm and read rounded by the later adds)."""
     mode = parent.__dict__.get("_graphdiff_sums")
     value = output[0] if isinstance(output, tuple) and output else output
     if mode is not None and isinstance(value, torch.Tensor):
-        mode.outputs.append(value)
+        (mode.stored_from if stored else mode.outputs).append(value)
 
 
 def carry_sums_done(module: torch.nn.Module, args: tuple, output: object) -> None:

@@ -70,6 +70,9 @@ class Fragment:
     # carry: child module -> the decoder layers where the module's own residual add reading that child's output is
     # stored by the engine in BF16 (the patch may hold the child's output in FP32: the sum is then rounded there)
     rounded_sums: dict[str, list[int]] = field(default_factory=dict)
+    # carry: child module -> the decoder layers where the module's own residual add of that child's output is stored
+    # by the engine in BF16 for later kernels while its own kernel reads it in FP32: later adds read it rounded
+    stored_sums: dict[str, list[int]] = field(default_factory=dict)
     regions: list[str] = field(default_factory=list)
     # row sums/means the engine sums in its own order when their region is aligned (node -> region), and that
     # order's lanes per HF module (Region.reduction_lanes; the runtime passes each module's)
@@ -230,6 +233,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
             frag.fp32_outputs = sorted(set(scaled.values()))
             frag.carry_rounded, frag.fp32_children = _carry_reads(scan, graph, region)
             frag.rounded_sums = rounded_sums(scan, graph, region.module)
+            frag.stored_sums = stored_sums(scan, graph, region.module)
     names = [n.name for n in frag.nodes]
     frag.inputs, frag.outputs = _boundary(graph, names)
     frag.sites = {s: region.name for s in site_nodes if sides[s] == "train"}
@@ -312,12 +316,23 @@ def rounded_sums(scan: ScanResult, graph: Graph, pattern: str) -> dict[str, list
     output the engine rounds: it stores the sum in BF16 (a post-norm's output added in FP32, the sum stored for the
     next add and the next layer). Where the patch holds the child's output in FP32, eager type promotion would keep
     that sum FP32 across the layer; the carry rounds it where the engine does."""
+    return _sums_by_child(graph, pattern, set(scan.rounded_sums))
+
+
+def stored_sums(scan: ScanResult, graph: Graph, pattern: str) -> dict[str, list[int]]:
+    """Per child module of the carried modules, the layers whose own residual add of that child's output the engine
+    computes in FP32 for the norm beside it but stores in BF16 for the kernels after it (`ScanResult.stored_sums`):
+    the layer's later residual adds read that sum rounded."""
+    return _sums_by_child(graph, pattern, set(scan.stored_sums))
+
+
+def _sums_by_child(graph: Graph, pattern: str, adds: set[str]) -> dict[str, list[int]]:
+    """child module -> layers, for the adds of `adds` in a carried module's own code that sum a child's output."""
     nodes, rx = graph.node_map(), module_regex(pattern)
-    rounds = {d.node for d in scan.plan if d.engine is not None and d.engine.rounds and d.rule == "matched"}
     out: dict[str, set[int]] = {}
     for n in graph.nodes:
         owner, layer = n.module or "", layer_of(n.module)
-        if op_name(n.target) != "add" or n.name not in rounds or not rx.fullmatch(owner) or layer is None:
+        if op_name(n.target) != "add" or n.name not in adds or not rx.fullmatch(owner) or layer is None:
             continue
         for i in n.inputs:
             p = nodes.get(i)

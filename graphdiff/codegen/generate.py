@@ -332,14 +332,16 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
         splice.fp32_children = list(frag.fp32_children)
         splice.fp32_outputs = list(frag.fp32_outputs)
         splice.rounded_sums = dict(frag.rounded_sums)
+        splice.stored_sums = dict(frag.stored_sums)
         if frag.carry_rounded:
             body += ["", "", f"# carry {frag.key}: regions {', '.join(frag.regions)}; FP32 for "
                      f"{', '.join(frag.fp32_children) or 'no child'}, rounded for the module's own ops",
                      *prelude.source(carry.ROUNDED_PARTS)]
-        if frag.rounded_sums:
-            where = "; ".join(f"{c} in layers {', '.join(map(str, ls))}" for c, ls in frag.rounded_sums.items())
-            body += ["", "", f"# carry {frag.key}: the residual sum of {where} rounded to BF16, where the engine "
-                     "stores it (carry_round_sums, below)"]
+        for sums, what in ((frag.rounded_sums, "rounded to BF16, where the engine stores it"),
+                           (frag.stored_sums, "read rounded by the layer's later adds (the engine's stored copy)")):
+            if sums:
+                where = "; ".join(f"{c} in layers {', '.join(map(str, ls))}" for c, ls in sums.items())
+                body += ["", "", f"# carry {frag.key}: the residual sum of {where} {what} (carry_round_sums, below)"]
     elif not frag.problems:
         try:
             lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes)
@@ -418,7 +420,7 @@ def _add_fragments(parts: _Parts, frags: list[Fragment], nodes: dict[str, Node],
         splice, lines = _emit_splice(frag, nodes, tokens)
         parts.splices.append(splice)
         parts.body += lines
-    if any(f.rounded_sums and not f.problems for f in frags):
+    if any((f.rounded_sums or f.stored_sums) and not f.problems for f in frags):
         parts.body += ["", "", *prelude.source(carry.SUM_PARTS)]
     for frag in frags:
         for r in frag.regions:  # a region is generated when every group of its layers is

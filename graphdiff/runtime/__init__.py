@@ -614,13 +614,14 @@ def _child(mod: torch.nn.Module, child: str, splice: ManifestSplice) -> torch.nn
 
 
 def _round_sums(gen: ModuleType, splice: ManifestSplice, name: str, mod: torch.nn.Module, state: _State) -> None:
-    """The hooks that round the layer's own residual sums of the named children's outputs (`rounded_sums` for this
-    layer): the engine stores them in BF16."""
-    children = [c for c, layers in splice.rounded_sums.items() if layer_of(name) in layers]
+    """The hooks that round the layer's own residual sums of the named children's outputs where the engine stores
+    them in BF16 (`rounded_sums` for this layer), or have its later adds read them rounded (`stored_sums`)."""
+    children = [(c, stored) for stored, sums in ((False, splice.rounded_sums), (True, splice.stored_sums))
+                for c, layers in sums.items() if layer_of(name) in layers]
     if not children:
         return
-    for child in children:
-        hook = functools.partial(gen.carry_sum_output, mod)
+    for child, stored in children:
+        hook = functools.partial(gen.carry_sum_output, mod, stored)
         state.undo.append(_child(mod, child, splice).register_forward_hook(hook).remove)
     state.undo.append(mod.register_forward_pre_hook(gen.carry_round_sums).remove)
     state.undo.append(mod.register_forward_hook(gen.carry_sums_done, always_call=True).remove)
