@@ -170,3 +170,18 @@ def test_two_norms_in_one_kernel_take_each_its_own_lanes() -> None:
                                                          nodes=["mean_1", "mean_2"], code=code)])
     assert _reduction_lanes([graph]) == {("g", "mean_1"): 32, ("g", "mean_2"): 16}
     assert _reduction_lanes([graph.model_copy(update={"nodes": means[:1]})]) == {}  # as many or none
+
+
+def test_a_norm_region_with_sites_is_cut_where_its_kernels_read_the_store_back() -> None:
+    """Nemotron's LayerNorm1P regions have sites (the weight + 1 in BF16) and a second layer whose norm kernel reads
+    its input back from the BF16 copy it stored: that layer gets its own code, reading the store back (here on the
+    recorded StableLM scan, whose post-attention norms read alike)."""
+    from graphdiff.codegen.fragment import layer_groups
+    from graphdiff.records import Region
+
+    scan = ScanResult.model_validate_json((STABLELM / "scan.json").read_text())
+    sited = Region(name="model.layers.*.post_attention_layernorm#norm_weight", kind="norm_weight",
+                   module="model.layers.*.post_attention_layernorm", layers=[0, 1, 2], sites=[], rounded_on=["train"],
+                   reduction_lanes={f"model.layers.{i}.post_attention_layernorm": 32 for i in range(3)})
+    assert scan.norm_rereads == ["model.layers.1.post_attention_layernorm"]
+    assert layer_groups(scan, sited) == [[1], [0, 2]]

@@ -111,8 +111,17 @@ def layer_groups(scan: ScanResult, region: Region) -> list[list[int]]:
     """The region's layers in groups that share one rounding plan, first layer first; [[]] when one code serves every
     layer: its layers do not differ, or one engine kernel code serves them all (then a site seen in only some layers
     is weak evidence, and the union is generated; `_representative_sites`)."""
+    rereads = norm_order.layer_groups(scan, region)  # a norm kernel that reads its input back from its store
     if region.kind == norm_order.KIND:
-        return norm_order.layer_groups(scan, region)
+        return rereads
+    by_sites = _site_groups(scan, region)
+    if rereads == [[]] or by_sites == [[]]:
+        return by_sites if rereads == [[]] else rereads
+    return [g for g in ([ly for ly in s if ly in r] for s in by_sites for r in rereads) if g]
+
+
+def _site_groups(scan: ScanResult, region: Region) -> list[list[int]]:
+    """The region's layers in groups whose sites share one rounding plan; [[]] when one code serves every layer."""
     layers = [ly for ly in region.layers if ly is not None]
     if not region.differing_layers or len(region.kernels) == 1 or not layers:
         return [[]]
@@ -244,7 +253,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     if region.reduction_lanes and frag.target != "carry":
         frag.ordered = {n.name: region.name for n in frag.nodes if is_row_op(n, nodes)}
         frag.lanes = dict(region.reduction_lanes) if frag.ordered else {}
-        frag.reads_store = region.kind == norm_order.KIND and norm_order.reads_store(scan, region, layers)
+        frag.reads_store = norm_order.reads_store(scan, region, layers)
     if frag.target == "module":
         _bind_params(frag, nodes, path)
     frag.problems += problems
