@@ -30,7 +30,7 @@ from graphdiff.analysis.plan import classify, decide, mark_rounded_reads, merge_
 from graphdiff.analysis.regions import group_regions
 from graphdiff.analysis.rounding import EngineRounding, eager_values, engine_rounding, train_rounding
 from graphdiff.analysis.uniformity import site_nonuniformity
-from graphdiff.ops import CASTS, is_attention, is_low, op_name
+from graphdiff.ops import is_attention, is_low, op_name
 from graphdiff.records import (
     Buffers,
     Capture,
@@ -43,7 +43,7 @@ from graphdiff.records import (
     ScanResult,
     Site,
 )
-from graphdiff.replay.kernels import is_view
+from graphdiff.replay.kernels import value_base
 from graphdiff.replay.sum_order import cpp_rereads_store, cpp_sum_lanes_each, is_row_norm, is_row_reduction
 
 PROVEN = 0.999  # a kernel whose predicted replay is below this is unexplained: its sites are unproven
@@ -317,7 +317,7 @@ def residual_sums(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]
                 computed_in.setdefault(n, set()).add(k.id)
         by_train = {m.train: m.engine for m in matched.get(g.name, ([], []))[0]}
         for t_name, e_name in by_train.items():
-            t, e = tnodes.get(t_name), _value_base(nodes, e_name)
+            t, e = tnodes.get(t_name), value_base(nodes, e_name)
             if t is None or e is None or op_name(t.target) != "add" or op_name(e.target) != "add" or \
                     not is_low(e.dtype) or not _same_operands(t, e, tnodes, nodes, by_train):
                 continue
@@ -329,24 +329,16 @@ def residual_sums(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]
     return rounded, stored
 
 
-def _value_base(nodes: dict[str, Node], name: str) -> Node | None:
-    """The node computing a value, looking through casts and views (an FP32 copy of a sum is the sum)."""
-    n = nodes.get(name)
-    while n is not None and n.inputs and (op_name(n.target) in CASTS or is_view(n)):
-        n = nodes.get(n.inputs[0])
-    return n
-
-
 def _same_operands(t: Node, e: Node, tnodes: dict[str, Node], enodes: dict[str, Node],
                    by_train: dict[str, str]) -> bool:
     """Does the engine's add `e` sum what the trainer's add `t` sums: every matched operand of `t` an operand of `e`,
     and at least one matched?"""
-    operands = {b.name for i in e.inputs if (b := _value_base(enodes, i)) is not None}
+    operands = {b.name for i in e.inputs if (b := value_base(enodes, i)) is not None}
     seen = 0
     for i in t.inputs:
-        tb = _value_base(tnodes, i)
+        tb = value_base(tnodes, i)
         m = by_train.get(tb.name) if tb is not None else None
-        eb = _value_base(enodes, m) if m else None
+        eb = value_base(enodes, m) if m else None
         if eb is None:
             continue
         if eb.name not in operands:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from graphdiff.codegen import norm_order
 from graphdiff.ops import CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site, layer_of
-from graphdiff.replay.kernels import is_view
+from graphdiff.replay.kernels import value_base
 from graphdiff.replay.sum_order import is_row_op
 from graphdiff.runtime import module_regex
 
@@ -344,9 +344,7 @@ def _sums_by_child(graph: Graph, pattern: str, adds: set[str]) -> dict[str, list
         if op_name(n.target) != "add" or n.name not in adds or not rx.fullmatch(owner) or layer is None:
             continue
         for i in n.inputs:
-            p = nodes.get(i)
-            while p is not None and (is_view(p) or op_name(p.target) in CASTS) and p.inputs:
-                p = nodes.get(p.inputs[0])
+            p = value_base(nodes, i)
             if p is not None and (p.module or "").startswith(owner + "."):
                 out.setdefault((p.module or "")[len(owner) + 1:], set()).add(layer)
     return {child: sorted(layers) for child, layers in sorted(out.items())}

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from graphdiff.ops import UNINITIALIZED, VIEWS, is_low, op_name
+from graphdiff.ops import CASTS, UNINITIALIZED, VIEWS, is_low, op_name
 from graphdiff.records import Graph, Kernel, KernelRecord, Node
 from graphdiff.replay.forms import SUFFIX as FORM_SUFFIX
 from graphdiff.replay.forms import two_step_variance
@@ -32,6 +32,14 @@ FP32_ORDER_TOLERANCE = 1e-5  # FP32 stores agreeing within this (relative) diffe
 
 def is_view(node: Node) -> bool:
     return node.op == "call_function" and op_name(node.target) in VIEWS
+
+
+def value_base(nodes: dict[str, Node], name: str) -> Node | None:
+    """The node computing a value, looking through casts and views (an FP32 copy of a sum is the sum)."""
+    n = nodes.get(name)
+    while n is not None and n.inputs and (op_name(n.target) in CASTS or is_view(n)):
+        n = nodes.get(n.inputs[0])
+    return n
 
 
 @dataclass
