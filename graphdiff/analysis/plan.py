@@ -26,7 +26,7 @@ from graphdiff.analysis.rounding import EngineRounding, is_view
 from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, ROUTING, is_attention, is_heavy, is_low, op_name
 from graphdiff.records import Decision, Evidence, Graph, Node, RegionKind, SideRef, SideState, Site, layer_of
 from graphdiff.replay.interpreter import LOW
-from graphdiff.replay.kernels import KernelReplay
+from graphdiff.replay.kernels import KernelReplay, value_base
 
 MAX_HOPS = 12
 NORMS = frozenset({"rsqrt", "native_layer_norm"})  # where a normalization shows in an ATen graph (RMSNorm, LayerNorm)
@@ -461,25 +461,62 @@ def _read_path(engine: Graph, name: str) -> list[Node]:
     return path
 
 
-def _reads_rounded(t: Decision, u: Decision, graphs: dict[str, Graph]) -> bool:
-    """Does the engine op matched to consumer `u`, in another graph than `t`'s (a piecewise engine), read the value
-    of `t` through a low-precision graph input? A graph input is a tensor in memory: its dtype is how it was stored
-    (inside one graph a low-precision cast need not round, the kernel decides; `engine_state` handles that). `t`'s
-    value can only enter that graph as an input; it does when every activation input the op reads is low precision."""
+def _kernel_reads(t: Decision, u: Decision, graph: Graph, computed_in: dict[str, set[str]]) -> bool | None:
+    """Inside one graph, does the op matched to consumer `u` load the low-precision buffer of `t`'s value (True),
+    or read it in FP32 in the kernel computing it (False)? None: not one kernel's value (`_reads_rounded` then)."""
+    nodes = graph.node_map()
+    base = value_base(nodes, t.evidence.engine_node)
+    own = computed_in.get(base.name, set()) if base is not None else set()
+    here = computed_in.get(u.evidence.engine_node, set())
+    if base is None or not is_low(base.dtype) or len(own) != 1 or not here or \
+            not any(value_base(nodes, i) is base for i in nodes[u.evidence.engine_node].inputs):
+        return None
+    return not here & own
+
+
+def _reads_rounded(t: Decision, u: Decision, graphs: dict[str, Graph], kernels: dict[str, dict[str, set[str]]]
+                   ) -> bool:
+    """Does the engine op matched to consumer `u` read the value of `t` through a low-precision copy in memory?
+    Across graphs (a piecewise engine): `t`'s value enters `u`'s graph as an input, and does when every activation
+    input the op reads is low precision (a graph input's dtype is how it was stored). Inside one graph: one kernel
+    computes `t`'s value (in FP32, for its own readers) and stores its low-precision buffer, and `u`'s op runs in
+    other kernels, which load that buffer (Inductor realizes a sum it otherwise recomputes in each consumer)."""
     ug = graphs.get(u.evidence.engine_graph)
-    if ug is None or t.evidence.engine_graph == u.evidence.engine_graph or u.evidence.engine_node not in ug.node_map():
+    if ug is None or u.evidence.engine_node not in ug.node_map():
         return False
+    if t.evidence.engine_graph == u.evidence.engine_graph:
+        return bool(_kernel_reads(t, u, ug, kernels[ug.name]))
     reads = [_read_path(ug, i) for i in ug.node_map()[u.evidence.engine_node].inputs]
     acts = [p[-1] for p in reads if p[-1].op == "placeholder" and p[-1].dtype
             and "." not in ug.inputs.get(p[-1].name, "")]  # not a weight
     return bool(acts) and all(is_low(n.dtype) for n in acts)
 
 
+def _read_beside_store(t: Decision, graphs: dict[str, Graph], kernels: dict[str, dict[str, set[str]]]) -> bool:
+    """Is `t`'s engine value, stored in low precision by the one kernel computing it, also read inside that kernel
+    (in FP32, before the store)?"""
+    graph = graphs.get(t.evidence.engine_graph)
+    if graph is None:
+        return False
+    nodes, computed_in = graph.node_map(), kernels[graph.name]
+    base = value_base(nodes, t.evidence.engine_node)
+    own = computed_in.get(base.name, set()) if base is not None else set()
+    return base is not None and len(own) == 1 and any(computed_in.get(u, set()) & own
+                                                      for u in graph.users().get(base.name, []))
+
+
 def mark_rounded_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
     """Values the engine holds in FP32 but feeds some consumers as a low-precision copy: the consumers are listed
     in `evidence.read_rounded_by`. Where the trainer holds such a value in FP32 (a patch made it so) the copy is a
-    rounding on the engine side only: a site."""
+    rounding on the engine side only: a site. A value the engine state calls rounded (stored) is one too where the
+    kernel storing it also reads it in FP32 (the norm beside a layer's last residual sum, whose store the final
+    norm's kernel loads)."""
     graphs = {g.name: g for g in engine_graphs}
+    kernels: dict[str, dict[str, set[str]]] = {g.name: {} for g in engine_graphs}  # node -> kernels computing it
+    for g in engine_graphs:
+        for k in g.kernels:
+            for n in k.nodes:
+                kernels[g.name].setdefault(n, set()).add(k.id)
     nodes, users = train.node_map(), train.users()
     by_node = {d.node: d for d in plan if d.rule == "matched"}
 
@@ -487,9 +524,12 @@ def mark_rounded_reads(train: Graph, plan: list[Decision], engine_graphs: list[G
         return [c for u in users.get(name, []) for c in (consumers(u) if is_view(nodes[u]) else [u])]
 
     for t in plan:
-        if t.rule != "matched" or t.engine is None or t.engine.on_grid:
+        if t.rule != "matched" or t.engine is None:
             continue
-        readers = [by_node[u].id for u in consumers(t.node) if u in by_node and _reads_rounded(t, by_node[u], graphs)]
+        if t.engine.on_grid and not _read_beside_store(t, graphs, kernels):
+            continue
+        readers = [by_node[u].id for u in consumers(t.node)
+                   if u in by_node and _reads_rounded(t, by_node[u], graphs, kernels)]
         if readers:
             t.evidence.read_rounded_by = readers
             t.engine.how += f"; read through a low-precision copy by {', '.join(readers[:3])}"

@@ -137,6 +137,9 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
         code = (n.source.code if n.source else "")[:70]
         expr = (ordered_expression(n, flag(index, frag.ordered[n.name]), nodes_by_name, names, frag.reads_store)
                 if n.name in frag.ordered else expression(n, nodes_by_name, names))
+        if n.name in frag.inductor_math:  # the engine's kernel computes it with Inductor's math library
+            flags = " or ".join(flag(index, r) for r in frag.regions)
+            expr = f"inductor_math({op_name(n.target)!r}, {literal(n.call[0][0], names)}) if {flags} else {expr}"
         x = names[n.name]
         lines.append(f"    {x} = {expr}  # {n.target}: {code}")
         when = rounding(frag, n.name)

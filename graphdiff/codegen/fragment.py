@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from graphdiff.codegen import norm_order
-from graphdiff.ops import CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
+from graphdiff.ops import CASTS, EXACT, INDUCTOR_MATH, MATMULS, is_heavy, is_low, op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site, layer_of
 from graphdiff.replay.kernels import value_base
 from graphdiff.replay.sum_order import is_row_op
@@ -66,7 +66,7 @@ class Fragment:
     # piecewise graph split), these child modules read it in FP32
     carry_rounded: bool = False
     fp32_children: list[str] = field(default_factory=list)
-    fp32_outputs: list[str] = field(default_factory=list)  # carry: children whose scaled output stays FP32
+    fp32_outputs: list[str] = field(default_factory=list)  # carry: children whose scaled or summed output stays FP32
     # carry: child module -> the decoder layers where the module's own residual add reading that child's output is
     # stored by the engine in BF16 (the patch may hold the child's output in FP32: the sum is then rounded there)
     rounded_sums: dict[str, list[int]] = field(default_factory=dict)
@@ -80,6 +80,8 @@ class Fragment:
     lanes: dict[str, int] = field(default_factory=dict)
     # its layer norms' engine kernels read the input back from their BF16 store after the mean (norm_order)
     reads_store: bool = False
+    # nodes of INDUCTOR_MATH the engine computes in a kernel Inductor generated: computed by Inductor when aligned
+    inductor_math: list[str] = field(default_factory=list)
     # the scanned decoder layers this splice serves (a group of layers sharing one rounding plan); [] = every layer
     layers: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -107,17 +109,45 @@ def _plan_signature(sites: list[Site]) -> tuple:
     return tuple(sorted((op_name(s.train.op), s.rounded_on) for s in sites))
 
 
-def layer_groups(scan: ScanResult, region: Region) -> list[list[int]]:
+def layer_groups(scan: ScanResult, region: Region, graph: Graph | None = None) -> list[list[int]]:
     """The region's layers in groups that share one rounding plan, first layer first; [[]] when one code serves every
     layer: its layers do not differ, or one engine kernel code serves them all (then a site seen in only some layers
     is weak evidence, and the union is generated; `_representative_sites`)."""
     rereads = norm_order.layer_groups(scan, region)  # a norm kernel that reads its input back from its store
     if region.kind == norm_order.KIND:
         return rereads
-    by_sites = _site_groups(scan, region)
-    if rereads == [[]] or by_sites == [[]]:
-        return by_sites if rereads == [[]] else rereads
-    return [g for g in ([ly for ly in s if ly in r] for s in by_sites for r in rereads) if g]
+    groups = _site_groups(scan, region)
+    for cut in (rereads, _incoming_read_groups(scan, graph, region) if graph is not None else [[]]):
+        if cut != [[]]:
+            groups = cut if groups == [[]] else [g for g in ([ly for ly in s if ly in c] for s in groups for c in cut)
+                                                 if g]
+    return groups
+
+
+def _incoming_read_groups(scan: ScanResult, graph: Graph, region: Region) -> list[list[int]]:
+    """The region's layers split by how the layer's own code (its residual add) reads the incoming activation the
+    engine holds in FP32: through a BF16 copy the engine stored (`read_rounded_by`: the last layer, whose sum the
+    final norm's kernel loads) or in FP32 (recomputed in the kernel). [[]] unless both occur; layers whose incoming
+    activation is BF16 on both sides (the embedding) go with either."""
+    nodes, users = graph.node_map(), graph.users()
+    rx = module_regex(region.module)
+    by_node = {d.node: d for d in scan.plan}
+    rounded: set[int] = set()
+    fp32: set[int] = set()
+    for t in scan.plan:
+        if t.rule != "matched" or t.engine is None or (t.engine.on_grid and not t.evidence.read_rounded_by):
+            continue
+        for u in users.get(t.node, []):
+            owner = nodes[u].module or ""
+            layer = layer_of(owner)
+            inside = t.module == owner or (t.module or "").startswith(owner + ".")
+            if layer is None or not rx.fullmatch(owner) or inside or u not in by_node:
+                continue
+            (rounded if by_node[u].id in t.evidence.read_rounded_by else fp32).add(layer)
+    if not rounded or not fp32:
+        return [[]]
+    rest = [ly for ly in region.layers if ly is not None and ly not in rounded]
+    return [g for g in (rest, sorted(rounded)) if g]
 
 
 def _site_groups(scan: ScanResult, region: Region) -> list[list[int]]:
@@ -239,12 +269,13 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
             if any(op_name(nodes[s].target) != "add" and s not in scaled for s in site_nodes):
                 frag.problems.append("the module calls submodules and its sites are not residual adds or scaled "
                                      "child outputs: its forward cannot be re-emitted")
-            frag.fp32_outputs = sorted(set(scaled.values()))
-            frag.carry_rounded, frag.fp32_children = _carry_reads(scan, graph, region)
+            frag.fp32_outputs = sorted({c for children in scaled.values() for c in children})
+            frag.carry_rounded, frag.fp32_children = _carry_reads(scan, graph, region, layers)
             frag.rounded_sums = rounded_sums(scan, graph, region.module)
             frag.stored_sums = stored_sums(scan, graph, region.module)
     names = [n.name for n in frag.nodes]
     frag.inputs, frag.outputs = _boundary(graph, names)
+    frag.inductor_math = _inductor_math(scan, frag.nodes)
     frag.sites = {s: region.name for s in site_nodes if sides[s] == "train"}
     frag.engine_sites = {s: region.name for s in site_nodes if sides[s] == "engine"}
     trainer_rounds = {d.node for d in scan.plan if d.train.rounds}
@@ -263,6 +294,14 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     return frag
 
 
+def _inductor_math(scan: ScanResult, frag_nodes: list[Node]) -> list[str]:
+    """The nodes of INDUCTOR_MATH (cos, sin, tanh, exp) whose engine twin is computed in a kernel Inductor generated
+    (its math library, not ATen's); not those the engine runs in an extern or custom op."""
+    generated = {r.kernel for r in scan.replay} | {k.split(" @ ")[0] for k in scan.not_replayed}
+    kernel_of = {d.node: d.evidence.kernel for d in scan.plan if d.rule == "matched"}
+    return [n.name for n in frag_nodes if op_name(n.target) in INDUCTOR_MATH and kernel_of.get(n.name) in generated]
+
+
 def _bind_params(frag: Fragment, nodes: dict[str, Node], path: str) -> None:
     """A module fragment's parameter inputs as attributes of the module at `path`; one activation input."""
     for i in frag.inputs:
@@ -278,27 +317,32 @@ def _bind_params(frag: Fragment, nodes: dict[str, Node], path: str) -> None:
                              "outputs: only module forwards of one activation input are re-emitted")
 
 
-def _scaled_child_outputs(graph: Graph, path: str, sites: list[str]) -> dict[str, str]:
-    """The sites that scale a child module's output by a constant before a residual add of the module's own
-    (`residual + hidden_states * residual_multiplier`), each with that child (its path relative to `path`): the
-    trainer rounds the product, the engine sums it in FP32; with the child's output in FP32 the module's own code
-    computes as the engine does. Only where the child's output feeds nothing but such scales."""
+def _scaled_child_outputs(graph: Graph, path: str, sites: list[str]) -> dict[str, list[str]]:
+    """The sites that combine child modules' outputs before a residual add of the module's own, each with those
+    children (paths relative to `path`): a child's output scaled by a constant (`residual + hidden_states *
+    residual_multiplier`), or two children's outputs summed (a parallel block's `attn_output + mlp_output +
+    residual`). The trainer rounds the product or sum, the engine computes it in FP32 inside the kernel that adds
+    the residual; with the children's outputs in FP32 the module's own code computes as the engine does. Only where
+    each child's output feeds nothing but such sites, and the site nothing but the module's own adds."""
     nodes, users = graph.node_map(), graph.users()
     prefix = path + "."
-    found: dict[str, str] = {}
+    found: dict[str, list[str]] = {}
     for s in sites:
         n = nodes[s]
-        if op_name(n.target) != "mul" or len(n.inputs) != 1:  # one activation times a constant
+        if not ((op_name(n.target) == "mul" and len(n.inputs) == 1)  # one activation times a constant
+                or (op_name(n.target) == "add" and len(n.inputs) == 2)):
             continue
-        src = nodes[n.inputs[0]]
-        if not (src.module or "").startswith(prefix) or set(users.get(src.name, [])) - set(sites):
+        sources = [nodes[i] for i in n.inputs]
+        if not all((src.module or "").startswith(prefix) and not set(users.get(src.name, [])) - set(sites)
+                   for src in sources):
             continue
         if all(op_name(nodes[u].target) == "add" and nodes[u].module == path for u in users.get(s, [])):
-            found[s] = (src.module or "").removeprefix(prefix).split(".")[0]
+            found[s] = sorted({(src.module or "").removeprefix(prefix).split(".")[0] for src in sources})
     return found
 
 
-def _carry_reads(scan: ScanResult, graph: Graph, region: Region) -> tuple[bool, list[str]]:
+def _carry_reads(scan: ScanResult, graph: Graph, region: Region, layers: list[int] | None = None
+                 ) -> tuple[bool, list[str]]:
     """Does the carry module's own code read its incoming activation rounded in the engine, and which of its child
     modules read it in FP32 there? A piecewise engine stores the residual stream in BF16 where it is live across a
     graph split (attention): the layer's residual add reads that copy, its input norm the FP32 sum in the graph
@@ -309,7 +353,8 @@ def _carry_reads(scan: ScanResult, graph: Graph, region: Region) -> tuple[bool, 
     rounded, children = False, set()
     for d in scan.plan:
         readers = {node_of[i] for i in d.evidence.read_rounded_by if i in node_of}
-        own = sorted(r for r in readers if pattern.match(nodes[r].module or ""))
+        own = sorted(r for r in readers if pattern.match(nodes[r].module or "")
+                     and (not layers or layer_of(nodes[r].module) in layers))
         if not own:
             continue
         rounded, owner = True, nodes[own[0]].module or ""
@@ -378,7 +423,7 @@ def cut_fragments(scan: ScanResult, graph: Graph, regions: list[str] | None = No
     attention regions whose splice takes FP32 inputs, rounding them as the engine stores them: the engine's own op).
     Generation and verification both cut them here."""
     wanted = [r for r in scan.regions if (regions is None or r.name in regions) and r.kind not in OPAQUE_KINDS]
-    cuts = [(r, g, fragment_for(scan, graph, r, g)) for r in wanted for g in layer_groups(scan, r)]
+    cuts = [(r, g, fragment_for(scan, graph, r, g)) for r in wanted for g in layer_groups(scan, r, graph)]
     frags = merge(_common_groups(scan, graph, cuts))
     decide_outputs(graph, frags, {s.train.node: s.region for s in scan.sites if s.region in fp32_attention})
     return frags

@@ -630,7 +630,7 @@ def _round_sums(gen: ModuleType, splice: ManifestSplice, name: str, mod: torch.n
 def _carry(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state: _State) -> None:
     """The carry hooks on one module: its incoming activation in FP32 (carry_fp32); or rounded for the module's
     own ops and FP32 for the named children (carry_fp32_rounded: a piecewise engine's BF16 graph boundary)."""
-    for child in splice.fp32_outputs:  # a scaled child output, summed in FP32
+    for child in splice.fp32_outputs:  # a scaled or summed child output, computed in FP32
         state.undo.append(_child(mod, child, splice).register_forward_hook(gen.carry_fp32_output).remove)
     if splice.torch_fn != "carry_fp32_rounded":
         state.undo.append(mod.register_forward_pre_hook(gen.carry_fp32, with_kwargs=True).remove)
