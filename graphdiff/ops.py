@@ -25,10 +25,6 @@ DATA_MOVEMENT = frozenset({
 # of these is exact, so eager storing it is not a rounding.
 EXACT = DATA_MOVEMENT | {"neg", "detach", "lift_fresh_copy", "_reshape_alias"}
 CASTS = frozenset({"_to_copy", "convert_element_type", "to", "type_as"})
-# FP32 math Inductor's generated kernels compute with their own vectorized library (CPU: at::vec / Sleef, GPU:
-# Triton's libdevice), which differs from eager ATen's kernels in the last bit of many results: on an AVX-512 CPU a
-# torch.compile'd cos / sin / tanh / exp differs from eager in 29% / 28% / 0.3% / 9% of FP32 results
-INDUCTOR_MATH = frozenset({"cos", "sin", "tanh", "exp"})
 # Return their input's value (a cast is the identity on an FP32-carried value).
 IDENTITY = frozenset({"_to_copy", "convert_element_type", "alias", "clone", "contiguous"})
 MATMULS = frozenset({"mm", "addmm", "bmm", "matmul", "linear"})

@@ -1,7 +1,8 @@
 """The shipped patch does not widen the gap, measured against the real engine, on architectures that differ: Gemma
 (1 + w RMSNorm, tanh-GELU, scaled embedding), Qwen3-MoE (router and experts), Granite (scalar multipliers on
-the embedding, the residual branches, the attention scores and the logits) and Exaone 4 (post-norms whose residual
-sums the engine stores in BF16). One engine start per architecture:
+the embedding, the residual branches, the attention scores and the logits), Exaone 4 (post-norms whose residual
+sums the engine stores in BF16) and Phi (vLLM's Transformers backend: Inductor compiles HF's own code, a parallel
+block). One engine start per architecture:
 it records the trainer's prompt and samples 8 seeded prompts; the gate chooses the regions on the first 4, and
 the gap is measured with and without the shipped patch on the other 4 (other prompts, other sampling seeds)."""
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.engine
 SAMPLE = dict(count=8, prompt_tokens=16, max_tokens=96, seed=0, temperature=1.0)
 
 
-@pytest.mark.parametrize("arch", ["gemma", "qwen3_moe", "granite", "exaone4"])
+@pytest.mark.parametrize("arch", ["gemma", "qwen3_moe", "granite", "exaone4", "phi"])
 def test_the_shipped_patch_does_not_widen_the_gap_on_held_out_samples(arch, tmp_path):
     model = make_tiny(arch, tmp_path / "model", layers=2)
     d = ScanDir(tmp_path / "scan")
@@ -53,6 +54,8 @@ def test_the_shipped_patch_does_not_widen_the_gap_on_held_out_samples(arch, tmp_
         gap(base, d.patch_dir / "manifest.json", enabled, held_out)
     assert patched.rms <= unpatched.rms, (arch, enabled, unpatched, patched)
     assert patched.k3 <= unpatched.k3, (arch, enabled, unpatched, patched)
+    if arch == "phi":  # children's sums, the stored sum and Inductor's math: 0.79 of the unpatched RMS without them
+        assert patched.rms <= 0.5 * unpatched.rms, (enabled, unpatched, patched)
     # MoE: the engine recorded its expert choices for every token of every sample (layer -> [tokens][k]), and the
     # patched trainer (the engine's routing computation) flips no more of them than the unpatched one
     if arch != "qwen3_moe":

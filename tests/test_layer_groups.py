@@ -111,10 +111,19 @@ def test_a_scaled_child_output_before_the_residual_add_is_carried_in_fp32():
              node("o_proj", "aten.mm.default", f"{layer}.self_attn.o_proj", "residual"),
              node("mul", "aten.mul.Tensor", layer, "o_proj"),
              node("add", "aten.add.Tensor", layer, "residual", "mul")]
-    assert _scaled_child_outputs(Graph(name="g", nodes=nodes), layer, ["mul"]) == {"mul": "self_attn"}
+    assert _scaled_child_outputs(Graph(name="g", nodes=nodes), layer, ["mul"]) == {"mul": ["self_attn"]}
     also_read = [*nodes, node("other", "aten.sum.default", layer, "o_proj")]
     assert _scaled_child_outputs(Graph(name="g", nodes=also_read), layer, ["mul"]) == {}
     not_added = [*nodes[:3], node("add", "aten.div.Tensor", layer, "residual", "mul")]
     assert _scaled_child_outputs(Graph(name="g", nodes=not_added), layer, ["mul"]) == {}
+    # a parallel block (Phi): `attn_output + mlp_output + residual`, both children's outputs summed first
+    parallel = [Node(name="residual", op="placeholder", target="residual", module=layer),
+                node("dense", "aten.mm.default", f"{layer}.self_attn.dense", "residual"),
+                node("fc2", "aten.mm.default", f"{layer}.mlp.fc2", "residual"),
+                node("add", "aten.add.Tensor", layer, "dense", "fc2"),
+                node("add_1", "aten.add.Tensor", layer, "add", "residual")]
+    assert _scaled_child_outputs(Graph(name="g", nodes=parallel), layer, ["add"]) == {"add": ["mlp", "self_attn"]}
+    # the residual add itself sums one child output and the stream: not a child sum
+    assert _scaled_child_outputs(Graph(name="g", nodes=parallel), layer, ["add_1"]) == {}
     out = carry_fp32_output(torch.nn.Identity(), (), (torch.ones(2, dtype=torch.bfloat16), None))
     assert out[0].dtype == torch.float32 and out[1] is None

@@ -99,6 +99,42 @@ def test_no_copy_is_named_inside_one_graph() -> None:
     assert plan[0].evidence.read_rounded_by == [] and not plan[0].site
 
 
+def _stored_engine(norm_in_kernel: bool) -> list[Graph]:
+    """One graph: kernel k1 computes the layer's output sum (declared BF16: its buffer is BF16) and, when
+    `norm_in_kernel`, the next layer's norm reads it there in FP32; kernel k2 loads it for the next layer's add
+    (Inductor realizes the sum before the final norm's kernel)."""
+    nodes = [_n("arg0_1", "arg0_1", [], "bfloat16", op="placeholder"),
+             _n("add_1", "aten.add.Tensor", ["arg0_1", "arg0_1"], "bfloat16"),
+             _n("pow_1", "aten.pow.Tensor_Scalar", ["add_1"], "float32"),
+             _n("mm", "aten.mm.default", ["arg0_1", "arg0_1"], "bfloat16"),
+             _n("add_2", "aten.add.Tensor", ["add_1", "mm"], "bfloat16")]
+    k1 = ["add_1", "pow_1"] if norm_in_kernel else ["add_1"]
+    kernels = [Kernel(id="k1:1", name="k1", kind="generated", nodes=k1),
+               Kernel(id="k2:2", name="k2", kind="generated", nodes=["add_2"])]
+    return [Graph(name="engine_graph_0", inputs={"arg0_1": "x"}, nodes=nodes, kernels=kernels)]
+
+
+def test_a_sum_one_kernel_stores_for_another_is_read_rounded_there() -> None:
+    """Inside one graph: the next layer's add loads the BF16 buffer of a sum another kernel computed, while that
+    kernel's norm read it in FP32; whatever the engine state at the sum says (FP32, or rounded for its store)."""
+    for engine_state in (SideState(dtype="float32", how="FP32 in a kernel"),
+                         SideState(dtype="bfloat16", rounds=True, on_grid=True, how="rounded: stored by k1")):
+        plan = _plan(train_on_grid=False)
+        plan[0].engine = engine_state
+        for d, node in zip(plan, ("add_1", "add_2")):
+            d.evidence.engine_graph, d.evidence.engine_node = "engine_graph_0", node
+        mark_rounded_reads(_train(), plan, _stored_engine(norm_in_kernel=True))
+        assert plan[0].evidence.read_rounded_by == ["layer1.residual_add"], engine_state
+        assert plan[0].site  # the patched trainer holds the sum in FP32
+    # a sum stored and read only through its store is plainly rounded: no reader to name
+    plan = _plan(train_on_grid=False)
+    plan[0].engine = SideState(dtype="bfloat16", rounds=True, on_grid=True, how="rounded: stored by k1")
+    for d, node in zip(plan, ("add_1", "add_2")):
+        d.evidence.engine_graph, d.evidence.engine_node = "engine_graph_0", node
+    mark_rounded_reads(_train(), plan, _stored_engine(norm_in_kernel=False))
+    assert plan[0].evidence.read_rounded_by == []
+
+
 @pytest.fixture(scope="module")
 def piecewise_patch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The fixture scan as a piecewise engine would have decided it: layer 1's residual add reads layer 0's output

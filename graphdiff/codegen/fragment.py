@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from graphdiff.codegen import norm_order
-from graphdiff.ops import CASTS, EXACT, INDUCTOR_MATH, MATMULS, is_heavy, is_low, op_name
+from graphdiff.ops import CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site, layer_of
+from graphdiff.replay.inductor_math import INDUCTOR_MATH
 from graphdiff.replay.kernels import value_base
 from graphdiff.replay.sum_order import is_row_op
 from graphdiff.runtime import module_regex
@@ -295,8 +296,8 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
 
 
 def _inductor_math(scan: ScanResult, frag_nodes: list[Node]) -> list[str]:
-    """The nodes of INDUCTOR_MATH (cos, sin, tanh, exp) whose engine twin is computed in a kernel Inductor generated
-    (its math library, not ATen's); not those the engine runs in an extern or custom op."""
+    """The nodes of INDUCTOR_MATH (tanh, exp, sin, cos, ...) whose engine twin is computed in a kernel Inductor
+    generated (its math library, not ATen's); not those the engine runs in an extern or custom op."""
     generated = {r.kernel for r in scan.replay} | {k.split(" @ ")[0] for k in scan.not_replayed}
     kernel_of = {d.node: d.evidence.kernel for d in scan.plan if d.rule == "matched"}
     return [n.name for n in frag_nodes if op_name(n.target) in INDUCTOR_MATH and kernel_of.get(n.name) in generated]

@@ -5,7 +5,8 @@ The runtime imports nothing of the scanner, so the generated module holds the so
 and the linters run the very code a patch carries:
 
 - `_f32`, `_round`: what the emitted region functions call on their inputs and at each rounding point;
-- `inductor_math`: cos, sin, tanh, exp as the engine's Inductor-generated kernels compute them;
+- `inductor_math` (replay.inductor_math): tanh, exp, sin, cos, ... as the engine's Inductor-generated kernels compute
+  them;
 - `truncate_to_bf16` (capture.cpu_kind) and `round_toward_zero`: an FP32 -> BF16 store by truncation, as vLLM CPU's
   `_C_AVX512` / `_C_AVX2` ops store (the attention and split-K splices' `_truncated` forms);
 - `ordered_sum`, `ordered_mean`, `ordered_layer_norm` (replay.sum_order): a row sum, and a layer norm's two passes
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from graphdiff.capture.cpu_kind import truncate_to_bf16
+from graphdiff.replay.inductor_math import inductor_math
 from graphdiff.replay.sum_order import ordered_layer_norm, ordered_mean, ordered_sum
 
 
@@ -31,16 +33,6 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Store in `dtype` (round to nearest even) and go on computing in FP32."""
     return x.to(dtype).float()
-
-
-def inductor_math(name: str, x: torch.Tensor) -> torch.Tensor:
-    """`torch.<name>(x)` (cos, sin, tanh, exp) as the engine's compiled kernels compute it: through Inductor, whose
-    vectorized math library differs from eager ATen's in the last bit of many FP32 results. Compiled once per
-    function, for any shape; differentiable."""
-    compiled = inductor_math.__dict__.setdefault("compiled", {})
-    if name not in compiled:
-        compiled[name] = torch.compile(getattr(torch, name), dynamic=True)
-    return compiled[name](x)
 
 
 def round_toward_zero(x: torch.Tensor) -> torch.Tensor:

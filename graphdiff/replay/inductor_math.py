@@ -5,28 +5,57 @@ ATen's eager FP32 tanh/exp/log/sin/cos/erf/sqrt/expm1 on the CPU and Inductor's 
 of tanh near -1 becomes a BF16 flip after 0.5*x*(1+tanh), so GELU-tanh kernels replayed with eager ops agree on
 99.93-99.96% only. Replaying a C++ kernel, these ops run as a one-op function compiled by Inductor itself
 (one compile per op per process, dynamic shapes, flattened input: the vectorized path with a masked tail, as in
-the engine's kernels). Other ops agree bit for bit with eager (rsqrt, reciprocal, pow, sigmoid).
+the engine's kernels). Other ops agree bit for bit with eager (rsqrt, reciprocal, pow, sigmoid). A generated patch
+carries `inductor_math` too: its aligned code computes these ops as the engine's kernels do.
 """
 
 from __future__ import annotations
-
-import functools
-from collections.abc import Callable
 
 import torch
 
 INDUCTOR_MATH = frozenset({"tanh", "exp", "log", "sin", "cos", "erf", "sqrt", "expm1"})
 
 
-@functools.cache
-def _compiled(op: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    fn = getattr(torch, op)
-    return torch.compile(lambda t: fn(t), backend="inductor", dynamic=True, fullgraph=True)
+def inductor_math(name: str, x: torch.Tensor) -> torch.Tensor:
+    """`torch.<name>(x)` (FP32) as an Inductor-generated kernel computes it: through a one-op function Inductor
+    compiles (once per op, for any shape; flattened, so the vectorized path with a masked tail runs, as in the
+    engine's kernels). Registered as one op, `graphdiff::inductor_<name>`, so a traced or compiled trainer keeps it
+    whole; its gradient is the eager op's, by recompute."""
+    try:
+        return getattr(torch.ops.graphdiff, f"inductor_{name}")(x)
+    except AttributeError:
+        pass
+    eager = getattr(torch, name)
 
+    def one_op(t: torch.Tensor) -> torch.Tensor:
+        return eager(t)
 
-def inductor_unary(op: str, x: torch.Tensor) -> torch.Tensor:
-    """`op(x)` as an Inductor C++ kernel computes it (FP32 in, FP32 out)."""
-    flat = x.contiguous().reshape(-1)
-    if flat.numel() < 2:  # dynamic=True specializes 0/1-element inputs; pad to keep the vector path
-        return _compiled(op)(torch.cat([flat, flat.new_zeros(2 - flat.numel())]))[: x.numel()].reshape(x.shape)
-    return _compiled(op)(flat).reshape(x.shape)
+    # a code object per op: Dynamo keeps compiled code per code object, and a shared one recompiles for each op
+    one_op.__code__ = one_op.__code__.replace(co_name=f"inductor_{name}")
+    compiled = torch.compile(one_op, backend="inductor", dynamic=True, fullgraph=True)
+
+    @torch.library.custom_op(f"graphdiff::inductor_{name}", mutates_args=())
+    def op(x: torch.Tensor) -> torch.Tensor:
+        if torch.fx._symbolic_trace.is_fx_symbolic_tracing():  # a trace records the op; running the graph computes it
+            return eager(x)
+        flat = x.detach().contiguous().reshape(-1)
+        with torch.no_grad():  # the forward only (one compiled entry); the gradient is `backward`'s
+            if flat.numel() < 2:  # dynamic=True specializes 0/1-element inputs; pad to keep the vector path
+                return compiled(torch.cat([flat, flat.new_zeros(2 - flat.numel())]))[: x.numel()].reshape(x.shape)
+            return compiled(flat).reshape(x.shape)
+
+    @op.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    def setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    def backward(ctx: torch.autograd.function.BackwardCFunction, grad: torch.Tensor) -> torch.Tensor:
+        (saved,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = saved.detach().requires_grad_(True)
+            return torch.autograd.grad(eager(x), x, grad)[0]
+
+    op.register_autograd(backward, setup_context=setup_context)
+    return op(x)

@@ -21,7 +21,7 @@ import torch.fx
 
 from graphdiff.ops import DATA_MOVEMENT, op_name
 from graphdiff.records import Node
-from graphdiff.replay.inductor_math import INDUCTOR_MATH, inductor_unary
+from graphdiff.replay.inductor_math import INDUCTOR_MATH, inductor_math
 from graphdiff.replay.sum_order import ordered_op, ordered_sum
 
 LOW = (torch.bfloat16, torch.float16)
@@ -136,7 +136,7 @@ class RoundingInterpreter(torch.fx.Interpreter):
             name = op_name(str(n.target))
             if self.inductor_math and name in INDUCTOR_MATH and len(args) == 1 and not kwargs \
                     and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
-                out = inductor_unary(name, args[0])
+                out = inductor_math(name, args[0])
             elif n.name in self.ordered and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
                 out = ordered_op(name, args, self.ordered[n.name])
             else:
