@@ -161,3 +161,20 @@ def test_the_scan_names_a_sum_one_kernel_stores_for_the_next() -> None:
                                 Kernel(id="k2", name="k2", kind="generated", nodes=["e_next"])])
         matches = [Match(a, b, 0.0, 1.0, "") for a, b in (("add", "e_add"), ("x", "e_x"), ("y", "e_y"))]
         assert residual_sums(train, {"e": (matches, [])}, [engine], []) == ([], want), operands
+
+
+def test_a_layers_own_stored_sum_leaves_its_incoming_activation_fp32(tmp_path: Path) -> None:
+    """StableLM's second layer (the recorded fixtures/scans/tiny-stablelm-3 scan): its own `residual + attn` sum is
+    stored in BF16 by one kernel and read back by the layer's next add in another, which the plan names
+    (`read_rounded_by`). That is the layer's own sum (`stored_sums`), not its incoming activation: the carry stays
+    `carry_fp32` for every layer (a rounded carry rounded the residual stream and lost StableLM's bit-exact match)."""
+    from graphdiff.codegen import generate
+
+    fixture = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-stablelm-3"
+    scan = json.loads((fixture / "scan.json").read_text())
+    stored = [d for d in scan["plan"] if d["node"] in scan["stored_sums"]]
+    assert stored and all(d["evidence"]["read_rounded_by"] for d in stored)
+    made = generate(fixture, tmp_path / "patch")
+    carries = [s for s in made.splices if s.target == "carry" and not s.problems]
+    assert carries and all(s.torch_fn == "carry_fp32" and not s.fp32_children for s in carries), carries
+    assert any(s.stored_sums == {"self_attn.o_proj": [1]} for s in carries)

@@ -358,7 +358,10 @@ def _carry_reads(scan: ScanResult, graph: Graph, region: Region, layers: list[in
                      and (not layers or layer_of(nodes[r].module) in layers))
         if not own:
             continue
-        rounded, owner = True, nodes[own[0]].module or ""
+        owner = nodes[own[0]].module or ""
+        if d.module == owner or (d.module or "").startswith(owner + "."):  # the layer's own sum: `stored_sums`
+            continue
+        rounded = True
         for u in users.get(d.node, []):
             module = nodes[u].module or ""
             if u not in readers and module.startswith(owner + "."):
