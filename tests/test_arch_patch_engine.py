@@ -33,7 +33,8 @@ def test_the_shipped_patch_does_not_widen_the_gap_on_held_out_samples(arch, tmp_
     d.save_scan(outcome.result)
     d.save_train(outcome.train.capture)
     assert not outcome.result.not_replayed and not outcome.result.unexplained, outcome.result.unexplained
-    made = generate(d.root, d.patch_dir)
+    # Phi: the attention splice runs the engine's own op, so what is left is what the other regions leave
+    made = generate(d.root, d.patch_dir, attention="engine" if arch == "phi" else "fp32")
     assert any(r.generated for r in made.regions)
     if arch == "gemma":  # its (1 + weight) norms have no site; the engine's kernels sum their rows in lanes
         assert any(r.kind == "sum_order" and r.generated for r in made.regions), made.regions
@@ -54,8 +55,8 @@ def test_the_shipped_patch_does_not_widen_the_gap_on_held_out_samples(arch, tmp_
         gap(base, d.patch_dir / "manifest.json", enabled, held_out)
     assert patched.rms <= unpatched.rms, (arch, enabled, unpatched, patched)
     assert patched.k3 <= unpatched.k3, (arch, enabled, unpatched, patched)
-    if arch == "phi":  # children's sums, the stored sum and Inductor's math: 0.79 of the unpatched RMS without them
-        assert patched.rms <= 0.5 * unpatched.rms, (enabled, unpatched, patched)
+    if arch == "phi":  # children's sums, the stored sum and Inductor's math (0.0 on an AMD EPYC; 0.79 without them)
+        assert patched.rms <= 0.25 * unpatched.rms, (enabled, unpatched, patched)
     # MoE: the engine recorded its expert choices for every token of every sample (layer -> [tokens][k]), and the
     # patched trainer (the engine's routing computation) flips no more of them than the unpatched one
     if arch != "qwen3_moe":
