@@ -95,7 +95,8 @@ def test_forms_are_read_from_the_installed_inductor() -> None:
     division under eager_numerics.division_rounding."""
     import torch._inductor.config as config
 
-    assert "fallback" not in inductor_lowering.source()
+    # asked: Inductor imports (an op it cannot lower, as tanh in an earlier test's patch, adds its own fallback note)
+    assert inductor_lowering.source().startswith(f"Inductor of torch {torch.__version__}")
     frags, nodes = fragments(QWEN3)
     frag = frags["model.layers.*.mlp.act_fn"]
     _, core = split(frag)
