@@ -127,6 +127,7 @@ class Graph(BaseModel):
     _by_name: dict[str, Node] | None = PrivateAttr(default=None)
     _users: dict[str, list[str]] | None = PrivateAttr(default=None)
     _pos: dict[str, int] | None = PrivateAttr(default=None)
+    _computed_in: tuple[int, dict[str, set[str]]] | None = PrivateAttr(default=None)
 
     def node_map(self) -> dict[str, Node]:
         """Nodes by name (cached: analyses look nodes up in loops over the whole graph)."""
@@ -158,6 +159,16 @@ class Graph(BaseModel):
                     users.setdefault(i, []).append(n.name)
             self._users = users
         return self._users
+
+    def computed_in(self) -> dict[str, set[str]]:
+        """Ids of the kernels computing each node (cached; Inductor may recompute a node in several kernels)."""
+        if self._computed_in is None or self._computed_in[0] != len(self.kernels):
+            out: dict[str, set[str]] = {}
+            for k in self.kernels:
+                for n in k.nodes:
+                    out.setdefault(n, set()).add(k.id)
+            self._computed_in = (len(self.kernels), out)
+        return self._computed_in[1]
 
 
 class Capture(BaseModel):

@@ -461,21 +461,14 @@ def _read_path(engine: Graph, name: str) -> list[Node]:
     return path
 
 
-def _kernel_reads(t: Decision, u: Decision, graph: Graph, computed_in: dict[str, set[str]]) -> bool | None:
-    """Inside one graph, does the op matched to consumer `u` load the low-precision buffer of `t`'s value (True),
-    or read it in FP32 in the kernel computing it (False)? None: not one kernel's value (`_reads_rounded` then)."""
-    nodes = graph.node_map()
-    base = value_base(nodes, t.evidence.engine_node)
-    own = computed_in.get(base.name, set()) if base is not None else set()
-    here = computed_in.get(u.evidence.engine_node, set())
-    if base is None or not is_low(base.dtype) or len(own) != 1 or not here or \
-            not any(value_base(nodes, i) is base for i in nodes[u.evidence.engine_node].inputs):
-        return None
-    return not here & own
+def _one_kernel_store(t: Decision, graph: Graph) -> tuple[Node, set[str]] | None:
+    """`t`'s engine value where one kernel computes it and its buffer is low precision: (its node, that kernel)."""
+    base = value_base(graph.node_map(), t.evidence.engine_node)
+    own = graph.computed_in().get(base.name, set()) if base is not None else set()
+    return (base, own) if base is not None and is_low(base.dtype) and len(own) == 1 else None
 
 
-def _reads_rounded(t: Decision, u: Decision, graphs: dict[str, Graph], kernels: dict[str, dict[str, set[str]]]
-                   ) -> bool:
+def _reads_rounded(t: Decision, u: Decision, graphs: dict[str, Graph]) -> bool:
     """Does the engine op matched to consumer `u` read the value of `t` through a low-precision copy in memory?
     Across graphs (a piecewise engine): `t`'s value enters `u`'s graph as an input, and does when every activation
     input the op reads is low precision (a graph input's dtype is how it was stored). Inside one graph: one kernel
@@ -484,25 +477,26 @@ def _reads_rounded(t: Decision, u: Decision, graphs: dict[str, Graph], kernels: 
     ug = graphs.get(u.evidence.engine_graph)
     if ug is None or u.evidence.engine_node not in ug.node_map():
         return False
+    unodes = ug.node_map()
     if t.evidence.engine_graph == u.evidence.engine_graph:
-        return bool(_kernel_reads(t, u, ug, kernels[ug.name]))
-    reads = [_read_path(ug, i) for i in ug.node_map()[u.evidence.engine_node].inputs]
+        stored = _one_kernel_store(t, ug)
+        here = ug.computed_in().get(u.evidence.engine_node, set())
+        return stored is not None and bool(here) and not here & stored[1] and any(
+            (b := value_base(unodes, i)) is not None and b.name == stored[0].name
+            for i in unodes[u.evidence.engine_node].inputs)
+    reads = [_read_path(ug, i) for i in unodes[u.evidence.engine_node].inputs]
     acts = [p[-1] for p in reads if p[-1].op == "placeholder" and p[-1].dtype
             and "." not in ug.inputs.get(p[-1].name, "")]  # not a weight
     return bool(acts) and all(is_low(n.dtype) for n in acts)
 
 
-def _read_beside_store(t: Decision, graphs: dict[str, Graph], kernels: dict[str, dict[str, set[str]]]) -> bool:
+def _read_beside_store(t: Decision, graphs: dict[str, Graph]) -> bool:
     """Is `t`'s engine value, stored in low precision by the one kernel computing it, also read inside that kernel
     (in FP32, before the store)?"""
     graph = graphs.get(t.evidence.engine_graph)
-    if graph is None:
-        return False
-    nodes, computed_in = graph.node_map(), kernels[graph.name]
-    base = value_base(nodes, t.evidence.engine_node)
-    own = computed_in.get(base.name, set()) if base is not None else set()
-    return base is not None and len(own) == 1 and any(computed_in.get(u, set()) & own
-                                                      for u in graph.users().get(base.name, []))
+    stored = _one_kernel_store(t, graph) if graph is not None else None
+    return graph is not None and stored is not None and any(
+        graph.computed_in().get(u, set()) & stored[1] for u in graph.users().get(stored[0].name, []))
 
 
 def mark_rounded_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
@@ -512,11 +506,6 @@ def mark_rounded_reads(train: Graph, plan: list[Decision], engine_graphs: list[G
     kernel storing it also reads it in FP32 (the norm beside a layer's last residual sum, whose store the final
     norm's kernel loads)."""
     graphs = {g.name: g for g in engine_graphs}
-    kernels: dict[str, dict[str, set[str]]] = {g.name: {} for g in engine_graphs}  # node -> kernels computing it
-    for g in engine_graphs:
-        for k in g.kernels:
-            for n in k.nodes:
-                kernels[g.name].setdefault(n, set()).add(k.id)
     nodes, users = train.node_map(), train.users()
     by_node = {d.node: d for d in plan if d.rule == "matched"}
 
@@ -526,10 +515,10 @@ def mark_rounded_reads(train: Graph, plan: list[Decision], engine_graphs: list[G
     for t in plan:
         if t.rule != "matched" or t.engine is None:
             continue
-        if t.engine.on_grid and not _read_beside_store(t, graphs, kernels):
+        if t.engine.on_grid and not _read_beside_store(t, graphs):
             continue
         readers = [by_node[u].id for u in consumers(t.node)
-                   if u in by_node and _reads_rounded(t, by_node[u], graphs, kernels)]
+                   if u in by_node and _reads_rounded(t, by_node[u], graphs)]
         if readers:
             t.evidence.read_rounded_by = readers
             t.engine.how += f"; read through a low-precision copy by {', '.join(readers[:3])}"

@@ -310,11 +310,7 @@ def residual_sums(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]
     tnodes = tgraph.node_map()
     rounded, stored = [], []
     for g in engine_graphs:
-        nodes, users = g.node_map(), g.users()
-        computed_in: dict[str, set[str]] = {}
-        for k in g.kernels:
-            for n in k.nodes:
-                computed_in.setdefault(n, set()).add(k.id)
+        nodes, users, computed_in = g.node_map(), g.users(), g.computed_in()
         by_train = {m.train: m.engine for m in matched.get(g.name, ([], []))[0]}
         for t_name, e_name in by_train.items():
             t, e = tnodes.get(t_name), value_base(nodes, e_name)

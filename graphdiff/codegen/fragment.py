@@ -141,14 +141,18 @@ def _incoming_read_groups(scan: ScanResult, graph: Graph, region: Region) -> lis
         for u in users.get(t.node, []):
             owner = nodes[u].module or ""
             layer = layer_of(owner)
-            inside = t.module == owner or (t.module or "").startswith(owner + ".")
-            if layer is None or not rx.fullmatch(owner) or inside or u not in by_node:
+            if layer is None or not rx.fullmatch(owner) or _within(t.module, owner) or u not in by_node:
                 continue
             (rounded if by_node[u].id in t.evidence.read_rounded_by else fp32).add(layer)
     if not rounded or not fp32:
         return [[]]
     rest = [ly for ly in region.layers if ly is not None and ly not in rounded]
     return [g for g in (rest, sorted(rounded)) if g]
+
+
+def _within(module: str | None, owner: str) -> bool:
+    """Is `module` the module `owner` or one of its descendants?"""
+    return module == owner or (module or "").startswith(owner + ".")
 
 
 def _site_groups(scan: ScanResult, region: Region) -> list[list[int]]:
@@ -359,7 +363,7 @@ def _carry_reads(scan: ScanResult, graph: Graph, region: Region, layers: list[in
         if not own:
             continue
         owner = nodes[own[0]].module or ""
-        if d.module == owner or (d.module or "").startswith(owner + "."):  # the layer's own sum: `stored_sums`
+        if _within(d.module, owner):  # the layer's own sum (`stored_sums`), not its incoming activation
             continue
         rounded = True
         for u in users.get(d.node, []):
