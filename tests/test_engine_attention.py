@@ -41,6 +41,17 @@ def _build() -> str:
     return kernel_build()
 
 
+def _equals_vec(out: torch.Tensor, fp32: torch.Tensor) -> bool:
+    """Does the vec kernel's output equal `fp32` (sdpa on FP32-upcast inputs) stored as this build stores? Bit for
+    bit on `_C` and `_C_AVX512` (16-lane vectors, the order of torch's FP32 sdpa below one 128-key block); on
+    `_C_AVX2` its 8-lane vectors sum in another order: equal on >= 99.9% of outputs, the rest 1 ulp apart."""
+    want = store_like(fp32, _build())
+    if _build() != "_C_AVX2":
+        return torch.equal(out, want)
+    ulps = (out.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    return bool((ulps == 0).float().mean() >= 0.999 and ulps.max() <= 1)
+
+
 def _scan_with_this_engine_attention(tmp_path) -> Path:  # noqa: ANN001
     """The recorded tiny Qwen3 scan, its engine attention as this machine's (the op the tests run here)."""
     from tests.conftest import FIXTURES
@@ -70,7 +81,7 @@ def test_the_engine_op_computes_as_the_registry_says():
     else:
         ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1),
                                              v.float().repeat_interleave(2, 1), is_causal=True, scale=0.125)
-        assert torch.equal(out, store_like(ref.transpose(1, 2), _build()))  # truncated on _C_AVX512 builds
+        assert _equals_vec(out, ref.transpose(1, 2))  # truncated on the _C_AVX512 / _C_AVX2 builds
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 60:], v2[:, :, 60:] = 0, 0
     later, _ = engine_attention_fn()(_Layer(), q, k2, v2, None, scaling=0.125)
@@ -80,7 +91,8 @@ def test_the_engine_op_computes_as_the_registry_says():
 def test_the_patched_trainer_with_the_engine_op_runs_in_a_child(tiny_models, tmp_path):
     """In a child process (the trainer's never imports vLLM): below 128 keys the vec kernel and the patch's FP32
     attention agree, so the diagnostic's log-probs equal the patched trainer's own, bit for bit. The amx kernel
-    rounds the probabilities, which the patch's attention does not: close, not equal."""
+    rounds the probabilities, which the patch's attention does not, and `_C_AVX2`'s vec kernel sums in another
+    order (`_equals_vec`): close, not equal."""
     from graphdiff.capture.hf import load_hf_model
     from graphdiff.codegen import generate
     from graphdiff.measure.engine_attention import patched_logprobs
@@ -99,9 +111,10 @@ def test_the_patched_trainer_with_the_engine_op_runs_in_a_child(tiny_models, tmp
     with trainer(load_hf_model(tiny_models["qwen3"]), "eager", manifest, regions) as model:
         own = train_logprobs(model, samples)
     assert [len(x) for x in got] == [20, 40]
-    if _isa() == "amx":
+    if _isa() == "amx" or _build() == "_C_AVX2":
         diff = torch.cat([a - b for a, b in zip(got, own)]).abs()
-        assert 0 < float(diff.max()) < 0.05, float(diff.max())
+        assert float(diff.max()) < 0.05, float(diff.max())
+        assert _isa() != "amx" or float(diff.max()) > 0  # amx's BF16 probabilities always show
     else:
         assert all(torch.equal(a, b) for a, b in zip(got, own))
 
@@ -218,7 +231,7 @@ def test_the_engine_op_takes_the_window_as_hf_does():
     ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1),
                                          v.float().repeat_interleave(2, 1), attn_mask=mask, scale=0.125)
     out = vllm_cpu_attention(q, k, v, 0.125, sliding_window=16)
-    assert torch.equal(out, store_like(ref.transpose(1, 2), _build()))
+    assert _equals_vec(out, ref.transpose(1, 2))
     assert not torch.equal(out, vllm_cpu_attention(q, k, v, 0.125, sliding_window=17))
 
 

@@ -33,7 +33,8 @@ RULES = (
     AttentionRule("CPU_ATTN", "vec", True,
                   "vLLM csrc/cpu/cpu_attn_vec.hpp: q scaled in FP32, scores, softmax, P and P@V in FP32, output "
                   "rounded once; the op equals torch sdpa on FP32-upcast q/k/v rounded once "
-                  "(tests/test_opaque_engine.py)"),
+                  "(tests/test_opaque_engine.py); on the `_C_AVX2` build its 8-lane vectors sum in another order: "
+                  "equal on >= 99.9% of outputs, the rest a few ulp (tests/test_engine_attention.py)"),
     AttentionRule("CPU_ATTN", "amx", False,
                   "vLLM's CPU amx kernel (CPUs with AMX tiles): scores and softmax in FP32, the unnormalized "
                   "probabilities exp(s - running max) rounded to BF16 for the AMX P@V, FP32 accumulation, divided by "
