@@ -94,3 +94,17 @@ def test_real_triton_backend_dump_imports():
                         <= {nodes[n].target for n in k.nodes} for k in rope)
     assert all(nodes[n].kernel is not None for k in generated for n in k.nodes)
     assert any(n.source and n.source.file.endswith("modeling_qwen3.py") for n in g.nodes)
+
+
+def test_a_pass_through_frame_is_no_source_line():
+    """Where vLLM CPU runs a linear as F.linear on its weight (the avx2 kind: oneDNN has no BF16 GEMM there), the
+    weight is vLLM's parameter subclass and the dump's only frame for its permute/mm is that subclass's
+    `__torch_function__` (line recorded from an avx2 run): not where the op was issued, so no source."""
+    text = (GRAPH_DIR / "fx_graph_transformed.py").read_text()
+    norm = "# File: SITE/vllm/ir/ops/layernorm.py:20 in rms_norm, code: x = x.to(weight.dtype) * weight"
+    passed = ("# File: SITE/vllm/model_executor/parameter.py:124 in __torch_function__, "
+              "code: return super().__torch_function__(func, types, args, kwargs)")
+    assert norm in text
+    nodes = {n.name: n for n in parse_fx_graph(text.replace(norm, passed, 1))}
+    assert nodes["convert_element_type_2"].source is None and nodes["mul_15"].source is None
+    assert nodes["onednn_mm_default_7"].source is not None  # the next group keeps its line

@@ -6,6 +6,11 @@ Per compiled graph Inductor writes (TORCH_COMPILE_DEBUG=1):
   output_code.py                                  the generated kernels and the wrapper that calls them
   inductor_provenance_tracking_node_mappings.json kernel call -> FX nodes it fuses
 The graph is read with `ast` (the file is Python), never executed.
+
+A `# File:` line names only a node's innermost frame. Where that frame is a `__torch_function__` passing the op on
+(vLLM's parameter subclass: a linear that vLLM CPU runs as `F.linear` on its weight, e.g. where oneDNN has no BF16
+GEMM), the line that issued the op is not in the dump: such nodes get no source rather than the pass-through's
+line (the live capture names the caller, capture.fx._source).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import re
 from pathlib import Path
 
 from graphdiff.capture.assemble import assemble_graph
+from graphdiff.capture.fx import PASS_THROUGH
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import Capture, Graph, Node, Source
 
@@ -105,7 +111,8 @@ def parse_fx_graph(text: str) -> list[Node]:
         s = line.strip()
         m = _FILE.search(s)
         if m:
-            current = Source(file=m.group(1), line=int(m.group(2)), function=m.group(3), code=m.group(4))
+            current = None if m.group(3) == PASS_THROUGH else \
+                Source(file=m.group(1), line=int(m.group(2)), function=m.group(3), code=m.group(4))
         elif not s:
             current = None
         elif current is not None:

@@ -13,6 +13,9 @@ from graphdiff.records import NODE_OPS, Graph, Node, NodeOp, Source
 
 # Graph inputs that carry data rather than weights; every other mapped placeholder is a parameter/buffer.
 DATA_INPUTS = frozenset({"input_ids", "positions", "position_ids", "inputs_embeds", "attention_mask"})
+# A frame in this function passes an op on (a torch function mode, or a tensor subclass such as vLLM's
+# BasevLLMParameter); the op was issued by its caller.
+PASS_THROUGH = "__torch_function__"
 
 _TORCH_DIR = str(Path(torch.__file__).parent) + "/"
 # One frame of a formatted traceback; the code line is absent for generated code.
@@ -59,10 +62,11 @@ def _tensor_info(val: Any) -> tuple[str | None, list[int | str] | None]:
 
 
 def _source(stack_trace: str | None) -> Source | None:
-    """The innermost frame outside torch: the library or model line that issued the op (a torch function mode that
-    passes ops on, the patch's rounded residual sums, is not where they were issued)."""
+    """The innermost frame outside torch: the library or model line that issued the op (a `__torch_function__` that
+    passes ops on is not where they were issued: the patch's rounded residual sums' mode, or vLLM's parameter
+    subclass that a linear's weight still is where vLLM CPU runs it as `F.linear`)."""
     frames = [m for m in _FRAME.finditer(stack_trace or "")
-              if not m["file"].startswith(_TORCH_DIR) and m["function"] != "__torch_function__"]
+              if not m["file"].startswith(_TORCH_DIR) and m["function"] != PASS_THROUGH]
     if not frames:
         return None
     m = frames[-1]
