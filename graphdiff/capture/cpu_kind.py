@@ -34,7 +34,7 @@ KERNEL_BUILD = {"avx2": "_C_AVX2", "avx512": "_C_AVX512", "avx512_bf16": "_C", "
 _SITE = Path(__file__).with_name("forced_kind")  # its sitecustomize applies the forced kind in new processes
 _NATIVE: dict[str, bool] = {}
 _PREDICATES = ("_is_amx_tile_supported", "_init_amx", "_is_avx512_bf16_supported", "_is_avx512_supported")
-_ENV = ("ONEDNN_MAX_CPU_ISA", "PYTHONPATH")  # what apply_forced_kind sets
+_ENV = ("ONEDNN_MAX_CPU_ISA", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR")  # what apply_forced_kind sets
 
 
 def _features() -> dict[str, bool]:
@@ -85,10 +85,22 @@ def apply_forced_kind() -> str | None:
     torch.cpu._is_avx512_bf16_supported = lambda: rank >= KINDS.index("avx512_bf16")
     torch.cpu._is_avx512_supported = lambda: rank >= KINDS.index("avx512")
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_ISA[kind])
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _kind_cache_dir(kind)
     path = os.environ.get("PYTHONPATH", "")
     if str(_SITE) not in path.split(os.pathsep):  # worker processes vLLM spawns (tensor parallelism)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SITE), path) if p)
     return kind
+
+
+def _kind_cache_dir(kind: str) -> str:
+    """Inductor's cache directory for a process posing as `kind`: its own. Inductor keys cached code by graph and
+    config, not by the vector ISA it was generated for; a kernel generated for 8 lanes and loaded by a 16-lane
+    process (or the reverse) reads and writes past its buffers."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    suffix = f"-as-{kind}"
+    return base if base.endswith(suffix) else base + suffix
 
 
 @contextlib.contextmanager
@@ -143,8 +155,7 @@ def truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
     return (x.view(torch.int32) & -65536).view(torch.float32)
 
 
-def other_kind() -> str:
-    """The kind just below this CPU's own among those vLLM CPU runs BF16 models on (avx512, avx512_bf16, amx): the
-    other kernel path a test run can force here; '' where there is none."""
-    native = KINDS.index(native_kind())
-    return KINDS[native - 1] if native >= 2 else ""
+def posable_kinds() -> list[str]:
+    """Every kind below this CPU's own, highest first: the other kernel paths a test run can force here (an `amx`
+    CPU poses as avx512_bf16, avx512 and avx2; an `avx2` one as none)."""
+    return list(reversed(KINDS[:KINDS.index(native_kind())]))
