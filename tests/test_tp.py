@@ -170,6 +170,116 @@ def test_rank_names_kernel_ids_binding_and_shard_weights() -> None:
     assert same_weight(w, w.clone()) and same_weight(w, w[3:]) and not same_weight(w, w[3:] + 1)
 
 
+def _c10d_tp_graph() -> Graph:
+    """A row-parallel linear as Inductor compiles it where vLLM CPU's all-reduce is torch.distributed's (its
+    `_C_AVX2` ops build has no shared-memory all-reduce; oneDNN has no BF16 matmul there): `extern_kernels.mm` into a
+    buffer that `_c10d_functional.all_reduce_` reduces in place (it returns that buffer), then `wait_tensor`."""
+    mod = "model.layers.0.self_attn.o_proj"
+    nodes = [Node(name="x", op="placeholder", target="x", dtype="bfloat16", shape=[3, 8]),
+             Node(name="w", op="placeholder", target="w", dtype="bfloat16", shape=[16, 8]),
+             Node(name="permute", op="call_function", target="aten.permute.default", inputs=["w"],
+                  dtype="bfloat16", shape=[8, 16], module=mod),
+             Node(name="mm_1", op="call_function", target="aten.mm.default", inputs=["x", "permute"],
+                  call=[[{"node": "x"}, {"node": "permute"}], {}], dtype="bfloat16", shape=[3, 16], module=mod),
+             Node(name="all_reduce_1", op="call_function", target="_c10d_functional.all_reduce_.default",
+                  inputs=["mm_1"], call=[[{"node": "mm_1"}, "sum", "3"], {}], dtype="bfloat16", shape=[3, 16],
+                  module=mod),
+             Node(name="wait_tensor_1", op="call_function", target="_c10d_functional.wait_tensor.default",
+                  inputs=["all_reduce_1"], call=[[{"node": "all_reduce_1"}], {}], dtype="bfloat16", shape=[3, 16],
+                  module=mod)]
+    kernels = [Kernel(id="extern_kernels.mm:9", name="extern_kernels.mm", kind="extern", nodes=["mm_1"]),
+               Kernel(id="torch.ops._c10d_functional.all_reduce_.default:10",
+                      name="torch.ops._c10d_functional.all_reduce_.default", kind="extern", nodes=["all_reduce_1"]),
+               Kernel(id="torch.ops._c10d_functional.wait_tensor.default:11",
+                      name="torch.ops._c10d_functional.wait_tensor.default", kind="extern", nodes=["wait_tensor_1"])]
+    return Graph(name="engine_graph_0", nodes=nodes, kernels=kernels)
+
+
+def test_extern_attribution_skips_an_origin_node_that_runs_another_op() -> None:
+    """Inductor gives the out= buffer of an mm that an in-place all_reduce_ reduces the wait_tensor as origin_node
+    (measured on vLLM CPU's `_C_AVX2` path): the extern computes the origin that runs its op."""
+    from graphdiff.capture.assemble import _extern_nodes
+    from graphdiff.capture.inductor_code import KernelCall
+    from graphdiff.capture.inductor_hooks import Compiled
+
+    targets = {n.name: n.target for n in _c10d_tp_graph().nodes}
+    mm = KernelCall(id="extern_kernels.mm:9", name="extern_kernels.mm", extern=True, args=["buf13", "arg11_1"])
+    moved = Compiled(placeholders=[], origins={mm.id: ["all_reduce_1", "mm_1", "wait_tensor_1"]},
+                     origin_node={mm.id: "wait_tensor_1"})
+    assert _extern_nodes(mm, moved, targets) == ["mm_1"]
+    kept = Compiled(placeholders=[], origins={mm.id: ["mm_1"]}, origin_node={mm.id: "mm_1"})
+    assert _extern_nodes(mm, kept, targets) == ["mm_1"]
+    other = Compiled(placeholders=[], origins={mm.id: ["addmm"]}, origin_node={mm.id: "addmm"})  # none runs mm
+    assert _extern_nodes(mm, other, {**targets, "addmm": "aten.addmm.default"}) == ["addmm"]
+
+
+def test_a_torch_distributed_allreduce_is_found_in_place_and_its_calls_recorded() -> None:
+    from graphdiff.analysis.tensor_parallel import AllReduce, allreduce_truncates, allreduces
+    from graphdiff.capture.tp_worker import EXTERN_OPS, extern_records
+
+    g = _c10d_tp_graph()
+    assert allreduces(g) == [AllReduce("engine_graph_0", "torch.ops._c10d_functional.all_reduce_.default:10", "mm_1",
+                                       "extern_kernels.mm:9")]
+    x, w = torch.randn(3, 8).bfloat16(), torch.randn(16, 8).bfloat16()
+    partial, reduced = F.linear(x, w), F.linear(x, w) * 2
+    calls: dict[str, list[dict]] = {op: [] for op in EXTERN_OPS}
+    calls["extern_kernels.mm"].append({"before": [x, w.t()], "after": [x, w.t()]})
+    calls["_c10d_functional.all_reduce_"].append({"before": [partial, None, None], "after": [reduced, None, None]})
+    records, notes = extern_records([g], calls)
+    ext = records["torch.ops._c10d_functional.all_reduce_.default:10"]["extern"]
+    assert not notes and ext["buffer"] == "mm_1" and ext["matmul"] == "extern_kernels.mm:9"
+    assert ext["partial"] is partial and ext["reduced"] is reduced and ext["matmul_input"] is x
+    # only vLLM's own shared-memory all-reduce stores by its build's truncation; torch.distributed's rounds (measured)
+    assert allreduce_truncates("torch.ops._C.shm_allreduce.default:9", "_C_AVX512")
+    assert not allreduce_truncates("torch.ops._C.shm_allreduce.default:9", "_C")
+    assert not allreduce_truncates("torch.ops._c10d_functional.all_reduce_.default:10", "_C_AVX2")
+
+
+def test_the_extern_recorder_records_an_inductor_mm_and_a_completed_c10d_allreduce(tmp_path: Path) -> None:
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the _c10d_functional ops)
+    from torch._inductor.select_algorithm import extern_kernels
+
+    from graphdiff.capture.tp_worker import EXTERN_OPS, ExternRecorder
+
+    mm = extern_kernels.mm
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        rec = ExternRecorder(EXTERN_OPS)
+        rec.armed = True
+        x, w, out = torch.randn(3, 8).bfloat16(), torch.randn(16, 8).bfloat16(), torch.empty(3, 16).bfloat16()
+        extern_kernels.mm(x, w.t(), out=out)  # as Inductor's wrapper calls it
+        buf = out.clone()
+        torch.ops._c10d_functional.all_reduce_.default(buf, "sum", dist.group.WORLD.group_name)
+        torch.ops._c10d_functional.wait_tensor.default(buf)  # the wrapper's own: nothing left to wait for
+        rec.remove()
+    finally:
+        dist.destroy_process_group()
+    assert extern_kernels.mm is mm
+    [call] = rec.calls["extern_kernels.mm"]
+    assert torch.equal(call["before"][0], x) and torch.equal(out, F.linear(x, w))
+    [ar] = rec.calls["_c10d_functional.all_reduce_"]
+    assert torch.equal(ar["before"][0], out) and torch.equal(ar["after"][0], buf)
+
+
+def test_the_linear_splice_stores_as_its_allreduce_stores() -> None:
+    from graphdiff.codegen.tp_linear import allreduce_splice
+
+    g = _c10d_tp_graph()
+    nodes = {n.name: n.model_copy(update={"module_type": "Linear"}) for n in g.nodes}
+    region = Region(name="model.layers.*.self_attn.o_proj#allreduce", kind="allreduce",
+                    module="model.layers.*.self_attn.o_proj", layers=[0], sites=["s"], rounded_on=["engine"])
+    c10d = region.model_copy(update={"kernels": ["torch.ops._c10d_functional.all_reduce_.default"]})
+    shm = region.model_copy(update={"kernels": ["torch.ops._C.shm_allreduce.default"]})
+    fn = {name: allreduce_splice(r, nodes, {"s": "mm_1"}, 2, build)[0].torch_fn
+          for name, r, build in (("c10d", c10d, "_C_AVX2"), ("shm", shm, "_C_AVX512"), ("shm-rne", shm, "_C"),
+                                 ("unnamed", region, "_C_AVX512"))}
+    assert fn == {"c10d": "linear_split_k", "shm": "linear_split_k_truncated", "shm-rne": "linear_split_k",
+                  "unnamed": "linear_split_k_truncated"}
+    assert not allreduce_splice(c10d, nodes, {"s": "mm_1"}, 2, "_C_AVX2")[0].problems
+    assert "ring" in allreduce_splice(c10d, nodes, {"s": "mm_1"}, 4, "_C_AVX2")[0].problems[0]
+
+
 TP2 = Path(__file__).resolve().parent.parent / "fixtures" / "captures" / "tiny-qwen3-tp2"
 
 

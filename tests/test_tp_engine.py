@@ -14,9 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphdiff.analysis.opaque import attention_rule
-from graphdiff.analysis.tensor_parallel import allreduces, rank_of
-from graphdiff.capture.cpu_kind import stores_truncate
+from graphdiff.analysis.opaque import attention_rule, extern_rule
+from graphdiff.analysis.tensor_parallel import allreduce_truncates, allreduces, rank_of
 from graphdiff.codegen.tp_linear import linear_split_k, linear_split_k_truncated
 from graphdiff.records import Capture
 
@@ -56,23 +55,30 @@ def test_every_kernel_of_both_ranks_replays_bit_exactly(tp_scan: Path) -> None:
     assert all(replayed[k]["predicted_bitexact"] >= 0.999 for k in generated)  # the scan's proof threshold
 
 
+def _is_allreduce(kernel: str) -> bool:
+    rule = extern_rule(kernel.split(":")[0])
+    return rule is not None and rule.kind == "allreduce"
+
+
 def test_the_allreduce_of_row_parallel_partials_is_a_site_with_its_check(tp_scan: Path) -> None:
     scan = json.loads((tp_scan / "scan.json").read_text())
+    cap = Capture.model_validate_json((tp_scan / "engine" / "capture.json").read_text())
+    # vLLM's shared-memory all-reduce where its ops build has one; `_C_AVX2` has none: torch.distributed's (gloo)
+    op = "_c10d_functional.all_reduce_" if cap.attention.get("build") == "_C_AVX2" else "_C.shm_allreduce"
     regions = {r["name"]: r for r in scan["regions"]}
     for name in ("model.layers.*.self_attn.o_proj#allreduce", "model.layers.*.mlp.down_proj#allreduce"):
         assert regions[name]["kind"] == "allreduce" and regions[name]["rounded_on"] == ["engine"], name
         assert regions[name]["layers"] == [0, 1] and regions[name]["proven"], name
     decisions = [d for d in scan["plan"] if d["kind"] == "allreduce"]
     assert len(decisions) == 4 and all(d["rule"] == "opaque-registry" and d["site"] for d in decisions)
-    assert all("shm_allreduce" in d["evidence"]["kernel"] for d in decisions)
+    assert all(d["evidence"]["kernel"].startswith(f"torch.ops.{op}.") for d in decisions)
     assert all(d["evidence"]["replay_predicted"] == 1.0 and d["evidence"]["replay_naive"] < 0.9 for d in decisions)
-    rows = [r for r in scan["replay"] if r["kernel"].startswith("torch.ops._C.shm_allreduce")]
+    rows = [r for r in scan["replay"] if _is_allreduce(r["kernel"])]
     assert len(rows) == 8  # 2 layers x (o_proj, down_proj) x 2 ranks
     assert all(r["predicted_bitexact"] == 1.0 and r["naive_bitexact"] < 0.9 for r in rows)
     # the other kinds are still found on the ranks' sharded values (q/k norms, RoPE, SiLU)
     kinds = {r["kind"] for r in scan["regions"]}
     assert {"rope", "qk_norm", "gated_act", "residual_norm", "norm_weight", "allreduce"} <= kinds
-    cap = Capture.model_validate_json((tp_scan / "engine" / "capture.json").read_text())
     rule = attention_rule(cap.attention)  # an attention region where the engine keeps P in FP32 (vLLM CPU's vec)
     assert ("attention" in kinds) == (rule is not None and rule.probabilities_fp32), (cap.attention, kinds)
 
@@ -84,9 +90,12 @@ def test_split_k_linear_equals_the_recorded_allreduce_outputs_bit_for_bit(tp_sca
     cap = Capture.model_validate_json((tp_scan / "engine" / "capture.json").read_text())
     records = next(iter(torch.load(tp_scan / "engine" / "buffers.pt", weights_only=False).values()))
     weights = load_file(str(tiny_models["qwen3"] / "model.safetensors"))
-    # the all-reduce stores as the capture's ops build does (truncated on _C_AVX512): so does the patch's splice
-    split_k = linear_split_k_truncated if stores_truncate(cap.attention.get("build", "")) else linear_split_k
     ranks = [[a for g in cap.graphs if rank_of(g) == r for a in allreduces(g)] for r in (0, 1)]
+    # the all-reduce stores as it does (vLLM's shm one truncates on _C_AVX512; torch.distributed's rounds to nearest
+    # even): so does the patch's splice
+    truncates = {allreduce_truncates(a.kernel, cap.attention.get("build", "")) for a in ranks[0]}
+    assert len(truncates) == 1
+    split_k = linear_split_k_truncated if truncates.pop() else linear_split_k
     nodes = {g.name: g.node_map() for g in cap.graphs}
     checked = 0
     for a0, a1 in zip(*ranks):

@@ -99,9 +99,18 @@ EXTERNS = (
                f"equals moe_engine.moe_experts_like_engine on the same inputs on 100% of outputs ({_TESTED})",
                nearest_only=True),
     ExternRule("_C.shm_allreduce", "allreduce", True, "sums the ranks' BF16 partials in FP32, rounds once (truncates "
-               "on the _C_AVX512 / _C_AVX2 builds)",
+               "on the _C_AVX512 build; _C_AVX2 has no shm ops: torch.distributed's all-reduce below)",
                "vLLM CPU's tensor-parallel all-reduce: output = bf16(FP32 sum of the ranks' BF16 inputs), checked on "
                "every call a TP scan records (scan.json replay) and in tests/test_tp_engine.py"),
+    # vLLM CPU's fallback where its ops build has no shared-memory all-reduce (`_C_AVX2`): torch.distributed (gloo),
+    # which Dynamo traces to this functional collective and Inductor calls in place; torch's own BF16 sum, so the
+    # ops build's truncation does not apply to it (tensor_parallel.allreduce_truncates)
+    ExternRule("_c10d_functional.all_reduce", "allreduce", True,
+               "sums the ranks' BF16 inputs, each addition rounded to BF16 (nearest even) in gloo's ring order: for 2 "
+               "ranks bf16(FP32 sum), rounded once",
+               "torch.distributed's gloo all-reduce, measured with 2 to 4 ranks: 2 ranks equal the FP32 sum rounded "
+               "once to nearest even on 100%, more ranks a per-element order of BF16 additions; checked on every "
+               "call a TP scan records (scan.json replay) and in tests/test_tp_engine.py"),
 )
 
 

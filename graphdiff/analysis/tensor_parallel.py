@@ -14,12 +14,16 @@ names, rank r's as `rank<r>/<name>`). Each rank computes
 
 A row-parallel matmul (o_proj, down_proj) is one GEMM in the trainer: its sum over the whole K dimension is
 accumulated in FP32 and rounded once. The engine splits K over the ranks: each rank's matmul stores its partial
-product in BF16, and the all-reduce (vLLM CPU: the in-place extern `_C.shm_allreduce`) sums the BF16 partials in
-FP32 and rounds again. The partials' rounding is one-sided: an `allreduce` site, decided from the engine graph
-(an all-reduce extern whose buffer a matmul extern wrote, and the trainer value matched to that buffer), with
-the registry entry as the description and, where the capture recorded the extern calls (graphdiff.capture.
-tp_worker), the check on real data as replay evidence: the all-reduce output recomputed from the ranks' BF16
-partials ("predicted") and as one rounding of the FP32 sum of the partial products ("naive", the trainer's).
+product in BF16, and the all-reduce sums the BF16 partials and rounds again. vLLM CPU's all-reduce is the in-place
+extern `_C.shm_allreduce` of its ops build (FP32 sum rounded once: to nearest even on `_C`, by truncation on
+`_C_AVX512`); the `_C_AVX2` build has no shared-memory ops, and vLLM falls back to torch.distributed (gloo), which
+Inductor calls in place as `_c10d_functional.all_reduce_` (each BF16 addition rounded to nearest even: for 2 ranks the
+FP32 sum rounded once; `allreduce_truncates`). The partials' rounding is one-sided: an `allreduce` site, decided from
+the engine graph (an all-reduce extern whose buffer a matmul extern wrote, and the trainer value matched to that
+buffer), with the registry entry as the description and, where the capture recorded the extern calls
+(graphdiff.capture.tp_worker), the check on real data as replay evidence: the all-reduce output recomputed from the
+ranks' BF16 partials ("predicted") and as one rounding of the FP32 sum of the partial products ("naive", the
+trainer's).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from graphdiff.analysis.match import TOLERANCE, Match, modules_compatible, op_ki
 from graphdiff.analysis.match import match_values as match_replicated
 from graphdiff.analysis.opaque import extern_rule
 from graphdiff.analysis.rounding import is_view
-from graphdiff.capture.cpu_kind import store_like
+from graphdiff.capture.cpu_kind import stores_truncate, truncate_to_bf16
 from graphdiff.ops import CASTS, MATMULS, op_name
 from graphdiff.records import (
     Buffers,
@@ -157,6 +161,18 @@ class AllReduce:
     matmul: str  # the matmul extern that wrote the partial product ("" when none did: no site)
 
 
+def allreduce_truncates(kernel: str, build: str) -> bool:
+    """Does this all-reduce extern (kernel name or id) store its FP32 sum by truncation? Only vLLM's own
+    `_C.shm_allreduce` on an ops build that truncates (`_C_AVX512`); torch.distributed's all-reduce, vLLM CPU's
+    fallback where the build has no shared-memory ops (`_C_AVX2`), sums as torch does, rounding to nearest even."""
+    return "shm_allreduce" in kernel and stores_truncate(build)
+
+
+def _in_place(target: str) -> bool:
+    """An in-place all-reduce: `_C.shm_allreduce` (no result) or `_c10d_functional.all_reduce_` (returns its input)."""
+    return op_name(target).endswith("_")
+
+
 def _node_args(call: list) -> list[str]:
     args = call[0] if call else []
     return [a["node"] for a in args if isinstance(a, dict) and "node" in a]
@@ -174,7 +190,7 @@ def allreduces(graph: Graph) -> list[AllReduce]:
             continue
         node = nodes[k.nodes[0]]
         reduced = _node_args(node.call)
-        buf = reduced[0] if reduced and not node.dtype else node.name  # in place (no result) or out of place
+        buf = reduced[0] if reduced and (not node.dtype or _in_place(node.target)) else node.name  # in place or not
         source = reduced[0] if reduced else buf
         writer = ""
         for m in reversed(externs[:i]):
@@ -219,14 +235,15 @@ def _total(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _check(records: list[ExternRecord], weight: torch.Tensor | None, tp: int,
-           build: str = "") -> tuple[list[float], list[float], str]:
+           truncate: bool = False) -> tuple[list[float], list[float], str]:
     """Per rank: the recorded all-reduce output vs bf16(FP32 sum of the ranks' BF16 partials) ("predicted"; stored as
-    the engine's ops `build` stores: truncated on `_C_AVX512`) and vs
+    the all-reduce stores: by truncation where `truncate`, allreduce_truncates) and vs
     one rounding of the FP32 sum of the partial products, recomputed from each rank's matmul input and its shard
     of the weight ("naive": one GEMM, as the trainer). And how each rank's partial relates to its FP32 product."""
     partials = [r["partial"] for r in records]
     dtype = partials[0].dtype
-    summed = store_like(_total([p.float() for p in partials]), build, dtype)
+    total = _total([p.float() for p in partials])
+    summed = (truncate_to_bf16(total) if truncate and dtype == torch.bfloat16 else total).to(dtype)
     predicted = [_eq(summed, r["reduced"]) for r in records]
     xs = [x for r in records if (x := r.get("matmul_input")) is not None]
     if weight is None or len(xs) != len(records) or weight.shape[1] != sum(x.shape[-1] for x in xs):
@@ -236,8 +253,9 @@ def _check(records: list[ExternRecord], weight: torch.Tensor | None, tp: int,
     one = _total(products).to(dtype)
     naive = [_eq(one, r["reduced"]) for r in records]
     partial_ok = min(_eq(p.to(dtype), r["partial"]) for p, r in zip(products, records))
+    stored = "truncated" if truncate else "rounded"
     return predicted, naive, (f"an all-reduce of {tp} ranks: predicted = its output recomputed as the FP32 sum of the "
-                              f"ranks' recorded BF16 partials, rounded once; naive = one rounding of the FP32 sum of "
+                              f"ranks' recorded BF16 partials, {stored} once; naive = one rounding of the FP32 sum of "
                               f"the partial products (one GEMM, as the trainer); each rank's partial equals its FP32 "
                               f"product rounded once on {partial_ok:.2%}")
 
@@ -274,7 +292,7 @@ def allreduce_plan(plan: list[Decision], cap: Capture, buffers: Buffers, train_g
             recs = [ext for a in group if (rec := records.get(a.kernel)) and (ext := rec.get("extern"))]
             if len(group) == tp and len(recs) == len(group):
                 pred, naive, note = _check(recs, _weight(train_graph, train_values, d.node), tp,
-                                           cap.attention.get("build", ""))
+                                           allreduce_truncates(ar.kernel, cap.attention.get("build", "")))
                 rows += [KernelEvidence(kernel=a.kernel, shape=ref, predicted_bitexact=round(p, 6),
                                         naive_bitexact=round(n, 6), elements=recs[0]["reduced"].numel(), note=note)
                          for a, p, n in zip(group, pred, naive)]

@@ -14,11 +14,20 @@ from graphdiff.records import BufferArg, Graph, Kernel
 
 
 def _extern_nodes(call: KernelCall, comp: Compiled, targets: dict[str, str]) -> list[str]:
-    if call.id in comp.origin_node:
-        return [comp.origin_node[call.id]]
+    """The FX node an extern call computes: Inductor's origin_node, unless that node runs another op while one of
+    the call's origins runs this one. (Inductor moves a buffer's origin_node to the last node returning that buffer:
+    the out= buffer of `extern_kernels.mm` reduced in place by `_c10d_functional.all_reduce_` gets the all-reduce's
+    `wait_tensor` node, where torch.distributed does vLLM CPU's tensor-parallel all-reduce (`_C_AVX2`).)"""
     op = call.name.removeprefix("torch.ops.").removeprefix("extern_kernels.")
-    return [n for n in comp.origins.get(call.id, []) if targets.get(n, "").startswith(op) or
-            targets.get(n, "").split(".")[1:2] == [op]]
+
+    def runs_op(n: str) -> bool:
+        return targets.get(n, "").startswith(op) or targets.get(n, "").split(".")[1:2] == [op]
+
+    own = [n for n in comp.origins.get(call.id, []) if runs_op(n)]
+    exact = comp.origin_node.get(call.id)
+    if exact is not None and (runs_op(exact) or not own):
+        return [exact]
+    return own
 
 
 def build_graph(comp: Compiled, names: dict[str, str], root: str, index: int) -> Graph:

@@ -16,6 +16,12 @@ Besides the generated kernels' buffers, each rank records the calls of the exter
 adds rounding in (`EXTERN_OPS`: the all-reduce and the matmuls that write what it reduces), at the first recorded
 shape: each all-reduce's BF16 partial (its input), its output, and the input of the matmul that wrote the
 partial. The analysis checks the registry's description of the all-reduce on them (graphdiff.analysis.tensor_parallel).
+
+Which ops those are depends on vLLM's ops build (graphdiff.capture.cpu_kind): `_C` / `_C_AVX512` all-reduce with their
+shared-memory `_C.shm_allreduce` and multiply with `_C.onednn_mm` (`_C.weight_packed_linear` on AMX); `_C_AVX2` has
+no shared-memory ops (vLLM falls back to torch.distributed: Inductor calls `_c10d_functional.all_reduce_`, then
+`wait_tensor`, since gloo reduces asynchronously) and oneDNN creates no BF16 matmul under the AVX2 ISA (vLLM falls back
+to F.linear: Inductor's `extern_kernels.mm`).
 """
 
 from __future__ import annotations
@@ -35,8 +41,11 @@ from graphdiff.capture.tp import BUFFERS_FILE, GRAPHS_FILE, META_FILE, VLLM_COMP
 from graphdiff.capture.vllm_cpu import cuda_only_placeholders
 from graphdiff.records import Buffers, ExternRecord, Graph, KernelRecord
 
-MATMUL_OPS = ("_C.onednn_mm", "_C.weight_packed_linear")  # out= buffer first, the input second (AMX: the latter)
-EXTERN_OPS = ("_C.shm_allreduce", *MATMUL_OPS)
+# the argument each op's recorded call holds its input in (a matmul) or reduces in place (an all-reduce)
+MATMUL_OPS = {"_C.onednn_mm": 1, "_C.weight_packed_linear": 1, "extern_kernels.mm": 0}  # out=, input; input, weight
+ALLREDUCE_OPS = {"_C.shm_allreduce": 1, "_c10d_functional.all_reduce_": 0}  # (handle, buffer); (buffer, op, group)
+ASYNC_OPS = {"_c10d_functional.all_reduce_"}  # returns before the sum is done: its wait_tensor completes it
+EXTERN_OPS = (*ALLREDUCE_OPS, *MATMUL_OPS)
 
 HOOKS: Any = None  # what the hooks saw compile in this worker (set by start_capture)
 _ACTIVE: list[contextlib.ExitStack] = []  # the capture's installed state while it runs, undone by stop_capture
@@ -61,12 +70,18 @@ def stop_capture() -> None:
         _ACTIVE.pop().close()
 
 
+def _extern_kernels() -> Any:
+    from torch._inductor.select_algorithm import extern_kernels
+
+    return extern_kernels
+
+
 class ExternRecorder:
-    """Records calls of chosen extern ops (`torch.ops.<ns>.<op>.default`) while armed: tensor arguments before
-    (cloned) and after the call (an in-place all-reduce, a matmul's out= buffer). Inductor's wrapper calls externs
-    through the op namespace at call time (`torch.ops._C.shm_allreduce.default(0, buf0)`), so replacing the
-    namespace's packet attribute is enough; `remove` restores it. Installed only after the compile: Dynamo must
-    trace the real packets."""
+    """Records calls of chosen extern ops (`torch.ops.<ns>.<op>.default`, `extern_kernels.<fn>`) while armed: tensor
+    arguments before (cloned) and after the call (an in-place all-reduce, completed first where it is asynchronous).
+    Inductor's wrapper calls externs through the op namespace at call time (`torch.ops._C.shm_allreduce.default(0,
+    buf0)`, `extern_kernels.mm(buf1, arg2, out=buf3)`), so replacing the namespace's attribute is enough; `remove`
+    restores it. Installed only after the compile: Dynamo must trace the real packets."""
 
     def __init__(self, ops: tuple[str, ...]) -> None:
         self.calls: dict[str, list[dict]] = {op: [] for op in ops}
@@ -74,12 +89,13 @@ class ExternRecorder:
         self._saved = []
         for full in ops:
             ns, op = full.split(".")
-            space = getattr(torch.ops, ns)
-            packet = getattr(space, op, None)
-            if packet is None:
+            space = _extern_kernels() if ns == "extern_kernels" else getattr(torch.ops, ns)
+            inner = getattr(space, op, None)
+            if inner is None:
                 continue
-            self._saved.append((space, op, packet))
-            setattr(space, op, _Packet(packet, full, self))
+            self._saved.append((space, op, inner))
+            wrapped = _recording(inner, full, self) if ns == "extern_kernels" else _Packet(inner, full, self)
+            setattr(space, op, wrapped)
 
     def remove(self) -> None:
         for space, op, packet in self._saved:
@@ -96,19 +112,30 @@ class _Packet:
             return overload
         rec, name = self._rec, self._name
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if not rec.armed:
-                return overload(*args, **kwargs)
-            before = [a.detach().clone() if isinstance(a, torch.Tensor) else None for a in args]
-            result = overload(*args, **kwargs)
-            after = [a.detach().clone() if isinstance(a, torch.Tensor) else None for a in args]
-            rec.calls[name].append({"before": before, "after": after})
-            return result
-
-        return call
+        return _recording(overload, name, rec)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._inner(*args, **kwargs)
+
+
+def _recording(fn: Any, name: str, rec: ExternRecorder) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not rec.armed:
+            return fn(*args, **kwargs)
+        before = [a.detach().clone() if isinstance(a, torch.Tensor) else None for a in args]
+        result = fn(*args, **kwargs)
+        if name in ASYNC_OPS:  # the wrapper's own wait_tensor after it then finds nothing pending (measured: a no-op)
+            torch.ops._c10d_functional.wait_tensor.default(args[ALLREDUCE_OPS[name]])
+        after = [a.detach().clone() if isinstance(a, torch.Tensor) else None for a in args]
+        rec.calls[name].append({"before": before, "after": after})
+        return result
+
+    return call
+
+
+def _runs(kernel_name: str, op: str) -> bool:
+    """Does an extern kernel (by its wrapper name) call this op (`_C.onednn_mm`, `extern_kernels.mm`)?"""
+    return kernel_name == op or kernel_name.startswith(f"torch.ops.{op}.")
 
 
 def extern_records(graphs: list[Graph], calls: dict[str, list[dict]]) -> tuple[dict[str, KernelRecord], list[str]]:
@@ -119,24 +146,25 @@ def extern_records(graphs: list[Graph], calls: dict[str, list[dict]]) -> tuple[d
     graphs')."""
     from graphdiff.analysis.tensor_parallel import allreduces
 
-    reduces = [a for g in graphs for a in allreduces(g) if "shm_allreduce" in a.kernel]
-    ar_calls = calls.get("_C.shm_allreduce", [])
-    mm_call: dict[str, dict] = {}
-    for op in MATMUL_OPS:  # each op's calls in execution order, matched to its extern kernels
-        ks = [k for g in graphs for k in g.kernels if k.kind == "extern" and op.split(".")[1] in k.name]
+    mm_input: dict[str, torch.Tensor] = {}
+    for op, arg in MATMUL_OPS.items():  # each op's calls in execution order, matched to its extern kernels
+        ks = [k for g in graphs for k in g.kernels if k.kind == "extern" and _runs(k.name, op)]
         if len(calls.get(op, [])) < len(ks):
             return {}, [f"recorded {len(calls.get(op, []))} {op} calls for {len(ks)} in the graphs: the all-reduce "
                         "inputs are not checked"]
-        mm_call.update({k.id: c for k, c in zip(ks, calls.get(op, []))})
-    if len(ar_calls) < len(reduces):
-        return {}, [f"recorded {len(ar_calls)} all-reduce calls for {len(reduces)} in the graphs: the all-reduce "
-                    "inputs are not checked"]
+        mm_input.update({k.id: c["before"][arg] for k, c in zip(ks, calls.get(op, []))})
     out: dict[str, KernelRecord] = {}
-    for a, c in zip(reduces, ar_calls):
-        ext: ExternRecord = {"buffer": a.buffer, "partial": c["before"][1], "reduced": c["after"][1]}
-        if a.matmul in mm_call:
-            ext["matmul"], ext["matmul_input"] = a.matmul, mm_call[a.matmul]["before"][1]
-        out[a.kernel] = {"in": {}, "out": {}, "scalars": {}, "extern": ext}
+    for op, arg in ALLREDUCE_OPS.items():
+        reduces = [a for g in graphs for a in allreduces(g) if _runs(a.kernel.split(":")[0], op)]
+        ar_calls = calls.get(op, [])
+        if len(ar_calls) < len(reduces):
+            return {}, [f"recorded {len(ar_calls)} {op} calls for {len(reduces)} in the graphs: the all-reduce "
+                        "inputs are not checked"]
+        for a, c in zip(reduces, ar_calls):
+            ext: ExternRecord = {"buffer": a.buffer, "partial": c["before"][arg], "reduced": c["after"][arg]}
+            if a.matmul in mm_input:
+                ext["matmul"], ext["matmul_input"] = a.matmul, mm_input[a.matmul]
+            out[a.kernel] = {"in": {}, "out": {}, "scalars": {}, "extern": ext}
     return out, []
 
 
