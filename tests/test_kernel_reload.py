@@ -94,3 +94,31 @@ def test_a_second_norm_of_the_stored_sum_in_a_later_nest_reads_it_back_from_its_
     rep, _ = replay_kernel(graph, k, record, known, owned)
     assert rep.predicted_bitexact == 1.0 and all(pred == 1.0 for pred, _ in rep.per_output.values()), rep
     assert rep.fp32_max_rel_error <= 1e-6
+
+
+def test_loop_nests_fused_into_one_outer_loop_are_nests_each() -> None:
+    """Outer-loop fusion (Inductor's OuterLoopFusedKernel; Granite's residual + RMSNorm kernel on AVX2): one `x0`
+    loop runs the sum nest, which stores the residual sum in place, and then the normalize nest, which loads it
+    back. The load is in a later nest: the store is re-loaded, past the reduction only."""
+    from graphdiff.replay.reload import nest_reductions, stored_alone
+
+    args = [BufferArg(name="buf0", role="inout", dtype="bfloat16", node="s"),
+            BufferArg(name="buf1", role="out", dtype="float32", node="m"),
+            BufferArg(name="buf2", role="out", dtype="bfloat16", node="v")]
+    code = ('extern "C" void kernel(at::BFloat16* in_out_ptr0, float* out_ptr0, at::BFloat16* out_ptr1) {'
+            " #pragma omp for\n for(int64_t x0=0; x0<16; x0+=1) {"
+            " { float tmp_acc0 = 0; for(int64_t x1=0; x1<256; x1+=16) {"
+            " auto tmp0 = at::vec::Vectorized<at::BFloat16>::loadu(in_out_ptr0 + x1, 16);"
+            " tmp9.store(in_out_ptr0 + x1, 16); tmp_acc0_vec = tmp_acc0_vec + tmp10; }"
+            " out_ptr0[x0] = tmp_acc0; }"
+            " for(int64_t x1=0; x1<256; x1+=16) { auto tmp0 = at::vec::Vectorized<at::BFloat16>::loadu(in_out_ptr0"
+            " + x1, 16); tmp3.store(out_ptr1 + x1, 16); } } }")
+    k = Kernel(id="k:1", name="k", kind="generated", nodes=["s", "m", "v"], args=args, code=code)
+    assert reloaded_stores(k) == ["s"] and stored_alone(k) == set() and nest_reductions(k) == {"s": 1}
+    # the same two nests each in its own x0 loop: the same answer
+    split = code.replace(" out_ptr0[x0] = tmp_acc0; }",
+                         " out_ptr0[x0] = tmp_acc0; } } for(int64_t x0=0; x0<16; x0+=1) {")
+    assert reloaded_stores(k.model_copy(update={"code": split})) == ["s"]
+    # without the normalize nest only the load before the store is left (of the input): no re-load
+    alone = code.rsplit(" for(int64_t x1=0; x1<256; x1+=16) {", 1)[0] + " } }"
+    assert reloaded_stores(k.model_copy(update={"code": alone})) == []

@@ -112,7 +112,13 @@ def engine_rounding(graph: Graph, buffers: dict[str, KernelRecord]) -> EngineRou
     replays: list[KernelReplay] = []
     values: dict[str, torch.Tensor] = {}
     rounded: dict[str, str] = {}
+    # input buffers a replay placed for certain (an extern's output the capture names no node for): a later kernel
+    # reading the same buffer reads the same value, until a kernel writes it
+    placed: dict[str, str] = {}
     for k in graph.kernels:
+        for a in k.args:
+            if a.role in ("out", "inout"):
+                placed.pop(a.name, None)
         if k.kind == "extern":
             rounded.update(extern_roundings(graph, k))
             continue
@@ -120,11 +126,12 @@ def engine_rounding(graph: Graph, buffers: dict[str, KernelRecord]) -> EngineRou
         if record is None:
             replays.append(KernelReplay(k.id, 0.0, 0.0, 0, error="no recorded buffers"))
             continue
-        rep, vals = replay_kernel(graph, k, record, known, owned)
+        rep, vals = replay_kernel(graph, k, record, {**placed, **known}, owned)
         replays.append(rep)
         values.update({n: v for n, v in vals.items() if isinstance(v, torch.Tensor)})
         for buf, node in rep.outputs.items():
             known.setdefault(buf, node)  # later kernels load what this one stored
+        placed.update({buf: node for buf, node in rep.inputs.items() if buf not in known})
         rounded.update(store_roundings(k, rep))
     # Values the engine reads from opaque kernels: whatever downstream kernels loaded.
     seen = values_seen_outside(graph, buffers, known, {r.kernel: r for r in replays})

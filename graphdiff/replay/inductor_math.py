@@ -32,7 +32,15 @@ def inductor_math(name: str, x: torch.Tensor) -> torch.Tensor:
 
     # a code object per op: Dynamo keeps compiled code per code object, and a shared one recompiles for each op
     one_op.__code__ = one_op.__code__.replace(co_name=f"inductor_{name}")
-    compiled = torch.compile(one_op, backend="inductor", dynamic=True, fullgraph=True)
+    # Inductor's FX graph cache keys the generated code by graph and config, not by the vector ISA it was generated
+    # for; this process compiles it for its own. An 8-lane (AVX2) kernel compiled with AVX-512's 16-lane vectors
+    # stores past its buffer (a process posing as avx2, GRAPHDIFF_CPU_KIND, shares the cache with native ones):
+    # the ISA's width, in the config, keys it.
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    bits = pick_vec_isa().bit_width()
+    compiled = torch.compile(one_op, backend="inductor", dynamic=True, fullgraph=True,
+                             options={"cpp.simdlen": bits} if bits else None)
 
     @torch.library.custom_op(f"graphdiff::inductor_{name}", mutates_args=())
     def op(x: torch.Tensor) -> torch.Tensor:

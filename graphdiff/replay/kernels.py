@@ -56,6 +56,7 @@ class KernelReplay:
     note: str = ""
     reduction_lanes: int = 0  # its row sums replayed in the kernel's order (replay.sum_order); 0: ATen's
     aten_order: tuple[float, float] | None = None  # (bit-exact, FP32 error) with ATen's sum order instead
+    inputs: dict[str, str] = field(default_factory=dict)  # read-only input buffer -> FX node, placed for certain
 
 
 class Declared:
@@ -303,9 +304,13 @@ class _WithAdded:
 
 
 def _best_assignment(graph: Graph, b: _Binding, plan: _Plan, external: list[str],
-                     record: KernelRecord) -> tuple[tuple | None, str]:
+                     record: KernelRecord) -> tuple[tuple | None, str, dict[str, str]]:
     """Try each placement of the unnamed inputs (by element count and dtype); keep the one that replays best.
-    Only the input assignment changes the computation; outputs are placed after each run."""
+    Only the input assignment changes the computation; outputs are placed after each run. Also returns the
+    placement (buffer -> node) where it is certain: every placement tried and no other one replays as well.
+    Several can (sums of BF16 values are exact in FP32, so their order does not show in what the kernel stores:
+    a kernel re-summing the residual from the embedding on, its o_proj outputs placed in any order); a later
+    kernel reading the same buffers then binds them by name."""
     nodes, sinks, syms = graph.node_map(), _sinks(graph, plan.frag), plan.syms
 
     def candidates(e: str) -> list[str]:
@@ -313,9 +318,10 @@ def _best_assignment(graph: Graph, b: _Binding, plan: _Plan, external: list[str]
         return [x for x in b.free if isinstance(record["in"][x], torch.Tensor) and record["in"][x].numel() == want
                 and (dt is None or record["in"][x].dtype == dt)]
 
-    best, error = None, "inputs could not be resolved"
-    for ins in itertools.islice(itertools.product(*(candidates(e) for e in b.loose)), MAX_PERMUTATIONS):
-        if len(set(ins)) != len(ins):
+    best, error, ties, tried = None, "inputs could not be resolved", 0, 0
+    for ins in itertools.islice(itertools.product(*(candidates(e) for e in b.loose)), MAX_PERMUTATIONS + 1):
+        tried += 1
+        if len(set(ins)) != len(ins) or tried > MAX_PERMUTATIONS:
             continue
         trial = {**b.inputs, **{e: record["in"][x] for e, x in zip(b.loose, ins)}}
         run = plan.run({e: trial[e] for e in external if e in trial})
@@ -324,9 +330,11 @@ def _best_assignment(graph: Graph, b: _Binding, plan: _Plan, external: list[str]
             continue
         outputs = _place_outputs(b, plan.frag, run.values, record, syms, sinks)
         s, _ = score(run.values, outputs, record)
+        ties = 1 if best is None or s > best[0] else ties + (s == best[0])
         if best is None or s > best[0]:
-            best = (s, trial, outputs, run.values)
-    return best, error
+            best = (s, trial, outputs, run.values, ins)
+    certain = best is not None and ties == 1 and tried <= MAX_PERMUTATIONS
+    return best, error, dict(zip(best[4], b.loose)) if certain and best is not None else {}
 
 
 Variant = tuple[_Plan, float, dict[str, Any]]  # a rewritten plan, its replay score and values
@@ -432,10 +440,12 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
     ordered = {n.name: lanes for n in frag if lanes and is_row_reduction(n, in_frag)}
     plan = _Plan(frag, Declared(graph), frozenset(), syms, cpp, compute, ordered)
     binding = _bind(graph, k, record, known, frag, external, syms)
-    best, error = _best_assignment(graph, binding, plan, external, record)
+    best, error, placed = _best_assignment(graph, binding, plan, external, record)
     if best is None:
         return KernelReplay(k.id, 0.0, 0.0, 0, error=error), {}
-    _, inputs, outputs, values = best
+    _, inputs, outputs, values, _ = best
+    read_only = {a.name for a in k.args if a.role == "in"}
+    placed = {buf: node for buf, node in placed.items() if buf in read_only}
     ext_inputs = {e: inputs[e] for e in external if e in inputs}
     predicted, elements = score(values, outputs, record)
     note = ""
@@ -464,7 +474,7 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
                   for buf, node in outputs.items() if getattr(record["out"].get(buf), "dtype", None) in LOW}
     return KernelReplay(k.id, predicted, naive, elements, fp32, outputs, explicit, per_output=per_output,
                         note=note, reduction_lanes=lanes if plan.ordered else 0,
-                        aten_order=aten[:2] if aten is not None else None), values
+                        aten_order=aten[:2] if aten is not None else None, inputs=placed), values
 
 
 def _aten_order(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: KernelRecord,

@@ -59,12 +59,62 @@ def _stores(text: str, names: list[str]) -> bool:
     return any(re.search(rf"(\.store\(\s*{p}\b|\b{p}\s*\[[^\]]*\]\s*=(?!=))", text) for p in names)
 
 
+def _closing(text: str, i: int) -> int:
+    """The index just past the brace that closes the one at `i` (len(text) where none does)."""
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return j + 1
+    return len(text)
+
+
+def _children(text: str, start: int, end: int) -> list[int]:
+    """Where each statement of a `{...}` body (text[start:end], braces excluded) begins: a block, a braced loop,
+    or a statement up to its `;` (a `#pragma` line joins the statement after it)."""
+    starts, i = [], start
+    while i < end:
+        while i < end and text[i].isspace():
+            i += 1
+        if i >= end:
+            break
+        first = i
+        if text.startswith("#", i):  # a pragma: part of what follows
+            i = text.find("\n", i) + 1 or end
+            while i < end and text[i].isspace():
+                i += 1
+        if i < end and text[i] == "{":
+            i = _closing(text, i)
+        elif text.startswith("for", i) and (brace := text.find("{", i, end)) != -1:
+            i = _closing(text, brace)
+        else:
+            semi = text.find(";", i, end)
+            i = end if semi == -1 else semi + 1
+        starts.append(first)
+    return starts
+
+
 def _nests(body: str) -> list[str]:
-    """The kernel's loop nests, in order (the whole body where no outer loop is recognized)."""
+    """The kernel's loop nests, in order (the whole body where no outer loop is recognized). Outer-loop fusion
+    runs several nests inside one outer loop (`for x0 { {sum over x1} for x1 {normalize} }`: Inductor's
+    OuterLoopFusedKernel, e.g. a residual + RMSNorm kernel on AVX2): each inner loop is a nest there."""
     starts = [m.start() for m in _NEST.finditer(body)]
     if not starts:
         return [body]
-    return [body[a:b] for a, b in zip(starts, [*starts[1:], len(body)])]
+    nests = []
+    for a, b in zip(starts, [*starts[1:], len(body)]):
+        brace = body.find("{", a, b)
+        if brace == -1:
+            nests.append(body[a:b])
+            continue
+        inner = _children(body, brace + 1, _closing(body, brace) - 1)
+        looped = [c for c, d in zip(inner, [*inner[1:], b]) if re.search(r"\bfor\s*\(", body[c:d])]
+        if len(looped) < 2:
+            nests.append(body[a:b])
+            continue
+        cuts = [a, *looped[1:], b]
+        nests += [body[c:d] for c, d in zip(cuts, cuts[1:])]
+    return nests
 
 
 def _stored_args(k: Kernel) -> list[tuple[str, list[str], str]]:
