@@ -52,7 +52,7 @@ def version_findings(manifest: Manifest, installed: dict[str, str]) -> list[Chec
 def config_findings(manifest: Manifest, config: dict) -> list[CheckFinding]:
     """Model-config fields the patch depends on that the model has otherwise now."""
     from graphdiff.analysis.scan import scanned_config_of
-    from graphdiff.models.resolve import cut_layers
+    from graphdiff.records import cut_layers
 
     normalized = scanned_config_of(cut_layers(config, manifest.layers_scanned))
     return [CheckFinding(kind="model config", what=key, was=json.dumps(made), now=json.dumps(normalized.get(key)))

@@ -808,3 +808,20 @@ class Manifest(BaseModel):
     splices: list[ManifestSplice]
     replaced: list[str] = Field(default_factory=list)  # HF module classes and functions replaced
     notes: list[str] = Field(default_factory=list)
+
+
+def cut_layers(config: dict, layers: int | None) -> dict:
+    """`config` with only its first `layers` decoder layers (unchanged when `layers` is None or not fewer).
+    The patch runtime cuts a trainer's config the same way to compare it with the scanned one."""
+    config = dict(config)
+    old = int(config.get("num_hidden_layers", 0) or 0)
+    if layers is None or not 1 <= layers < old:
+        return config
+    # Lists with one entry per layer (layer_types and the like) keep their first `layers` entries.
+    config = {k: v[:layers] if isinstance(v, list) and len(v) == old else v for k, v in config.items()}
+    config["num_hidden_layers"] = layers
+    if isinstance(config.get("max_window_layers"), int):
+        config["max_window_layers"] = min(config["max_window_layers"], layers)
+    if isinstance(config.get("mlp_only_layers"), list):  # MoE: indices of dense layers
+        config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
+    return config

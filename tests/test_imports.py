@@ -84,3 +84,12 @@ def test_a_planted_cycle_and_private_import_are_found(tmp_path: Path) -> None:
     graph, private = import_graph(pkg)
     assert cycles(graph) == [["graphdiff.a", "graphdiff.sub.b"]]
     assert private == ["graphdiff.sub.b imports _helper from graphdiff.a"]
+
+
+def test_the_runtime_reaches_only_the_data_model() -> None:
+    """What a training repo imports (graphdiff.runtime) reaches the data model and errors, nothing of the scanner,
+    counting imports inside functions too."""
+    graph, _ = import_graph()
+    runtime = {m for m in graph if m == "graphdiff.runtime" or m.startswith("graphdiff.runtime.")}
+    reached = set().union(*(nx.descendants(graph, m) for m in runtime)) - runtime
+    assert reached <= {"graphdiff", "graphdiff.records", "graphdiff.errors"}, sorted(reached)

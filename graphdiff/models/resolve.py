@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from graphdiff.errors import GraphdiffError
+from graphdiff.records import cut_layers
 
 
 def read_config(model_dir: Path) -> dict:
@@ -142,23 +143,6 @@ def _with_layers(config: dict, layers: int) -> dict:
     if not 1 <= layers <= old:
         raise GraphdiffError(f"cannot keep {layers} layers of a model with {old}; choose 1 to {old}")
     return cut_layers(config, layers)
-
-
-def cut_layers(config: dict, layers: int | None) -> dict:
-    """`config` with only its first `layers` decoder layers (unchanged when `layers` is None or not fewer).
-    The patch runtime cuts a trainer's config the same way to compare it with the scanned one."""
-    config = dict(config)
-    old = int(config.get("num_hidden_layers", 0) or 0)
-    if layers is None or not 1 <= layers < old:
-        return config
-    # Lists with one entry per layer (layer_types and the like) keep their first `layers` entries.
-    config = {k: v[:layers] if isinstance(v, list) and len(v) == old else v for k, v in config.items()}
-    config["num_hidden_layers"] = layers
-    if isinstance(config.get("max_window_layers"), int):
-        config["max_window_layers"] = min(config["max_window_layers"], layers)
-    if isinstance(config.get("mlp_only_layers"), list):  # MoE: indices of dense layers
-        config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
-    return config
 
 
 def _materialize(model_id: str, config: dict, work_dir: Path | None, link_from: Path | None = None) -> Path:

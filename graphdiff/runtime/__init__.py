@@ -58,8 +58,7 @@ import torch
 import torch.utils.checkpoint
 
 from graphdiff.errors import GraphdiffError
-from graphdiff.models.resolve import cut_layers
-from graphdiff.records import MANIFEST_VERSION, Manifest, ManifestSplice, layer_of
+from graphdiff.records import MANIFEST_VERSION, Manifest, ManifestSplice, cut_layers, layer_of
 
 __all__ = ["PatchError", "apply", "remove", "active_regions", "load_manifest", "load_generated", "scanned_config"]
 
