@@ -121,7 +121,7 @@ def _engine_run(resolved: Any, shapes: list[Shape] | None, tokens: int, out: Sca
     directory = out.engine_dir if out is not None else Path(tempfile.mkdtemp(prefix="graphdiff-engine-"))
     progress("starting the engine in its own process (compile)")
     if sample is not None:
-        from graphdiff.measure.engine import random_prompts
+        from graphdiff.capture.session import random_prompts
         from graphdiff.measure.kl import check_request
 
         prompts = random_prompts(config, sample["count"], sample["prompt_tokens"], sample["seed"])

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from graphdiff.capture import session as eng
 from graphdiff.capture.hf import load_hf_model
+from graphdiff.capture.session import random_prompts, read_prompts
 from graphdiff.errors import GraphdiffError
-from graphdiff.measure import engine as eng
 from graphdiff.measure import kl, logprobs
-from graphdiff.measure.engine import random_prompts, read_prompts
 from graphdiff.measure.kl import gap_metrics, manifest_regions, position_curve
 from graphdiff.measure.logprobs import engine_logprobs, train_logprobs
 from graphdiff.measure.shapley import attribute
@@ -319,7 +319,7 @@ def test_the_engine_child_process_protocol(monkeypatch, tmp_path, capsys):
     request, result = tmp_path / "request.json", tmp_path / "samples.json"
     request.write_text(json.dumps(dict(model_dir="m", prompts=[[1, 2]], modes=["eager"], max_tokens=1, seed=0,
                                        temperature=1.0, result=str(result), compilation_config={})))
-    monkeypatch.setattr(sys, "argv", ["graphdiff.measure.engine", str(request)])
+    monkeypatch.setattr(sys, "argv", ["graphdiff.capture.session", str(request)])
 
     def fake(model_dir, prompts, modes, *, max_tokens, seed, temperature, progress, compilation_config):
         progress("sampling\nnow")

@@ -162,8 +162,8 @@ def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
 
 
 def _serve(req: dict, progress: Progress) -> None:
+    from graphdiff.capture.session import stop_engine
     from graphdiff.capture.vllm import EngineOptions, capture_vllm
-    from graphdiff.measure.engine import stop_engine
 
     s = req.get("sample") or {}
     longest = max((len(p) for p in s.get("prompts", [])), default=0) + s.get("max_tokens", 0)
@@ -185,9 +185,9 @@ def _serve(req: dict, progress: Progress) -> None:
 
 def _sample(run: Any, req: dict, model_dir: Path, progress: Progress) -> None:
     """The capture's engine samples the request's prompts (and records MoE routing on them) into out_dir."""
+    from graphdiff.capture.session import engine_sample, engine_versions, samples_run, store_samples
     from graphdiff.capture.vllm import record_routing
     from graphdiff.capture.vllm_cpu import asked_config
-    from graphdiff.measure.engine import engine_sample, engine_versions, samples_run, store_samples
 
     s = req["sample"]
     progress(f"sampling {len(s['prompts'])} x {s['max_tokens']} tokens on the same engine (for the gap)")

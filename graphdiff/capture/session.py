@@ -322,10 +322,10 @@ def _sample_recording_routing(model_dir: Path, prompts: Sequence[list[int]], *, 
 def _sample_subprocess(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *,
                        max_tokens: int, seed: int, temperature: float, progress: Progress,
                        compilation_config: dict, tensor_parallel_size: int = 1) -> dict[EngineMode, list[EngineSample]]:
-    """`_sample_here` in `python -m graphdiff.measure.engine REQUEST` (graphdiff.child)."""
+    """`_sample_here` in `python -m graphdiff.capture.session REQUEST` (graphdiff.child)."""
     with tempfile.TemporaryDirectory(prefix="graphdiff-kl-") as tmp:
         result = Path(tmp) / "samples.json"
-        child.run("graphdiff.measure.engine", dict(model_dir=str(model_dir), prompts=list(map(list, prompts)),
+        child.run("graphdiff.capture.session", dict(model_dir=str(model_dir), prompts=list(map(list, prompts)),
                                                    modes=list(modes), max_tokens=max_tokens, seed=seed,
                                                    temperature=temperature, result=str(result),
                                                    compilation_config=compilation_config,
