@@ -93,3 +93,57 @@ def test_the_runtime_reaches_only_the_data_model() -> None:
     runtime = {m for m in graph if m == "graphdiff.runtime" or m.startswith("graphdiff.runtime.")}
     reached = set().union(*(nx.descendants(graph, m) for m in runtime)) - runtime
     assert reached <= {"graphdiff", "graphdiff.records", "graphdiff.errors"}, sorted(reached)
+
+
+# graphdiff's packages, lowest first; an import may point down or within its layer, never up
+LAYERS = (
+    ("graphdiff", "records", "errors", "ops", "child"),  # the data model and the shared vocabulary
+    ("runtime",),  # what a training repo imports
+    ("models", "replay"),  # resolve a model; re-execute a kernel under a rounding plan
+    ("capture",),  # both sides' graphs as records, the engine session
+    ("analysis", "artifacts"),  # match, decide, plan; scan directories
+    ("codegen", "measure"),  # a patch from a plan; gaps, attribution, routing
+    ("report", "pipeline", "check", "schemas"),  # what a person reads; the whole scan composed once
+)
+
+
+def package_graph(graph: nx.DiGraph) -> nx.DiGraph:
+    """The module graph folded to graphdiff's packages (`graphdiff.capture.vllm` -> `capture`)."""
+    def package(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else parts[0]
+
+    packages = nx.DiGraph()
+    packages.add_nodes_from(package(m) for m in graph)
+    packages.add_edges_from((package(a), package(b)) for a, b in graph.edges if package(a) != package(b))
+    return packages
+
+
+def test_packages_form_layers_with_no_cycle() -> None:
+    """Every import, also one inside a function, points down a layer or within it, and the packages have no cycle."""
+    packages = package_graph(import_graph()[0])
+    layer = {p: i for i, names in enumerate(LAYERS) for p in names}
+    assert set(packages) <= set(layer), f"packages with no layer: {sorted(set(packages) - set(layer))}"
+    up = sorted(f"{a} -> {b}" for a, b in packages.edges if layer[b] > layer[a])
+    assert not up, "imports pointing up a layer: " + ", ".join(up)
+    assert nx.is_directed_acyclic_graph(packages), list(nx.simple_cycles(packages))
+
+
+def test_a_planted_upward_import_is_found(tmp_path: Path) -> None:
+    pkg = tmp_path / "graphdiff"
+    for sub in ("capture", "analysis"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "capture" / "vllm.py").write_text("def f():\n    from graphdiff.analysis import moe\n")
+    (pkg / "analysis" / "moe.py").write_text("from graphdiff.capture import vllm\n")
+    packages = package_graph(import_graph(pkg)[0])
+    assert ("capture", "analysis") in packages.edges and not nx.is_directed_acyclic_graph(packages)
+
+
+def test_the_capture_names_the_collectives_the_registry_describes() -> None:
+    from graphdiff.analysis.opaque import EXTERNS
+    from graphdiff.capture.collectives import ALLREDUCE_EXTERNS, MATMUL_EXTERNS
+
+    assert {r.op for r in EXTERNS if r.kind == "allreduce"} == set(ALLREDUCE_EXTERNS)
+    assert {r.op for r in EXTERNS if r.kind == "matmul"} == set(MATMUL_EXTERNS)

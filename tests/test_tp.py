@@ -214,7 +214,8 @@ def test_extern_attribution_skips_an_origin_node_that_runs_another_op() -> None:
 
 
 def test_a_torch_distributed_allreduce_is_found_in_place_and_its_calls_recorded() -> None:
-    from graphdiff.analysis.tensor_parallel import AllReduce, allreduce_truncates, allreduces
+    from graphdiff.analysis.tensor_parallel import allreduce_truncates
+    from graphdiff.capture.collectives import AllReduce, allreduces
     from graphdiff.capture.tp_worker import EXTERN_OPS, extern_records
 
     g = _c10d_tp_graph()

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from graphdiff.analysis.opaque import attention_rule, extern_rule
-from graphdiff.analysis.tensor_parallel import allreduce_truncates, allreduces, rank_of
+from graphdiff.analysis.tensor_parallel import allreduce_truncates, rank_of
+from graphdiff.capture.collectives import allreduces
 from graphdiff.codegen.tp_linear import linear_split_k, linear_split_k_truncated
 from graphdiff.records import Capture
 

@@ -24,12 +24,13 @@ import torch
 from graphdiff.analysis import tensor_parallel as tp
 from graphdiff.analysis.departure import first_departure
 from graphdiff.analysis.match import Match
-from graphdiff.analysis.moe import engine_routing, experts_decisions, experts_nodes, routing_agreement
+from graphdiff.analysis.moe import experts_decisions, experts_nodes, routing_agreement
 from graphdiff.analysis.opaque import attention_decisions, extern_rule
 from graphdiff.analysis.plan import classify, decide, mark_rounded_reads, merge_decisions, sites_of, stable_ids
 from graphdiff.analysis.regions import group_regions
 from graphdiff.analysis.rounding import EngineRounding, eager_values, engine_rounding, train_rounding
 from graphdiff.analysis.uniformity import site_nonuniformity
+from graphdiff.capture.routing import engine_routing
 from graphdiff.ops import is_attention, is_low, op_name
 from graphdiff.records import (
     Buffers,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +38,9 @@ from graphdiff.analysis.match import TOLERANCE, Match, modules_compatible, op_ki
 from graphdiff.analysis.match import match_values as match_replicated
 from graphdiff.analysis.opaque import extern_rule
 from graphdiff.analysis.rounding import is_view
+from graphdiff.capture.collectives import AllReduce, allreduces, buffer_base
 from graphdiff.capture.cpu_kind import stores_truncate, truncate_to_bf16
-from graphdiff.ops import CASTS, MATMULS, op_name
+from graphdiff.ops import MATMULS, op_name
 from graphdiff.records import (
     Buffers,
     Capture,
@@ -153,63 +153,11 @@ def same_weight(ref: torch.Tensor, recorded: torch.Tensor) -> bool:
 
 # --- the all-reduce of row-parallel partial products ---------------------------------------------------------
 
-@dataclass
-class AllReduce:
-    graph: str
-    kernel: str  # the all-reduce extern's kernel id
-    buffer: str  # the engine node whose buffer it reduces (in place) or its own output node (out of place)
-    matmul: str  # the matmul extern that wrote the partial product ("" when none did: no site)
-
-
 def allreduce_truncates(kernel: str, build: str) -> bool:
     """Does this all-reduce extern (kernel name or id) store its FP32 sum by truncation? Only vLLM's own
     `_C.shm_allreduce` on an ops build that truncates (`_C_AVX512`); torch.distributed's all-reduce, vLLM CPU's
     fallback where the build has no shared-memory ops (`_C_AVX2`), sums as torch does, rounding to nearest even."""
     return "shm_allreduce" in kernel and stores_truncate(build)
-
-
-def _in_place(target: str) -> bool:
-    """An in-place all-reduce: `_C.shm_allreduce` (no result) or `_c10d_functional.all_reduce_` (returns its input)."""
-    return op_name(target).endswith("_")
-
-
-def _node_args(call: list) -> list[str]:
-    args = call[0] if call else []
-    return [a["node"] for a in args if isinstance(a, dict) and "node" in a]
-
-
-def allreduces(graph: Graph) -> list[AllReduce]:
-    """The graph's all-reduce externs (registry kind `allreduce`), in execution order, each with the matmul extern
-    that wrote the buffer it reduces."""
-    nodes = graph.node_map()
-    externs = [k for k in graph.kernels if k.kind == "extern" and k.nodes]
-    out = []
-    for i, k in enumerate(externs):
-        rule = extern_rule(k.name)
-        if rule is None or rule.kind != "allreduce":
-            continue
-        node = nodes[k.nodes[0]]
-        reduced = _node_args(node.call)
-        buf = reduced[0] if reduced and (not node.dtype or _in_place(node.target)) else node.name  # in place or not
-        source = reduced[0] if reduced else buf
-        writer = ""
-        for m in reversed(externs[:i]):
-            mrule = extern_rule(m.name)
-            written = _node_args(nodes[m.nodes[0]].call)[:1]  # an out= buffer, or a view of one
-            if mrule is not None and mrule.kind == "matmul" and (
-                    m.nodes[0] == source or (written and value_base(graph, written[0]) == value_base(graph, source))):
-                writer = m.id
-                break
-        out.append(AllReduce(graph.name, k.id, buf, writer))
-    return out
-
-
-def value_base(graph: Graph, name: str) -> str:
-    """The node whose buffer holds this value: up through views and casts (same values)."""
-    nodes = graph.node_map()
-    while name in nodes and nodes[name].inputs and (is_view(nodes[name]) or op_name(nodes[name].target) in CASTS):
-        name = nodes[name].inputs[0]
-    return name
 
 
 def _weight(train: Graph, train_values: dict[str, object], node: str) -> torch.Tensor | None:
@@ -271,7 +219,7 @@ def allreduce_plan(plan: list[Decision], cap: Capture, buffers: Buffers, train_g
     if not per_rank:
         return []
     graphs = {g.name: g for g in cap.graphs}
-    by_buffer = {(a.graph, value_base(graphs[a.graph], a.buffer)): (r, i)
+    by_buffer = {(a.graph, buffer_base(graphs[a.graph], a.buffer)): (r, i)
                  for r, ars in per_rank.items() for i, a in enumerate(ars)}
     records = buffers.get(ref, {})
     rows: list[KernelEvidence] = []
@@ -280,7 +228,7 @@ def allreduce_plan(plan: list[Decision], cap: Capture, buffers: Buffers, train_g
         e = d.evidence
         if d.rule != "matched" or e.engine_graph not in graphs or op_name(d.op) not in MATMULS:
             continue
-        where = by_buffer.get((e.engine_graph, value_base(graphs[e.engine_graph], e.engine_node)))
+        where = by_buffer.get((e.engine_graph, buffer_base(graphs[e.engine_graph], e.engine_node)))
         if where is None:
             continue
         rank, index = where

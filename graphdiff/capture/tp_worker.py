@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from graphdiff.capture.assemble import build_graph
+from graphdiff.capture.collectives import allreduces
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, weight_inputs
 from graphdiff.capture.tp import BUFFERS_FILE, GRAPHS_FILE, META_FILE, VLLM_COMPILE_ENV, WORKER_ENV, rank_kernel_ids
@@ -141,11 +142,9 @@ def _runs(kernel_name: str, op: str) -> bool:
 def extern_records(graphs: list[Graph], calls: dict[str, list[dict]]) -> tuple[dict[str, KernelRecord], list[str]]:
     """Kernel id of each all-reduce -> its record: {"in": {}, "out": {}, "scalars": {}, "extern": {...}} with the
     BF16 partial it reduced, its output, and the matmul that wrote the partial (kernel id, its input: the writer as
-    analysis.tensor_parallel.allreduces finds it). Calls are matched to the graphs' extern kernels in execution
+    capture.collectives.allreduces finds it). Calls are matched to the graphs' extern kernels in execution
     order (the wrapper is straight-line code; calls after the graphs', e.g. the LM head's matmul, are not the
     graphs')."""
-    from graphdiff.analysis.tensor_parallel import allreduces
-
     mm_input: dict[str, torch.Tensor] = {}
     for op, arg in MATMUL_OPS.items():  # each op's calls in execution order, matched to its extern kernels
         ks = [k for g in graphs for k in g.kernels if k.kind == "extern" and _runs(k.name, op)]

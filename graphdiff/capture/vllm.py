@@ -143,11 +143,11 @@ def capture_vllm(model_dir: Path, shapes: list[Shape] | list[int], *, options: E
 def record_routing(run: EngineRun, samples: list[Any], progress: Progress = lambda m: None) -> None:
     """MoE: the top-k experts the engine's router chose for every token of each sample (prompt + continuation,
     scored in one prefill with the recorders armed) into `sample.routing` (layer -> [tokens][k]); nothing for a
-    model without a router kernel (analysis.moe.engine_routing), nor without recorders here (TP: in the workers)."""
+    model without a router kernel (capture.routing.engine_routing), nor without recorders here (TP: in the workers)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from graphdiff.analysis.moe import engine_routing, has_router
+    from graphdiff.capture.routing import engine_routing, has_router
 
     if not samples or not run.recorders or not any(has_router(g) for g in run.capture.graphs):
         return

@@ -192,8 +192,9 @@ def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool =
 def split_k_checks(scan_dir: Path, gen: Any, splice: ManifestSplice, device: str = "cpu") -> list[Check]:
     """The generated split-K linear against the engine's own all-reduce outputs recorded by the scan (every rank's
     matmul input concatenated along K is the trainer's input; the weight from the checkpoint): bit for bit."""
-    from graphdiff.analysis.tensor_parallel import allreduces, rank_of
+    from graphdiff.analysis.tensor_parallel import rank_of
     from graphdiff.artifacts import ScanDir
+    from graphdiff.capture.collectives import allreduces
     from graphdiff.capture.engine_process import checkpoint_tensor
     from graphdiff.runtime import module_regex
 
