@@ -102,12 +102,12 @@ def _encode(expr: ast.expr, known: set[str]) -> object:
     return {"repr": text}
 
 
-def parse_fx_graph(text: str) -> list[Node]:
-    """Nodes of an Inductor-printed FX graph (print_readable output)."""
-    lines = text.splitlines()
+def _sources(text: str) -> dict[int, Source]:
+    """Line number -> the source its `# File:` comment names, for the statements under it (none under a
+    pass-through frame)."""
     source_at: dict[int, Source] = {}
     current: Source | None = None
-    for i, line in enumerate(lines, start=1):
+    for i, line in enumerate(text.splitlines(), start=1):
         s = line.strip()
         m = _FILE.search(s)
         if m:
@@ -117,6 +117,12 @@ def parse_fx_graph(text: str) -> list[Node]:
             current = None
         elif current is not None:
             source_at[i] = current
+    return source_at
+
+
+def parse_fx_graph(text: str) -> list[Node]:
+    """Nodes of an Inductor-printed FX graph (print_readable output)."""
+    source_at = _sources(text)
     # print_readable names the class `<lambda>` when the GraphModule had no name.
     tree = ast.parse(re.sub(r"^class <lambda>", "class _Graph", text, count=1, flags=re.M))
     fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "forward")
