@@ -13,7 +13,7 @@ from graphdiff.capture.dump import find_graph_dirs, import_dump
 from graphdiff.records import Graph, Kernel
 from tests.conftest import reference_buffers
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.kind]
 
 
 def _graph(engine_run) -> Graph:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.engine  # vLLM CPU's op library (no engine is started)
+pytestmark = [pytest.mark.engine, pytest.mark.kind]  # vLLM CPU's op library (no engine is started)
 
 
 def _qkv(seq: int) -> tuple[torch.Tensor, ...]:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from graphdiff.capture.cpu_kind import store_like
 from graphdiff.records import EngineSample
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.kind]
 
 
 class _Layer(torch.nn.Module):

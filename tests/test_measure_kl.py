@@ -287,6 +287,7 @@ def test_regions_the_patch_does_not_apply_are_named_with_why(monkeypatch, tmp_pa
 
 
 @pytest.mark.engine
+@pytest.mark.kind
 def test_gap_between_the_real_engine_and_the_trainer(engine_run):
     """Sampling on the session's compiled engine (tiny Qwen3, 2 layers); HF eager and compiled recompute."""
     model_dir = Path(engine_run.capture.model)

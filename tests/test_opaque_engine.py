@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from graphdiff.analysis.opaque import attention_rule, truncates_output
 from graphdiff.capture.cpu_kind import KERNEL_BUILD, kernel_build, store_like
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.kind]
 
 
 def vllm_cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, isa: str) -> torch.Tensor:

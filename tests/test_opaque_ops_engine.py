@@ -16,7 +16,7 @@ import torch
 from graphdiff.analysis.opaque import extern_rule
 from graphdiff.capture.cpu_kind import kernel_build, store_like, stores_truncate
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.kind]
 vllm_ops = pytest.importorskip("vllm._custom_ops")  # loads the CPU extension: torch.ops._C.*
 BUILD = kernel_build()  # which build of it: _C, or _C_AVX512 / _C_AVX2 on CPUs without AVX-512 BF16
 BF16 = torch.bfloat16

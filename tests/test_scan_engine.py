@@ -25,6 +25,7 @@ def qwen3_scan(engine_run) -> ScanResult:
     return analyze(engine_run.capture, engine_run.buffers, train, model=str(model_dir), layers_total=2, config=config)
 
 
+@pytest.mark.kind  # the engine as this CPU kind runs it
 def test_qwen3_has_the_papers_three_regions_and_the_norm_casts(qwen3_scan):
     kinds = {r.kind: r for r in qwen3_scan.regions}
     assert {"rope", "qk_norm", "gated_act", "residual_norm", "norm_weight"} <= set(kinds)
@@ -41,6 +42,7 @@ def test_qwen3_has_the_papers_three_regions_and_the_norm_casts(qwen3_scan):
     assert {s.train.op for s in silu} == {"aten.silu.default"}
 
 
+@pytest.mark.kind  # the engine as this CPU kind runs it
 def test_attention_that_rounds_inside_is_a_site_per_layer(qwen3_scan, engine_run):
     """vLLM's CPU vec attention keeps the softmax probabilities FP32 (registry, tests/test_opaque_engine.py); HF's
     BF16 sdpa stores them as BF16: the trainer's attention output differs from its FP32-input result. Its amx
@@ -65,6 +67,7 @@ def test_attention_that_rounds_inside_is_a_site_per_layer(qwen3_scan, engine_run
     assert any(r.kind == "rope" and r.name == "model.layers.*.self_attn#rope" for r in qwen3_scan.regions)
 
 
+@pytest.mark.kind  # the engine as this CPU kind runs it
 def test_every_kernel_replays_bit_exactly_under_the_predicted_model(qwen3_scan):
     assert qwen3_scan.replay
     for r in qwen3_scan.replay:
@@ -73,6 +76,7 @@ def test_every_kernel_replays_bit_exactly_under_the_predicted_model(qwen3_scan):
         assert r.naive_bitexact < r.predicted_bitexact - 0.1, r  # round-after-every-op is visibly wrong
 
 
+@pytest.mark.kind  # the engine as this CPU kind runs it
 def test_norm_kernels_sum_rows_in_the_order_their_code_says(qwen3_scan):
     """The norm kernels store their FP32 row sums: replayed in the order read from their code (lanes, then a
     halving tree) they equal the stores exactly, in ATen's order they do not (the evidence for the order); each
@@ -87,6 +91,7 @@ def test_norm_kernels_sum_rows_in_the_order_their_code_says(qwen3_scan):
     assert all(m.startswith("model.") and n > 0 for r in norms for m, n in r.reduction_lanes.items())
 
 
+@pytest.mark.kind  # the engine as this CPU kind runs it
 def test_sites_carry_evidence_and_sources_on_both_sides(qwen3_scan):
     replayed = {r.kernel.split(":")[0] for r in qwen3_scan.replay}
     for s in qwen3_scan.sites:
@@ -103,6 +108,7 @@ def test_sites_carry_evidence_and_sources_on_both_sides(qwen3_scan):
     assert unmatched_rope, "HF's q*cos / rotate_half(q)*sin have no engine node: found as in-kernel sites"
 
 
+@pytest.mark.kind  # the engine as this CPU kind runs it
 def test_every_kernel_is_replayed_at_every_recorded_shape(qwen3_scan, engine_run):
     """One engine start, three shapes (a 13- and a 64-token prefill, a decode step of 4 sequences with their KV
     caches): every generated kernel replays bit-exactly at each, and on this one compiled graph the sites are
@@ -118,6 +124,7 @@ def test_every_kernel_is_replayed_at_every_recorded_shape(qwen3_scan, engine_run
     assert [s.label for s in qwen3_scan.shapes] == labels
 
 
+@pytest.mark.kind  # the engine as this CPU kind runs it
 def test_site_ids_do_not_depend_on_the_token_count(qwen3_scan, engine_run):
     """The same analysis with the 64-token prefill as the trainer's prompt gives the same site ids (module, source
     line, the op's position on it) although make_fx numbers the trainer's nodes afresh."""
@@ -133,6 +140,7 @@ def test_site_ids_do_not_depend_on_the_token_count(qwen3_scan, engine_run):
     assert {r.name for r in longer.regions} == {r.name for r in qwen3_scan.regions}
 
 
+@pytest.mark.kind  # the engine as this CPU kind runs it
 def test_the_plan_decides_every_floating_trainer_value_once(qwen3_scan, engine_run):
     """One decision per trainer value (shape variants aside), with the rule and its evidence as fields; the sites are
     exactly the one-sided decisions."""
@@ -155,6 +163,7 @@ def test_the_plan_decides_every_floating_trainer_value_once(qwen3_scan, engine_r
         {"opaque-registry"} if rule is not None and rule.probabilities_fp32 else set())
 
 
+@pytest.mark.kind  # the engine as this CPU kind runs it
 def test_scan_result_round_trips_as_json(qwen3_scan):
     again = ScanResult.model_validate_json(qwen3_scan.model_dump_json())
     assert again == qwen3_scan

@@ -20,7 +20,7 @@ from graphdiff.capture.collectives import allreduces
 from graphdiff.codegen.tp_linear import linear_split_k, linear_split_k_truncated
 from graphdiff.records import Capture
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.kind]
 
 START_FAILURES = ("vLLM could not start", "needs at least 2 CPU cores", "NUMA")
 
