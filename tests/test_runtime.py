@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -182,7 +183,11 @@ def test_runtime_imports_neither_vllm_nor_the_scanner() -> None:
     code = ("import sys, graphdiff.runtime; bad = [m for m in sys.modules if m == 'vllm' or m.startswith(("
             "'vllm.', 'graphdiff.analysis', 'graphdiff.capture', 'graphdiff.replay', 'graphdiff.pipeline', "
             "'graphdiff.codegen'))]; print(bad); sys.exit(1 if bad else 0)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    # a trainer's process: not one posing as another CPU kind (its sitecustomize loads graphdiff.capture.cpu_kind)
+    env = {k: v for k, v in os.environ.items() if k not in ("GRAPHDIFF_CPU_KIND", "PYTHONPATH")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                        if p and "forced_kind" not in p)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -244,7 +244,10 @@ def test_the_extern_recorder_records_an_inductor_mm_and_a_completed_c10d_allredu
     from graphdiff.capture.tp_worker import EXTERN_OPS, ExternRecorder
 
     mm = extern_kernels.mm
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    owned = not dist.is_initialized()  # an in-process engine earlier in the session may have made one (world 1)
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     try:
         rec = ExternRecorder(EXTERN_OPS)
         rec.armed = True
@@ -255,7 +258,8 @@ def test_the_extern_recorder_records_an_inductor_mm_and_a_completed_c10d_allredu
         torch.ops._c10d_functional.wait_tensor.default(buf)  # the wrapper's own: nothing left to wait for
         rec.remove()
     finally:
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
     assert extern_kernels.mm is mm
     [call] = rec.calls["extern_kernels.mm"]
     assert torch.equal(call["before"][0], x) and torch.equal(out, F.linear(x, w))
