@@ -19,7 +19,7 @@ from rich.table import Table
 from graphdiff.analysis.opaque import truncates_output
 from graphdiff.capture.cpu_kind import apply_forced_kind
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import save_json
+from graphdiff.records import SampleAsk, save_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Find where an inference engine and its trainer round to BF16 in different places.")
@@ -290,7 +290,7 @@ def scan_cmd(
         from graphdiff.measure.kl import DEFAULT_MAX_TOKENS
 
         gap_tokens = DEFAULT_MAX_TOKENS if kl else GATE_TOKENS  # one engine samples for the patch and the gap
-        sample = dict(count=GATE_PROMPTS, prompt_tokens=16, max_tokens=gap_tokens, seed=0, temperature=1.0) \
+        sample = SampleAsk(count=GATE_PROMPTS, prompt_tokens=16, max_tokens=gap_tokens) \
             if (patch or kl) and engine_dump is None else None
         with staged(target, "scan") as tmp:  # a failure or Ctrl-C leaves `target` as it was
             with progress("scanning") as update:

@@ -36,6 +36,8 @@ from graphdiff.records import (
     KLResult,
     Manifest,
     Progress,
+    SampleAsk,
+    SampleRequest,
     ScanResult,
     Shape,
     save_json,
@@ -107,7 +109,7 @@ def _engine_from_dump(engine_dump: Path, resolved: Any, spec: str, compilation_c
 
 
 def _engine_run(resolved: Any, shapes: list[Shape] | None, tokens: int, out: ScanDir | None, progress: Progress,
-                sample: dict | None, compilation_config: dict | None, optimization_level: int | None,
+                sample: SampleAsk | None, compilation_config: dict | None, optimization_level: int | None,
                 tensor_parallel_size: int) -> tuple[Capture, Buffers, float]:
     """The engine side run now, in a child process, into `out`'s engine dir (else a temporary one)."""
     import tempfile
@@ -124,13 +126,13 @@ def _engine_run(resolved: Any, shapes: list[Shape] | None, tokens: int, out: Sca
         from graphdiff.capture.session import random_prompts
         from graphdiff.measure.kl import check_request
 
-        prompts = random_prompts(config, sample["count"], sample["prompt_tokens"], sample["seed"])
-        check_request(config, prompts, sample["max_tokens"], "k3", False, None)
-        sample = dict(prompts=prompts, max_tokens=sample["max_tokens"], seed=sample["seed"],
-                      temperature=sample["temperature"], out_dir=str(out.root if out is not None else directory))
+        prompts = random_prompts(config, sample.count, sample.prompt_tokens, sample.seed)
+        check_request(config, prompts, sample.max_tokens, "k3", False, None)
+        request = SampleRequest(prompts=prompts, max_tokens=sample.max_tokens, seed=sample.seed,
+                                temperature=sample.temperature, out_dir=str(out.root if out is not None else directory))
     return capture_isolated(resolved.path, shapes, directory, progress=progress,
                             compilation_config=compilation_config, optimization_level=optimization_level,
-                            config_sha256=config_sha256(config), sample=sample,
+                            config_sha256=config_sha256(config), sample=request if sample is not None else None,
                             tensor_parallel_size=tensor_parallel_size)
 
 
@@ -138,13 +140,13 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
          out: ScanDir | None = None, work_dir: Path | None = None, progress: Progress = lambda m: None,
          argv: list[str] | None = None, engine_dump: Path | None = None, manifest: Path | None = None,
          compilation_config: dict | None = None, optimization_level: int | None = None,
-         allow_version_mismatch: bool = False, sample: dict | None = None,
+         allow_version_mismatch: bool = False, sample: SampleAsk | None = None,
          tensor_parallel_size: int = 1, random_weights: bool = False) -> ScanOutcome:
     """Resolve `spec`, run the real engine (in a child process; or take its capture from `engine_dump`) and the
     HF trainer on the same weights and tokens, analyze. The engine capture is written to `out`'s engine dir.
-    `sample` ({"count", "prompt_tokens", "max_tokens", "seed", "temperature"}): the same engine then samples that
-    many seeded prompts, into `out`/engine_samples.json (the patch's measurement and `kl` read them: one engine
-    start). Every capture and the result record the scan id and the model fingerprint."""
+    `sample`: the same engine then samples those seeded prompts into `out`/engine_samples.json (the patch's
+    measurement and `kl` read them: one engine start). Every capture and the result record the scan id and the
+    model fingerprint."""
     from graphdiff.models.resolve import model_fingerprint
 
     t_start = time.perf_counter()

@@ -520,6 +520,28 @@ EngineMode = Literal["compiled", "eager"]
 TrainerMode = Literal["eager", "compiled", "engine-prefill"]  # engine-prefill: the engine scoring its own samples
 
 
+class SampleAsk(BaseModel):
+    """Seeded prompts the scan's engine samples after its capture (for the patch's gate and the gap): how many,
+    how long, how many tokens each continues for."""
+
+    count: int
+    prompt_tokens: int
+    max_tokens: int
+    seed: int = 0
+    temperature: float = 1.0
+
+
+class SampleRequest(BaseModel):
+    """What the engine's child process samples after its capture: the prompts themselves, and where the samples go
+    (out_dir/engine_samples.json)."""
+
+    prompts: list[list[int]]
+    max_tokens: int
+    seed: int
+    temperature: float
+    out_dir: str
+
+
 class EngineSample(BaseModel):
     """One sampled continuation and the engine's own log-prob of each sampled token."""
 

@@ -20,9 +20,10 @@ from graphdiff.measure.kl import _logprobs_and_routing
 from graphdiff.measure.logprobs import trainer
 from graphdiff.models.tiny import make_tiny
 from graphdiff.pipeline import scan
+from graphdiff.records import SampleAsk
 
 pytestmark = pytest.mark.engine
-SAMPLE = dict(count=8, prompt_tokens=16, max_tokens=96, seed=0, temperature=1.0)
+SAMPLE = SampleAsk(count=8, prompt_tokens=16, max_tokens=96)
 
 
 # granite's and phi's kernels differ most by kind (an 8-lane residual-norm nest; Inductor's vector math): .ci/run

@@ -21,7 +21,16 @@ import torch
 from graphdiff import child
 from graphdiff.capture.inductor_hooks import weight_inputs
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import Buffers, Capture, Progress, Shape, WeightRef, load_capture, save_json
+from graphdiff.records import (
+    Buffers,
+    Capture,
+    Progress,
+    SampleRequest,
+    Shape,
+    WeightRef,
+    load_capture,
+    save_json,
+)
 
 BUFFERS_FILE = "buffers.pt"
 INLINE_WEIGHT_BYTES = 256 * 2**10  # larger recorded weights are saved as references to the checkpoint
@@ -148,7 +157,8 @@ def load_engine_capture(directory: Path, model_dir: Path | None = None) -> tuple
 def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
                      compilation_config: dict[str, Any] | None = None, optimization_level: int | None = None,
                      progress: Progress = lambda m: None, config_sha256: str = "",
-                     sample: dict | None = None, tensor_parallel_size: int = 1) -> tuple[Capture, Buffers, float]:
+                     sample: SampleRequest | None = None,
+                     tensor_parallel_size: int = 1) -> tuple[Capture, Buffers, float]:
     """Capture the engine in a child process into `directory`; returns the capture, its buffers and the
     engine's start-up time. `sample` (prompts, max_tokens, seed, temperature, out_dir): the same engine then samples
     them with log-probs, and scores them in one prefill, into out_dir/engine_samples.json (what `kl` and the patch's
@@ -156,7 +166,8 @@ def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
     child.run("graphdiff.capture.engine_process",
               dict(model_dir=str(model_dir), shapes=[s.model_dump() for s in shapes], out=str(directory),
                    compilation_config=compilation_config or {}, optimization_level=optimization_level,
-                   config_sha256=config_sha256, sample=sample, tensor_parallel_size=tensor_parallel_size), progress)
+                   config_sha256=config_sha256, sample=sample.model_dump() if sample is not None else None,
+                   tensor_parallel_size=tensor_parallel_size), progress)
     cap, buffers = load_engine_capture(directory, model_dir)
     return cap, buffers, cap.startup_s or 0.0
 
@@ -165,10 +176,10 @@ def _serve(req: dict, progress: Progress) -> None:
     from graphdiff.capture.session import stop_engine
     from graphdiff.capture.vllm import EngineOptions, capture_vllm
 
-    s = req.get("sample") or {}
-    longest = max((len(p) for p in s.get("prompts", [])), default=0) + s.get("max_tokens", 0)
+    s = SampleRequest.model_validate(req["sample"]) if req.get("sample") else None
+    longest = max((len(p) for p in s.prompts), default=0) + s.max_tokens if s is not None else 0
     options = EngineOptions(compilation_config=req["compilation_config"], optimization_level=req["optimization_level"],
-                            min_model_len=longest, min_seqs=len(s.get("prompts", [])),
+                            min_model_len=longest, min_seqs=len(s.prompts) if s is not None else 0,
                             tensor_parallel_size=req.get("tensor_parallel_size", 1))
     model_dir = Path(req["model_dir"])
     run = capture_vllm(model_dir, [Shape.model_validate(s) for s in req["shapes"]], options=options,
@@ -177,26 +188,24 @@ def _serve(req: dict, progress: Progress) -> None:
         run.capture.config_sha256 = req["config_sha256"]
         run.capture.startup_s = round(run.startup_s, 3)
         save_engine_capture(run.capture, run.buffers, Path(req["out"]))
-        if s:
-            _sample(run, req, model_dir, progress)
+        if s is not None:
+            _sample(run, s, req, model_dir, progress)
     finally:  # before the interpreter finalizes: a live engine client thread aborts it at exit (TP engines)
         stop_engine(run.llm)
 
 
-def _sample(run: Any, req: dict, model_dir: Path, progress: Progress) -> None:
+def _sample(run: Any, s: SampleRequest, req: dict, model_dir: Path, progress: Progress) -> None:
     """The capture's engine samples the request's prompts (and records MoE routing on them) into out_dir."""
     from graphdiff.capture.session import engine_sample, engine_versions, samples_run, store_samples
     from graphdiff.capture.vllm import record_routing
     from graphdiff.capture.vllm_cpu import asked_config
 
-    s = req["sample"]
-    progress(f"sampling {len(s['prompts'])} x {s['max_tokens']} tokens on the same engine (for the gap)")
-    got = engine_sample(run.llm, s["prompts"], max_tokens=s["max_tokens"], seed=s["seed"],
-                        temperature=s["temperature"])
+    progress(f"sampling {len(s.prompts)} x {s.max_tokens} tokens on the same engine (for the gap)")
+    got = engine_sample(run.llm, s.prompts, max_tokens=s.max_tokens, seed=s.seed, temperature=s.temperature)
     record_routing(run, got, progress)
     config = asked_config(req["compilation_config"], req["optimization_level"])
-    store_samples(Path(s["out_dir"]), samples_run(model_dir, "compiled", s["prompts"], max_tokens=s["max_tokens"],
-                                                  seed=s["seed"], temperature=s["temperature"],
+    store_samples(Path(s.out_dir), samples_run(model_dir, "compiled", s.prompts, max_tokens=s.max_tokens,
+                                               seed=s.seed, temperature=s.temperature,
                                                   compilation_config=config, versions=engine_versions(),
                                                   samples=got))
 
