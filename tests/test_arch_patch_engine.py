@@ -45,16 +45,16 @@ def test_the_shipped_patch_does_not_widen_the_gap_on_held_out_samples(arch, tmp_
     if arch == "exaone4":  # every post-norm sum but the last layer's (read by the final norm's kernel in FP32)
         sums = next(s.rounded_sums for s in made.splices if s.target == "carry" and not s.problems)
         assert sums == {"post_attention_layernorm": [0, 1], "post_feedforward_layernorm": [0]}, sums
-    prompts = random_prompts(outcome.config, SAMPLE["count"], SAMPLE["prompt_tokens"], SAMPLE["seed"])
-    samples = sample_engine(model, prompts, ["compiled"], max_tokens=SAMPLE["max_tokens"], out_dir=d.root
+    prompts = random_prompts(outcome.config, SAMPLE.count, SAMPLE.prompt_tokens, SAMPLE.seed)
+    samples = sample_engine(model, prompts, ["compiled"], max_tokens=SAMPLE.max_tokens, out_dir=d.root
                             )["compiled"].samples  # cached by the scan's engine: no second start
     base = load_hf_model(model)
     manifest = select_regions(base, d.patch_dir / "manifest.json", samples[:4])
     enabled = [r.name for r in manifest.regions if r.generated and r.enabled]
     held_out = samples[4:]
     if arch == "qwen3_moe":  # held out from `kl`'s own engine process, which records the routing for an MoE model
-        held_out = sample_engine(model, random_prompts(outcome.config, 4, SAMPLE["prompt_tokens"], 1), ["compiled"],
-                                 max_tokens=SAMPLE["max_tokens"], seed=1, out_dir=d.root)["compiled"].samples
+        held_out = sample_engine(model, random_prompts(outcome.config, 4, SAMPLE.prompt_tokens, 1), ["compiled"],
+                                 max_tokens=SAMPLE.max_tokens, seed=1, out_dir=d.root)["compiled"].samples
     unpatched, patched = gap(base, d.patch_dir / "manifest.json", [], held_out), \
         gap(base, d.patch_dir / "manifest.json", enabled, held_out)
     assert patched.rms <= unpatched.rms, (arch, enabled, unpatched, patched)
