@@ -39,7 +39,7 @@ from graphdiff.analysis.match import match_values as match_replicated
 from graphdiff.analysis.opaque import extern_rule
 from graphdiff.analysis.rounding import is_view
 from graphdiff.capture.collectives import AllReduce, allreduces, buffer_base
-from graphdiff.capture.cpu_kind import stores_truncate, truncate_to_bf16
+from graphdiff.capture.cpu_kind import stored, stores_truncate
 from graphdiff.ops import MATMULS, op_name
 from graphdiff.records import (
     Buffers,
@@ -190,8 +190,7 @@ def _check(records: list[ExternRecord], weight: torch.Tensor | None, tp: int,
     of the weight ("naive": one GEMM, as the trainer). And how each rank's partial relates to its FP32 product."""
     partials = [r["partial"] for r in records]
     dtype = partials[0].dtype
-    total = _total([p.float() for p in partials])
-    summed = (truncate_to_bf16(total) if truncate and dtype == torch.bfloat16 else total).to(dtype)
+    summed = stored(_total([p.float() for p in partials]), truncate, dtype)
     predicted = [_eq(summed, r["reduced"]) for r in records]
     xs = [x for r in records if (x := r.get("matmul_input")) is not None]
     if weight is None or len(xs) != len(records) or weight.shape[1] != sum(x.shape[-1] for x in xs):
@@ -201,9 +200,9 @@ def _check(records: list[ExternRecord], weight: torch.Tensor | None, tp: int,
     one = _total(products).to(dtype)
     naive = [_eq(one, r["reduced"]) for r in records]
     partial_ok = min(_eq(p.to(dtype), r["partial"]) for p, r in zip(products, records))
-    stored = "truncated" if truncate else "rounded"
+    how = "truncated" if truncate else "rounded"
     return predicted, naive, (f"an all-reduce of {tp} ranks: predicted = its output recomputed as the FP32 sum of the "
-                              f"ranks' recorded BF16 partials, {stored} once; naive = one rounding of the FP32 sum of "
+                              f"ranks' recorded BF16 partials, {how} once; naive = one rounding of the FP32 sum of "
                               f"the partial products (one GEMM, as the trainer); each rank's partial equals its FP32 "
                               f"product rounded once on {partial_ok:.2%}")
 

@@ -143,7 +143,12 @@ def stores_truncate(build: str) -> bool:
 def store_like(values: torch.Tensor, build: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """FP32 values stored in `dtype` as the vLLM CPU ops `build` stores them: truncated (BF16 on `_C_AVX512` /
     `_C_AVX2`) or rounded to nearest even."""
-    if dtype == torch.bfloat16 and stores_truncate(build):
+    return stored(values, stores_truncate(build), dtype)
+
+
+def stored(values: torch.Tensor, truncate: bool, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """FP32 values stored in `dtype`: BF16 by truncation where `truncate`, else rounded to nearest even."""
+    if dtype == torch.bfloat16 and truncate:
         return truncate_to_bf16(values.float()).to(dtype)
     return values.to(dtype)
 

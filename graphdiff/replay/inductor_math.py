@@ -34,8 +34,8 @@ def inductor_math(name: str, x: torch.Tensor) -> torch.Tensor:
     one_op.__code__ = one_op.__code__.replace(co_name=f"inductor_{name}")
     # Inductor's FX graph cache keys the generated code by graph and config, not by the vector ISA it was generated
     # for; this process compiles it for its own. An 8-lane (AVX2) kernel compiled with AVX-512's 16-lane vectors
-    # stores past its buffer (a process posing as avx2, GRAPHDIFF_CPU_KIND, shares the cache with native ones):
-    # the ISA's width, in the config, keys it.
+    # stores past its buffer, so wherever a cache is shared by CPUs of another width (a patch in a cluster's shared
+    # cache; posing processes keep their own, cpu_kind) the ISA's width, in the config, keys it.
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     bits = pick_vec_isa().bit_width()
