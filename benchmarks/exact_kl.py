@@ -34,8 +34,8 @@ def main() -> None:
     tp = args.tensor_parallel_size
 
     from graphdiff import runtime
-    from graphdiff.capture.engine import engine_env
     from graphdiff.capture.hf import load_hf_model
+    from graphdiff.engines.vllm.start import engine_env
     from graphdiff.models.prepare import prepare_model
 
     resolved, _ = prepare_model(args.model, None, None, print)
@@ -43,8 +43,8 @@ def main() -> None:
     os.environ.update(engine_env(Path(tempfile.mkdtemp())))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     extra = {}
-    if tp > 1:  # one worker process per rank (graphdiff.capture.tp), no capture
-        from graphdiff.capture.tp import WORKER_ENV, tp_env, tp_kwargs
+    if tp > 1:  # one worker process per rank (graphdiff.engines.vllm.tp), no capture
+        from graphdiff.engines.vllm.tp import WORKER_ENV, tp_env, tp_kwargs
 
         os.environ.update({k: v for k, v in tp_env(tp).items() if k != WORKER_ENV})
         extra = tp_kwargs(tp, capture=False)

@@ -24,7 +24,7 @@ from pathlib import Path
 ENGINE_ONLY = r"""
 import json, os, sys, time, tempfile
 from pathlib import Path
-from graphdiff.capture.engine import engine_env
+from graphdiff.engines.vllm.start import engine_env
 from graphdiff.records import Shape
 from graphdiff.capture.shapes import engine_limits
 work = Path(tempfile.mkdtemp())

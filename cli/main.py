@@ -141,20 +141,22 @@ def capture(
         at_least(layers, "--layers", 1)
         config = compile_option(compilation_config, optimization_level)
         check_tp(tensor_parallel_size)
-        if engine == "dump":
-            from graphdiff.capture.dump import import_dump
+        from graphdiff.pipeline import capture_dump, capture_side
 
-            cap = import_dump(Path(model))
+        if engine == "dump":
             with staged(out_dir, "capture") as tmp:
-                save_json(cap, tmp / "capture.json")
+                cap = capture_dump(Path(model), tmp)
         else:
+            from graphdiff.engines.base import EngineOptions
             from graphdiff.models.prepare import prepare_model
 
             resolved, _ = prepare_model(model, layers, None, lambda m: console.log(m), random_weights)
             wanted = capture_shapes(shapes, tokens, resolved.config)
-            with staged(out_dir, "capture") as tmp:
-                cap = capture_model(engine, resolved, wanted, tmp, config, optimization_level, layers, keep_dump,
-                                    tensor_parallel_size)
+            with staged(out_dir, "capture") as tmp, progress(f"capturing the {engine} side") as update:
+                options = EngineOptions(compilation_config=config, optimization_level=optimization_level,
+                                        layers=layers, debug_dir=tmp / "inductor-debug" if keep_dump else None,
+                                        tensor_parallel_size=tensor_parallel_size)
+                cap = capture_side(engine, resolved, wanted, tmp, options, update)
     print_summary(cap, kernels)
     out.print(f"wrote {out_dir / 'capture.json'}")
 
@@ -167,35 +169,6 @@ def capture_shapes(shapes: str | None, tokens: int, config: dict) -> list:
     return with_prompts(wanted, config)
 
 
-def capture_model(engine: str, resolved, wanted: list, out_dir: Path, config: dict,  # noqa: ANN001 - ResolvedModel
-                  optimization_level: int | None, layers: int | None, keep_dump: bool, tp_size: int):  # noqa: ANN201
-    """One side's capture of `resolved` into `out_dir` (the staging directory), with the model's fingerprint."""
-    from graphdiff.analysis.scan import config_sha256
-    from graphdiff.models.resolve import model_fingerprint
-
-    if engine == "hf":
-        from graphdiff.capture.hf import capture_hf
-
-        with progress("tracing the HF eager forward"):
-            cap = capture_hf(resolved.path, input_ids=wanted[0].prompts[0])[0]
-        cap.fingerprint = model_fingerprint(resolved.path)
-        save_json(cap, out_dir / "capture.json")
-        return cap
-    from graphdiff.capture.engine_process import save_engine_capture
-    from graphdiff.capture.vllm import EngineOptions, capture_vllm
-
-    options = EngineOptions(compilation_config=config, optimization_level=optimization_level, layers=layers,
-                            debug_dir=out_dir / "inductor-debug" if keep_dump else None, tensor_parallel_size=tp_size)
-    with progress("starting vLLM") as update:
-        run = capture_vllm(resolved.path, wanted, options=options, progress=update)
-    cap = run.capture
-    cap.config_sha256 = config_sha256(resolved.config)
-    cap.fingerprint = model_fingerprint(resolved.path)
-    cap.startup_s = round(run.startup_s, 3)
-    save_engine_capture(cap, run.buffers, out_dir)
-    return cap
-
-
 def at_least(value: float | None, option: str, least: float) -> None:
     """Refuse a value below an option's range (None: not given, the default applies)."""
     if value is not None and value < least:
@@ -204,7 +177,7 @@ def at_least(value: float | None, option: str, least: float) -> None:
 
 def compile_option(text: str | None, optimization_level: int | None) -> dict:
     """`--compilation-config` JSON, checked against vLLM's CompilationConfig, and -O's range; before any engine."""
-    from graphdiff.capture.vllm_options import check_compilation_config
+    from graphdiff.engines.vllm.options import check_compilation_config
 
     config = parse_json_option(text, "--compilation-config")
     check_compilation_config(config)
@@ -221,7 +194,7 @@ def check_tp(size: int) -> int:
 
 def engine_config(config: dict, optimization_level: int | None) -> dict:
     """The engine's compilation config with its -O level under "optimization_level" (what `kl` starts)."""
-    from graphdiff.capture.vllm_cpu import asked_config
+    from graphdiff.engines.vllm.cpu import asked_config
 
     return asked_config(config, optimization_level)
 
@@ -324,7 +297,7 @@ def check_scan_args(engine: str, tokens: int, layers: int | None, target: Path, 
     """Every check of `scan`'s options that needs no model: the shapes and the compilation config to run."""
     from graphdiff.artifacts import ScanDir, check_patch, check_replaceable
     from graphdiff.capture.shapes import parse_shapes
-    from graphdiff.capture.vllm_cpu import check_options
+    from graphdiff.engines.vllm.cpu import check_options
 
     if engine != "vllm":
         raise GraphdiffError(f"unknown engine {engine!r}; graphdiff scans vllm")

@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 
 from graphdiff.capture.shapes import parse_shapes
-from graphdiff.capture.vllm_cpu import split_level
+from graphdiff.engines.vllm.cpu import split_level
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import CheckFinding, CheckResult, Manifest, Progress, ScanResult
 

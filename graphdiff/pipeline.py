@@ -12,7 +12,6 @@ import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -25,9 +24,11 @@ from graphdiff.analysis.scan import (
 )
 from graphdiff.artifacts import ScanDir, new_scan_id
 from graphdiff.capture.shapes import check_shapes, default_shapes, with_prompts
-from graphdiff.capture.vllm_cpu import asked_config, check_options, split_level
+from graphdiff.engines.base import EngineOptions
+from graphdiff.engines.vllm.cpu import asked_config, check_options, split_level
 from graphdiff.errors import GraphdiffError
 from graphdiff.models.prepare import prepare_model
+from graphdiff.models.resolve import ResolvedModel
 from graphdiff.records import (
     AttentionForm,
     Buffers,
@@ -88,11 +89,11 @@ def _dump_config(engine_dump: Path, cap: Capture, given: dict | None,
     return split_level(recorded)
 
 
-def _engine_from_dump(engine_dump: Path, resolved: Any, spec: str, compilation_config: dict | None,
+def _engine_from_dump(engine_dump: Path, resolved: ResolvedModel, spec: str, compilation_config: dict | None,
                       optimization_level: int | None, notes: list[str]) -> tuple[Capture, Buffers, dict | None,
                                                                              int | None]:
     """The engine side taken from a capture made elsewhere: it must have run this model config and checkpoint."""
-    from graphdiff.capture.engine_process import load_engine_capture
+    from graphdiff.engines.vllm.process import load_engine_capture
     from graphdiff.models.resolve import model_fingerprint
 
     cap, buffers = load_engine_capture(engine_dump, resolved.path)
@@ -108,13 +109,13 @@ def _engine_from_dump(engine_dump: Path, resolved: Any, spec: str, compilation_c
     return cap, buffers, compilation_config, optimization_level
 
 
-def _engine_run(resolved: Any, shapes: list[Shape] | None, tokens: int, out: ScanDir | None, progress: Progress,
-                sample: SampleAsk | None, compilation_config: dict | None, optimization_level: int | None,
-                tensor_parallel_size: int) -> tuple[Capture, Buffers, float]:
+def _engine_run(resolved: ResolvedModel, shapes: list[Shape] | None, tokens: int, out: ScanDir | None,
+                progress: Progress, sample: SampleAsk | None, compilation_config: dict | None,
+                optimization_level: int | None, tensor_parallel_size: int) -> tuple[Capture, Buffers, float]:
     """The engine side run now, in a child process, into `out`'s engine dir (else a temporary one)."""
     import tempfile
 
-    from graphdiff.capture.engine_process import capture_isolated
+    from graphdiff.engines.vllm.process import capture_isolated
 
     config = resolved.config
     shapes = shapes or default_shapes(tokens, config)
@@ -123,7 +124,7 @@ def _engine_run(resolved: Any, shapes: list[Shape] | None, tokens: int, out: Sca
     directory = out.engine_dir if out is not None else Path(tempfile.mkdtemp(prefix="graphdiff-engine-"))
     progress("starting the engine in its own process (compile)")
     if sample is not None:
-        from graphdiff.capture.session import random_prompts
+        from graphdiff.engines.vllm.session import random_prompts
         from graphdiff.measure.kl import check_request
 
         prompts = random_prompts(config, sample.count, sample.prompt_tokens, sample.seed)
@@ -134,6 +135,45 @@ def _engine_run(resolved: Any, shapes: list[Shape] | None, tokens: int, out: Sca
                             compilation_config=compilation_config, optimization_level=optimization_level,
                             config_sha256=config_sha256(config), sample=request if sample is not None else None,
                             tensor_parallel_size=tensor_parallel_size)
+
+
+def capture_side(engine: str, resolved: ResolvedModel, shapes: list[Shape], out_dir: Path, options: EngineOptions,
+                 progress: Progress = lambda m: None) -> Capture:
+    """One side's capture of `resolved` at `shapes` written into `out_dir` (capture.json, and the engine's kernel
+    buffers), with the model's config hash and fingerprint: "hf" traces the trainer's eager forward (the first shape's
+    prompt), any other name starts that engine in this process."""
+    from graphdiff.models.resolve import model_fingerprint
+
+    if engine == "hf":
+        from graphdiff.capture.hf import capture_hf
+
+        progress("tracing the HF eager forward")
+        cap = capture_hf(resolved.path, input_ids=shapes[0].prompts[0])[0]
+        cap.fingerprint = model_fingerprint(resolved.path)
+        save_json(cap, out_dir / "capture.json")
+        return cap
+    from graphdiff import engines
+    from graphdiff.engines.vllm.process import save_engine_capture
+
+    started = engines.start(engine, resolved.path, shapes, options, progress)
+    try:
+        cap = started.capture
+        cap.config_sha256 = config_sha256(resolved.config)
+        cap.fingerprint = model_fingerprint(resolved.path)
+        cap.startup_s = round(started.startup_s, 3)
+        save_engine_capture(cap, started.buffers, out_dir)
+    finally:
+        started.stop()
+    return cap
+
+
+def capture_dump(dump_dir: Path, out_dir: Path) -> Capture:
+    """A TORCH_COMPILE_DEBUG dump read as the engine side into `out_dir`/capture.json."""
+    from graphdiff import engines
+
+    cap = engines.start("dump", dump_dir, []).capture
+    save_json(cap, out_dir / "capture.json")
+    return cap
 
 
 def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list[Shape] | None = None,
@@ -182,7 +222,7 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
     return ScanOutcome(result, cap, buffers, train, resolved.path, resolved.config, engine_dump is None)
 
 
-def total_layers(resolved: Any) -> int:
+def total_layers(resolved: ResolvedModel) -> int:
     return int(resolved.config.get("num_hidden_layers", 0))
 
 
@@ -226,7 +266,7 @@ def write_outputs(d: ScanDir, outcome: ScanOutcome, engine_dump: Path | None, ex
     unnamed rest is left, and the report."""
     result = outcome.result
     if engine_dump is not None:  # the report draws the engine graph from the scan directory
-        from graphdiff.capture.engine_process import save_engine_capture
+        from graphdiff.engines.vllm.process import save_engine_capture
 
         save_engine_capture(outcome.engine, outcome.buffers, d.engine_dir)
     d.save_train(outcome.train.capture)

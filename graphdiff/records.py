@@ -198,7 +198,7 @@ class Capture(BaseModel):
     startup_s: float | None = None  # engine: how long its start-up (load + compile) took
     # engine: its attention kernel (opaque to the scan), e.g. {"backend": "CPU_ATTN", "isa": "vec", ...}
     attention: dict[str, str] = Field(default_factory=dict)
-    # engine: parameters it loaded, holding values, that its compiled graphs never read (capture.vllm.unread_params)
+    # engine: parameters it loaded, holding values, that its compiled graphs never read (capture.engine_model.unread_params)
     unread_params: list[str] = Field(default_factory=list)
     # engine: the weight its logits are computed with ("lm_head.weight", or "input embedding" where its model has
     # no LM head of its own); "" where not recorded
@@ -282,7 +282,7 @@ class _ExternCall(TypedDict):
 
 
 class ExternRecord(_ExternCall, total=False):
-    """A tensor-parallel all-reduce's recorded call (capture.tp_worker.extern_records)."""
+    """A tensor-parallel all-reduce's recorded call (engines.vllm.tp_worker.extern_records)."""
 
     matmul: str  # kernel id of the matmul that wrote the partial
     matmul_input: torch.Tensor  # that matmul's input

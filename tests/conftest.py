@@ -39,7 +39,7 @@ def engine_run(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFa
     """The real engine on tiny Qwen3, compiled fresh, with a TORCH_COMPILE_DEBUG dump beside it; it records
     three shapes in its one start (engine_shapes)."""
     pytest.importorskip("vllm")
-    from graphdiff.capture.vllm import EngineOptions, capture_vllm
+    from graphdiff.engines.vllm.capture import EngineOptions, capture_vllm
 
     debug = tmp_path_factory.mktemp("inductor-debug")
     run = capture_vllm(tiny_models["qwen3"], engine_shapes(tiny_models["qwen3"]),

@@ -153,7 +153,7 @@ def test_a_persisted_file_gets_one_message_per_way_it_is_wrong(tmp_path):
 
 
 def test_compilation_config_is_checked_against_vllms_own_fields_without_importing_vllm():
-    from graphdiff.capture.vllm_options import check_compilation_config, schema
+    from graphdiff.engines.vllm.options import check_compilation_config, schema
 
     if schema() is None:
         pytest.skip("vLLM is not installed")

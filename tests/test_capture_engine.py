@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graphdiff.capture.cpu_kind import cpu_kind
-from graphdiff.capture.dump import find_graph_dirs, import_dump
+from graphdiff.engines.dump import find_graph_dirs, import_dump
 from graphdiff.records import Graph, Kernel
 from tests.conftest import reference_buffers
 
@@ -126,7 +126,7 @@ def test_every_loaded_parameter_is_read_by_the_compiled_graphs(engine_run):
     runs as `F.linear` (oneDNN has no BF16 GEMM below AVX-512: the avx2 kind) through its weight."""
     from vllm.model_executor.layers.linear import LinearBase
 
-    from graphdiff.capture.vllm import _engine_model
+    from graphdiff.engines.vllm.capture import _engine_model
 
     assert engine_run.capture.unread_params == []
     g = _graph(engine_run)

@@ -12,7 +12,7 @@ from graphdiff.errors import GraphdiffError
 
 
 def test_a_crash_names_the_signal_and_the_step() -> None:
-    msg = failure("graphdiff.capture.engine_process", -signal.SIGSEGV, "recording at prefill-2048", "File <unknown>")
+    msg = failure("graphdiff.engines.vllm.process", -signal.SIGSEGV, "recording at prefill-2048", "File <unknown>")
     assert "killed by SIGSEGV, a crash in native code" in msg and "while recording at prefill-2048" in msg
     assert "exit 3" in failure("m", 3, "", "boom") and "while" not in failure("m", 3, "", "boom")
 

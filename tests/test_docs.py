@@ -13,7 +13,7 @@ PACKAGE = ROOT / "graphdiff"
 README = ROOT / "README.md"
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 README_MAX_LINES = 250
-# Where a repository path starts; ARCHITECTURE.md also names modules relative to graphdiff/ (`capture/vllm.py`).
+# Where a repository path starts; ARCHITECTURE.md also names modules relative to graphdiff/ (`engines/vllm/capture.py`).
 ROOTS = ("graphdiff", "cli", "tests", "benchmarks", "scripts", "examples", "fixtures", "docs")
 SUBPACKAGES = tuple(sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()))
 PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(ROOTS + SUBPACKAGES) + r")/[\w./-]*)")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from graphdiff.capture.dump import import_dump, parse_fx_graph
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
+from graphdiff.engines.dump import import_dump, parse_fx_graph
 from graphdiff.errors import GraphdiffError
 from tests.conftest import FIXTURES
 

@@ -104,7 +104,7 @@ def test_buffer_recorder_removes_its_kernel_wrappers() -> None:
 def test_engine_process_state_puts_environment_config_and_threads_back(tmp_path: Path) -> None:
     import torch._inductor.config as inductor_config
 
-    from graphdiff.capture.engine import engine_env, engine_process_state
+    from graphdiff.engines.vllm.start import engine_env, engine_process_state
 
     env = engine_env(tmp_path)
     before = ({k: os.environ.get(k) for k in env}, inductor_config.force_disable_caches, torch.get_num_threads())
@@ -142,7 +142,7 @@ def _defined(names: object) -> list[bool]:
 
 def test_cuda_only_placeholders_are_undefined_by_the_last_block() -> None:
     pytest.importorskip("vllm")
-    from graphdiff.capture.vllm_cpu import CUDA_ONLY_C_OPS, cuda_only_placeholders
+    from graphdiff.engines.vllm.cpu import CUDA_ONLY_C_OPS, cuda_only_placeholders
 
     with cuda_only_placeholders() as missing:
         if not missing:
@@ -157,7 +157,7 @@ def test_cuda_only_placeholders_are_undefined_by_the_last_block() -> None:
 
 def test_as_asked_puts_the_cpu_platform_and_the_ops_back() -> None:
     pytest.importorskip("vllm")
-    from graphdiff.capture.vllm_cpu import CUDA_ONLY_C_OPS, as_asked, on_cpu_platform
+    from graphdiff.engines.vllm.cpu import CUDA_ONLY_C_OPS, as_asked, on_cpu_platform
 
     if not on_cpu_platform():
         pytest.skip("VLLM_COMPILE is kept only on the CPU platform")
@@ -176,8 +176,8 @@ def test_importing_the_tp_worker_installs_nothing(monkeypatch: pytest.MonkeyPatc
     """Even where vLLM imports it in a capture's worker (GRAPHDIFF_TP_WORKER=1), the import changes nothing."""
     import torch._inductor.compile_fx as compile_fx_mod
 
-    from graphdiff.capture import tp_worker
-    from graphdiff.capture.tp import VLLM_COMPILE_ENV, WORKER_ENV
+    from graphdiff.engines.vllm import tp_worker
+    from graphdiff.engines.vllm.tp import VLLM_COMPILE_ENV, WORKER_ENV
 
     monkeypatch.setenv(WORKER_ENV, "1")
     monkeypatch.setenv(VLLM_COMPILE_ENV, "1")
@@ -193,11 +193,11 @@ def test_tp_worker_hooks_live_from_the_worker_build_to_stop_capture(monkeypatch:
     placeholder ops for VLLM_COMPILE); stop_capture, which the capture's save calls, undoes both."""
     import torch._inductor.compile_fx as compile_fx_mod
 
-    from graphdiff.capture import tp_worker
-    from graphdiff.capture.tp import VLLM_COMPILE_ENV, WORKER_ENV
+    from graphdiff.engines.vllm import tp_worker
+    from graphdiff.engines.vllm.tp import VLLM_COMPILE_ENV, WORKER_ENV
 
     pytest.importorskip("vllm")
-    from graphdiff.capture.vllm_cpu import CUDA_ONLY_C_OPS
+    from graphdiff.engines.vllm.cpu import CUDA_ONLY_C_OPS
 
     class WorkerBase:  # like vLLM's: its __init__ does not call super().__init__
         def __init__(self, **kwargs: object) -> None:
@@ -221,7 +221,7 @@ def test_tp_worker_hooks_live_from_the_worker_build_to_stop_capture(monkeypatch:
 
 
 def test_extern_recorder_puts_the_op_packets_back() -> None:
-    from graphdiff.capture.tp_worker import ExternRecorder
+    from graphdiff.engines.vllm.tp_worker import ExternRecorder
 
     before = torch.ops.aten.relu
     rec = ExternRecorder(("aten.relu",))

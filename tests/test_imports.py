@@ -100,7 +100,8 @@ LAYERS = (
     ("graphdiff", "records", "errors", "ops", "child"),  # the data model and the shared vocabulary
     ("runtime",),  # what a training repo imports
     ("models", "replay"),  # resolve a model; re-execute a kernel under a rounding plan
-    ("capture",),  # both sides' graphs as records, the engine session
+    ("capture",),  # both sides' graphs as records: Inductor's hooks, the trainer's trace
+    ("engines",),  # the engine interface, vLLM and a recorded dump behind it
     ("analysis", "artifacts"),  # match, decide, plan; scan directories
     ("codegen", "measure"),  # a patch from a plan; gaps, attribution, routing
     ("report", "pipeline", "check", "schemas"),  # what a person reads; the whole scan composed once
@@ -108,7 +109,7 @@ LAYERS = (
 
 
 def package_graph(graph: nx.DiGraph) -> nx.DiGraph:
-    """The module graph folded to graphdiff's packages (`graphdiff.capture.vllm` -> `capture`)."""
+    """The module graph folded to graphdiff's packages (`graphdiff.engines.vllm.capture` -> `engines`)."""
     def package(module: str) -> str:
         parts = module.split(".")
         return parts[1] if len(parts) > 1 else parts[0]

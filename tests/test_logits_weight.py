@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from graphdiff.analysis.scan import logits_notes
-from graphdiff.capture.engine import logits_weight
+from graphdiff.capture.engine_model import logits_weight
 from graphdiff.records import Capture, Graph
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from graphdiff.capture import session as eng
 from graphdiff.capture.hf import load_hf_model
-from graphdiff.capture.session import random_prompts, read_prompts
+from graphdiff.engines.vllm import session as eng
+from graphdiff.engines.vllm.session import random_prompts, read_prompts
 from graphdiff.errors import GraphdiffError
 from graphdiff.measure import kl, logprobs
 from graphdiff.measure.kl import gap_metrics, manifest_regions, position_curve
@@ -320,7 +320,7 @@ def test_the_engine_child_process_protocol(monkeypatch, tmp_path, capsys):
     request, result = tmp_path / "request.json", tmp_path / "samples.json"
     request.write_text(json.dumps(dict(model_dir="m", prompts=[[1, 2]], modes=["eager"], max_tokens=1, seed=0,
                                        temperature=1.0, result=str(result), compilation_config={})))
-    monkeypatch.setattr(sys, "argv", ["graphdiff.capture.session", str(request)])
+    monkeypatch.setattr(sys, "argv", ["graphdiff.engines.vllm.session", str(request)])
 
     def fake(model_dir, prompts, modes, *, max_tokens, seed, temperature, progress, compilation_config):
         progress("sampling\nnow")
@@ -343,7 +343,7 @@ def test_the_engine_child_process_protocol(monkeypatch, tmp_path, capsys):
 
 def test_a_failing_child_is_one_error_in_the_parent(tmp_path):
     """The engine capture's child process, given a model that does not exist: the parent gets its one line."""
-    from graphdiff.capture.engine_process import capture_isolated
+    from graphdiff.engines.vllm.process import capture_isolated
 
     with pytest.raises(GraphdiffError, match="does not exist"):
         capture_isolated(tmp_path / "nope", [], tmp_path / "engine")

@@ -195,7 +195,7 @@ def test_each_graphs_buffers_are_saved_apart(tmp_path: Path) -> None:
     """arg7_1 is the norm weight in one piecewise graph and the RoPE table in another: the table stays inline."""
     from safetensors.torch import save_file
 
-    from graphdiff.capture.engine_process import load_engine_capture, save_engine_capture
+    from graphdiff.engines.vllm.process import load_engine_capture, save_engine_capture
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()

@@ -51,7 +51,7 @@ def test_moe_configs_are_told_by_their_expert_count(tmp_path) -> None:
     the routed-expert count counts, the shared experts and the experts per token do not."""
     import json
 
-    from graphdiff.capture.session import is_moe
+    from graphdiff.engines.vllm.session import is_moe
 
     for config, moe in [({"num_experts": 8}, True), ({"num_local_experts": 8}, True), ({"n_routed_experts": 64}, True),
                         ({"moe_num_experts": 8, "moe_k": 2}, True), ({"text_config": {"num_experts": 4}}, True),

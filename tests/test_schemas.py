@@ -13,7 +13,7 @@ def test_schema_files_are_current():
 def test_fixture_dump_capture_validates(tmp_path):
     import jsonschema
 
-    from graphdiff.capture.dump import import_dump
+    from graphdiff.engines.dump import import_dump
     from tests.conftest import FIXTURES
 
     cap = import_dump(FIXTURES / "dumps" / "vllm-cpu-tiny-qwen3")

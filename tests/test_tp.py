@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from graphdiff import runtime
 from graphdiff.analysis.tensor_parallel import match_shards, rank_of, same_weight
-from graphdiff.capture.tp import omp_bind, rank_kernel_ids
 from graphdiff.codegen import generate
 from graphdiff.codegen.tp_linear import SPLIT_K_FN, linear_split_k, linear_split_k_truncated
+from graphdiff.engines.vllm.tp import omp_bind, rank_kernel_ids
 from graphdiff.records import Decision, Evidence, Graph, Kernel, Node, Region, SideRef, SideState, Site
 
 QWEN3 = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3"
@@ -216,7 +216,7 @@ def test_extern_attribution_skips_an_origin_node_that_runs_another_op() -> None:
 def test_a_torch_distributed_allreduce_is_found_in_place_and_its_calls_recorded() -> None:
     from graphdiff.analysis.tensor_parallel import allreduce_truncates
     from graphdiff.capture.collectives import AllReduce, allreduces
-    from graphdiff.capture.tp_worker import EXTERN_OPS, extern_records
+    from graphdiff.engines.vllm.tp_worker import EXTERN_OPS, extern_records
 
     g = _c10d_tp_graph()
     assert allreduces(g) == [AllReduce("engine_graph_0", "torch.ops._c10d_functional.all_reduce_.default:10", "mm_1",
@@ -241,7 +241,7 @@ def test_the_extern_recorder_records_an_inductor_mm_and_a_completed_c10d_allredu
     import torch.distributed._functional_collectives  # noqa: F401  (registers the _c10d_functional ops)
     from torch._inductor.select_algorithm import extern_kernels
 
-    from graphdiff.capture.tp_worker import EXTERN_OPS, ExternRecorder
+    from graphdiff.engines.vllm.tp_worker import EXTERN_OPS, ExternRecorder
 
     mm = extern_kernels.mm
     owned = not dist.is_initialized()  # an in-process engine earlier in the session may have made one (world 1)
@@ -293,7 +293,7 @@ def tp2_scan(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     """The recorded TP=2 capture of tiny Qwen3 (both ranks, with their all-reduce calls) analysed as
     `scan --engine-dump` does, into a scan directory."""
     from graphdiff.artifacts import ScanDir
-    from graphdiff.capture.engine_process import save_engine_capture
+    from graphdiff.engines.vllm.process import save_engine_capture
     from graphdiff.pipeline import scan
 
     d = ScanDir(tmp_path_factory.mktemp("scan-tp2"))

@@ -1,4 +1,4 @@
-"""The real engine's unread parameters (capture.vllm.unread_params): vLLM CPU routes ERNIE-4.5-MoE with a plain
+"""The real engine's unread parameters (capture.engine_model.unread_params): vLLM CPU routes ERNIE-4.5-MoE with a plain
 softmax top-k that never reads the checkpoint's `e_score_correction_bias`, which transformers adds before its top-k.
 One engine capture in its own process, one 16-token prefill (about a minute)."""
 
@@ -15,8 +15,8 @@ pytestmark = pytest.mark.engine
 
 def test_the_engine_never_reads_ernie_moe_correction_bias(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    from graphdiff.capture.engine_process import capture_isolated
     from graphdiff.capture.shapes import prefill, with_prompts
+    from graphdiff.engines.vllm.process import capture_isolated
     from graphdiff.models.resolve import read_config
 
     model = make_tiny("ernie4_5_moe", tmp_path / "model", layers=2)

@@ -1,4 +1,4 @@
-"""Engine parameters loaded but never read by the compiled graphs (capture.vllm.unread_params), on a module tree
+"""Engine parameters loaded but never read by the compiled graphs (capture.engine_model.unread_params), on a module tree
 shaped like vLLM's ERNIE-4.5-MoE / GLM-4-MoE layers, with graph input names as the real captures name them
 (recorded from `graphdiff scan` of the tiny ernie4_5_moe and glm4_moe checkpoints on vLLM CPU 0.32.0)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphdiff.capture.engine import unread_params
+from graphdiff.capture.engine_model import unread_params
 from graphdiff.records import Graph
 
 

@@ -1,6 +1,6 @@
 """Tensor parallelism in the analysis: sharded values, and the all-reduce of row-parallel partial products.
 
-A tensor-parallel engine capture holds every rank's graphs (graphdiff.capture.tp: rank 0's under their own
+A tensor-parallel engine capture holds every rank's graphs (graphdiff.engines.vllm.tp: rank 0's under their own
 names, rank r's as `rank<r>/<name>`). Each rank computes
 
 - replicated values (the residual stream, norms, every row-parallel matmul's output after its all-reduce): the
@@ -21,7 +21,7 @@ Inductor calls in place as `_c10d_functional.all_reduce_` (each BF16 addition ro
 FP32 sum rounded once; `allreduce_truncates`). The partials' rounding is one-sided: an `allreduce` site, decided from
 the engine graph (an all-reduce extern whose buffer a matmul extern wrote, and the trainer value matched to that
 buffer), with the registry entry as the description and, where the capture recorded the extern calls
-(graphdiff.capture.tp_worker), the check on real data as replay evidence: the all-reduce output recomputed from the
+(graphdiff.engines.vllm.tp_worker), the check on real data as replay evidence: the all-reduce output recomputed from the
 ranks' BF16 partials ("predicted") and as one rounding of the FP32 sum of the partial products ("naive", the
 trainer's).
 """

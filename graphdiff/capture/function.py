@@ -16,7 +16,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphdiff.capture.assemble import build_graph
-from graphdiff.capture.engine import input_names
+from graphdiff.capture.engine_model import input_names
 from graphdiff.capture.fx import graph_from_fx
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, weight_inputs

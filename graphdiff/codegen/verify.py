@@ -195,7 +195,7 @@ def split_k_checks(scan_dir: Path, gen: Any, splice: ManifestSplice, device: str
     from graphdiff.analysis.tensor_parallel import rank_of
     from graphdiff.artifacts import ScanDir
     from graphdiff.capture.collectives import allreduces
-    from graphdiff.capture.engine_process import checkpoint_tensor
+    from graphdiff.engines.vllm.process import checkpoint_tensor
     from graphdiff.runtime import module_regex
 
     d = ScanDir(scan_dir)

@@ -121,7 +121,7 @@ def gate_patch(scan_dir: Path, patch_dir: Path, *, max_tokens: int = GATE_TOKENS
     the engine, started as the scan configured it) and leave out the regions that widen the gap."""
     from graphdiff.artifacts import ScanDir
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.capture.session import random_prompts, sample_engine
+    from graphdiff.engines.vllm.session import random_prompts, sample_engine
     from graphdiff.models.prepare import scanned_model
     from graphdiff.models.resolve import read_config
 

@@ -1,6 +1,6 @@
 """The engine-vs-trainer log-prob gap on the engine's own samples (the paper's KL estimate).
 
-The engine side (graphdiff.capture.session) samples once and caches the samples with the engine's
+The engine side (graphdiff.engines.vllm.session) samples once and caches the samples with the engine's
 log-probs. The trainer recomputes the same tokens (graphdiff.measure.logprobs.train_logprobs), with any
 callable model (eager, torch.compile'd, patched), so one set of engine samples serves many patch subsets.
 
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from graphdiff import runtime
-from graphdiff.capture.session import SAMPLES_FILE, random_prompts, read_prompts, sample_engine
+from graphdiff.engines.vllm.session import SAMPLES_FILE, random_prompts, read_prompts, sample_engine
 from graphdiff.errors import GraphdiffError
 from graphdiff.measure import routing
 from graphdiff.measure.logprobs import engine_logprobs, per_token, train_logprobs, trainer

@@ -1,6 +1,6 @@
 """MoE routing agreement on the gap's samples: the experts the trainer chooses for each token vs the engine's.
 
-The engine's choices are recorded in its process (capture/vllm.py `record_routing`: the top-k indices its router
+The engine's choices are recorded in its process (engines/vllm/capture.py `record_routing`: the top-k indices its router
 kernels read while it scores each sample in one prefill). The trainer's are read while it scores the same tokens:
 every top-k call is seen (a torch function mode) and attributed to the decoder layer whose forward is running;
 per layer, the first top-k whose k and input rows fit the engine's choices is the router's (a group-limited router

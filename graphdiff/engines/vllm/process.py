@@ -3,7 +3,7 @@
 `scan` never starts the engine in its own process: vLLM's start-up changes process state (environment,
 Inductor config, OpenMP binding, its current-config global that custom ops and some transformers models
 trip over), and the trainer must run as it would in a training job. So the engine is captured in a child
-(`python -m graphdiff.capture.engine_process`, see graphdiff.child) that writes what `graphdiff capture
+(`python -m graphdiff.engines.vllm.process`, see graphdiff.child) that writes what `graphdiff capture
 --engine vllm` writes; the scan, `scan --engine-dump` and `graphdiff replay` all read it back the same way.
 
 Recorded weights are kept by reference in memory; on disk a large one is a reference to the checkpoint
@@ -20,6 +20,7 @@ import torch
 
 from graphdiff import child
 from graphdiff.capture.inductor_hooks import weight_inputs
+from graphdiff.engines.base import Engine, EngineOptions
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import (
     Buffers,
@@ -163,7 +164,7 @@ def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
     engine's start-up time. `sample` (prompts, max_tokens, seed, temperature, out_dir): the same engine then samples
     them with log-probs, and scores them in one prefill, into out_dir/engine_samples.json (what `kl` and the patch's
     measurement read), so a scan with --patch and --kl starts one engine."""
-    child.run("graphdiff.capture.engine_process",
+    child.run("graphdiff.engines.vllm.process",
               dict(model_dir=str(model_dir), shapes=[s.model_dump() for s in shapes], out=str(directory),
                    compilation_config=compilation_config or {}, optimization_level=optimization_level,
                    config_sha256=config_sha256, sample=sample.model_dump() if sample is not None else None,
@@ -173,8 +174,7 @@ def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *,
 
 
 def _serve(req: dict, progress: Progress) -> None:
-    from graphdiff.capture.session import stop_engine
-    from graphdiff.capture.vllm import EngineOptions, capture_vllm
+    from graphdiff.engines.vllm.engine import start
 
     s = SampleRequest.model_validate(req["sample"]) if req.get("sample") else None
     longest = max((len(p) for p in s.prompts), default=0) + s.max_tokens if s is not None else 0
@@ -182,32 +182,30 @@ def _serve(req: dict, progress: Progress) -> None:
                             min_model_len=longest, min_seqs=len(s.prompts) if s is not None else 0,
                             tensor_parallel_size=req.get("tensor_parallel_size", 1))
     model_dir = Path(req["model_dir"])
-    run = capture_vllm(model_dir, [Shape.model_validate(s) for s in req["shapes"]], options=options,
-                       progress=progress)
+    engine = start(model_dir, [Shape.model_validate(s) for s in req["shapes"]], options, progress)
     try:
-        run.capture.config_sha256 = req["config_sha256"]
-        run.capture.startup_s = round(run.startup_s, 3)
-        save_engine_capture(run.capture, run.buffers, Path(req["out"]))
+        engine.capture.config_sha256 = req["config_sha256"]
+        engine.capture.startup_s = round(engine.startup_s, 3)
+        save_engine_capture(engine.capture, engine.buffers, Path(req["out"]))
         if s is not None:
-            _sample(run, s, req, model_dir, progress)
+            _sample(engine, s, req, model_dir, progress)
     finally:  # before the interpreter finalizes: a live engine client thread aborts it at exit (TP engines)
-        stop_engine(run.llm)
+        engine.stop()
 
 
-def _sample(run: Any, s: SampleRequest, req: dict, model_dir: Path, progress: Progress) -> None:
+def _sample(engine: Engine, s: SampleRequest, req: dict, model_dir: Path, progress: Progress) -> None:
     """The capture's engine samples the request's prompts (and records MoE routing on them) into out_dir."""
-    from graphdiff.capture.session import engine_sample, engine_versions, samples_run, store_samples
-    from graphdiff.capture.vllm import record_routing
-    from graphdiff.capture.vllm_cpu import asked_config
+    from graphdiff.engines.vllm.cpu import asked_config
+    from graphdiff.engines.vllm.session import engine_versions, samples_run, store_samples
 
     progress(f"sampling {len(s.prompts)} x {s.max_tokens} tokens on the same engine (for the gap)")
-    got = engine_sample(run.llm, s.prompts, max_tokens=s.max_tokens, seed=s.seed, temperature=s.temperature)
-    record_routing(run, got, progress)
+    got = engine.sample(s.prompts, max_tokens=s.max_tokens, seed=s.seed, temperature=s.temperature)
+    engine.record_routing(got, progress)
     config = asked_config(req["compilation_config"], req["optimization_level"])
     store_samples(Path(s.out_dir), samples_run(model_dir, "compiled", s.prompts, max_tokens=s.max_tokens,
                                                seed=s.seed, temperature=s.temperature,
-                                                  compilation_config=config, versions=engine_versions(),
-                                                  samples=got))
+                                               compilation_config=config, versions=engine_versions(),
+                                               samples=got))
 
 
 if __name__ == "__main__":

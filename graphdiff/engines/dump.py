@@ -10,7 +10,7 @@ The graph is read with `ast` (the file is Python), never executed.
 A `# File:` line names only a node's innermost frame. Where that frame is a `__torch_function__` passing the op on
 (vLLM's parameter subclass: a linear that vLLM CPU runs as `F.linear` on its weight, e.g. where oneDNN has no BF16
 GEMM), the line that issued the op is not in the dump: such nodes get no source rather than the pass-through's
-line (the live capture names the caller, capture.fx._source).
+line (the live capture names the caller).
 """
 
 from __future__ import annotations
@@ -18,12 +18,15 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from graphdiff.capture.assemble import assemble_graph
 from graphdiff.capture.fx import PASS_THROUGH
+from graphdiff.engines.base import EngineOptions
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import Capture, Graph, Node, Source
+from graphdiff.records import Buffers, Capture, EngineSample, Graph, Node, Progress, Shape, Source
 
 REQUIRED = ("fx_graph_transformed.py", "output_code.py", "inductor_provenance_tracking_node_mappings.json")
 
@@ -198,3 +201,32 @@ def import_dump(root: Path, model: str = "") -> Capture:
     return Capture(side="engine", engine="dump", model=model or str(root), architecture="unknown",
                    graphs=graphs, notes=["imported from a TORCH_COMPILE_DEBUG dump: parameter names and module "
                                          "paths are not recorded there"])
+
+
+@dataclass
+class DumpEngine:
+    """A recorded dump behind the engine interface: graphs and kernels, no recorded buffers, nothing to run."""
+
+    capture: Capture
+    buffers: Buffers = field(default_factory=dict)
+    startup_s: float = 0.0
+    name: str = "dump"
+
+    def sample(self, prompts: Sequence[list[int]], *, max_tokens: int, seed: int = 0,
+               temperature: float = 1.0) -> list[EngineSample]:
+        raise GraphdiffError("a recorded dump cannot sample: measure the gap with a live engine (--engine vllm)")
+
+    def score(self, samples: Sequence[EngineSample]) -> None:
+        raise GraphdiffError("a recorded dump cannot score sequences: measure the gap with a live engine")
+
+    def record_routing(self, samples: Sequence[EngineSample], progress: Progress = lambda m: None) -> None:
+        return None  # a dump ran no tokens of ours: no routing to record
+
+    def stop(self) -> None:
+        return None
+
+
+def start(model_dir: Path, shapes: list[Shape], options: EngineOptions, progress: Progress) -> DumpEngine:
+    """The dump under `model_dir` (a TORCH_COMPILE_DEBUG directory) read as an engine; `shapes` are what it ran."""
+    progress(f"reading the TORCH_COMPILE_DEBUG dump {model_dir}")
+    return DumpEngine(import_dump(model_dir))

@@ -5,7 +5,7 @@ to happen there. vLLM offers two hooks: `worker_extension_cls` (a class whose me
 resolved in `WorkerWrapperBase.init_worker` before the worker builds, loads and compiles the model) and
 `LLM.collective_rpc` (call a worker method on every rank). When vLLM builds a worker with the extension mixed
 in, `start_capture` installs graphdiff's Inductor hooks in it before its compile (only where the driver asked for
-it: `GRAPHDIFF_TP_WORKER=1`); the driver (graphdiff.capture.tp) arms, collects and saves through RPCs, and the
+it: `GRAPHDIFF_TP_WORKER=1`); the driver (graphdiff.engines.vllm.tp) arms, collects and saves through RPCs, and the
 save ends the capture (`stop_capture`: the hooks, placeholders and buffer recorders undone). Importing this module
 changes nothing.
 
@@ -38,8 +38,15 @@ from graphdiff.capture.assemble import build_graph
 from graphdiff.capture.collectives import allreduces
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, weight_inputs
-from graphdiff.capture.tp import BUFFERS_FILE, GRAPHS_FILE, META_FILE, VLLM_COMPILE_ENV, WORKER_ENV, rank_kernel_ids
-from graphdiff.capture.vllm_cpu import cuda_only_placeholders
+from graphdiff.engines.vllm.cpu import cuda_only_placeholders
+from graphdiff.engines.vllm.tp import (
+    BUFFERS_FILE,
+    GRAPHS_FILE,
+    META_FILE,
+    VLLM_COMPILE_ENV,
+    WORKER_ENV,
+    rank_kernel_ids,
+)
 from graphdiff.records import Buffers, ExternRecord, Graph, KernelRecord
 
 # the argument each op's recorded call holds its input in (a matmul) or reduces in place (an all-reduce)
@@ -196,7 +203,7 @@ class GraphdiffWorkerExtension:
         """This rank's compiled model graphs (named and numbered for the rank) and a recorder on each."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        from graphdiff.capture.engine import input_names, is_model_graph, unique_kernel_ids
+        from graphdiff.capture.engine_model import input_names, is_model_graph, unique_kernel_ids
 
         if HOOKS is None:
             raise RuntimeError(f"graphdiff's Inductor hooks are not installed in this worker ({WORKER_ENV} unset)")
@@ -256,7 +263,8 @@ class GraphdiffWorkerExtension:
 
     def graphdiff_save(self, out_dir: str) -> dict[str, Any]:
         """Write this rank's graphs (JSON), buffers (torch.save) and facts (JSON) under out_dir/rank<R>/."""
-        from graphdiff.capture.engine import attention_info, logits_weight, packed_params, unread_params
+        from graphdiff.capture.engine_model import logits_weight, unread_params
+        from graphdiff.engines.vllm.start import attention_info, packed_params
 
         state = self._graphdiff
         out = Path(out_dir) / f"rank{state.rank}"

@@ -2,7 +2,7 @@
 
 vLLM runs each rank in its own worker process (the `mp` executor), each compiling its own graph on its own shards of
 the weights. The driver (this module, in the engine child process) starts vLLM with graphdiff's worker extension
-(graphdiff.capture.tp_worker: mixed into every worker, it installs the Inductor hooks when vLLM builds the worker,
+(graphdiff.engines.vllm.tp_worker: mixed into every worker, it installs the Inductor hooks when vLLM builds the worker,
 before its compile), then, through `collective_rpc`, builds each rank's graphs and recorders, arms them for each
 shape, and has each rank save its capture to files (which ends the capture in the worker). The ranks' captures
 become one `Capture`: rank 0's graphs keep their names, rank r's are `rank<r>/<name>` with kernel ids
@@ -25,20 +25,13 @@ from typing import Any
 
 import torch
 
-from graphdiff.capture.engine import (
-    EngineOptions,
-    EngineRun,
-    engine_env,
-    engine_process_state,
-    llm_kwargs,
-    start_llm,
-    tag_kernel_ids,
-    versions,
-)
+from graphdiff.capture.engine_model import tag_kernel_ids
+from graphdiff.engines.base import EngineOptions
+from graphdiff.engines.vllm.start import EngineRun, engine_env, engine_process_state, llm_kwargs, start_llm, versions
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import Buffers, Capture, Graph, PackedParam, Shape
 
-WORKER_EXTENSION = "graphdiff.capture.tp_worker.GraphdiffWorkerExtension"  # never imported in the driver
+WORKER_EXTENSION = "graphdiff.engines.vllm.tp_worker.GraphdiffWorkerExtension"  # never imported in the driver
 WORKER_ENV = "GRAPHDIFF_TP_WORKER"  # a worker built with the extension installs graphdiff's Inductor hooks
 VLLM_COMPILE_ENV = "GRAPHDIFF_TP_VLLM_COMPILE"  # VLLM_COMPILE kept on CPU: workers define the CUDA-only _C ops
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
@@ -110,7 +103,7 @@ def capture_vllm_tp(model_dir: Path, shapes: list[Shape], options: EngineOptions
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from graphdiff.capture.vllm_cpu import effective_config, on_cpu_platform, wants_vllm_compile
+    from graphdiff.engines.vllm.cpu import effective_config, on_cpu_platform, wants_vllm_compile
     from graphdiff.models.resolve import architecture, read_config
 
     tp = options.tensor_parallel_size

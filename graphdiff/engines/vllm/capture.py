@@ -4,7 +4,7 @@ The engine starts with the user's compilation config under the hooks of `inducto
 it compiles, which FX nodes each kernel fuses); every generated kernel is then wrapped by a recorder and
 each requested shape runs once (a prefill of a prompt, or a decode step of a batch), so that the scan
 replays every kernel on real buffers at every shape. Names of the engine model's parameters come from
-Dynamo's placeholder names. `scan` runs this in a child process (graphdiff.capture.engine_process): the
+Dynamo's placeholder names. `scan` runs this in a child process (graphdiff.engines.vllm.process): the
 engine's start-up changes process state the trainer must not inherit.
 """
 
@@ -19,26 +19,22 @@ from typing import Any
 import torch
 
 from graphdiff.capture.assemble import build_graph
-from graphdiff.capture.engine import (
-    EngineOptions,
+from graphdiff.capture.engine_model import input_names, is_model_graph, logits_weight, unique_kernel_ids, unread_params
+from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
+from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, weight_inputs
+from graphdiff.capture.shapes import prefill, with_prompts
+from graphdiff.engines.base import EngineOptions
+from graphdiff.engines.vllm.cpu import asked_config, check_options, effective_config
+from graphdiff.engines.vllm.start import (
     EngineRun,
     attention_info,
     engine_env,
     engine_process_state,
-    input_names,
-    is_model_graph,
     llm_kwargs,
-    logits_weight,
     packed_params,
     start_llm,
-    unique_kernel_ids,
-    unread_params,
     versions,
 )
-from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
-from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, weight_inputs
-from graphdiff.capture.shapes import prefill, with_prompts
-from graphdiff.capture.vllm_cpu import asked_config, check_options, effective_config
 from graphdiff.errors import GraphdiffError
 from graphdiff.models.resolve import architecture, read_config
 from graphdiff.records import Capture, Graph, KernelRecord, Progress, Shape
@@ -115,7 +111,7 @@ def capture_vllm(model_dir: Path, shapes: list[Shape] | list[int], *, options: E
             "`--engine hf` works without it"
         ) from None
     if options.tensor_parallel_size > 1:  # every rank in its own worker process: captured there
-        from graphdiff.capture.tp import capture_vllm_tp
+        from graphdiff.engines.vllm.tp import capture_vllm_tp
 
         return capture_vllm_tp(model_dir, runs, options, progress)
     work = Path(tempfile.mkdtemp(prefix="graphdiff-engine-"))
