@@ -273,22 +273,22 @@ def write_outputs(d: ScanDir, outcome: ScanOutcome, engine_dump: Path | None, ex
     d.save_scan(result)
     made = kl_result = None
     if extras.patch:
-        from graphdiff.codegen import generate
-        from graphdiff.measure.gate import gate_patch
+        from graphdiff.codegen.generate import make_patch, write_patch
+        from graphdiff.measure.gate import gate
 
-        generate(d.root, d.patch_dir, None, extras.attention)
+        write_patch(make_patch(result, outcome.train.capture, None, extras.attention), d.patch_dir)
         progress("measuring the patch region by region")
-        made = gate_patch(d.root, d.patch_dir, max_tokens=extras.gap_tokens, model_dir=outcome.model_dir,
-                          progress=progress)
+        made = gate(result, d.patch_dir, d.root, max_tokens=extras.gap_tokens, model_dir=outcome.model_dir,
+                    progress=progress)
     if extras.kl:
         kl_result = _gap(d, outcome, extras, progress)
         save_json(kl_result, d.kl_json)
         result.kl = kl_result
         d.save_scan(result)
     if extras.report:
-        from graphdiff.report.html import write_report
+        from graphdiff.report.html import write_html
 
-        write_report(d.root)
+        write_html(result, outcome.train.capture, outcome.engine, d.root / "report.html")
     return made, kl_result
 
 
@@ -304,6 +304,8 @@ def _gap(d: ScanDir, outcome: ScanOutcome, extras: Extras, progress: Progress) -
                      tensor_parallel_size=extras.tensor_parallel_size)
     result.scan_id, result.fingerprint = outcome.result.scan_id, outcome.result.fingerprint
     if manifest is not None:
+        # relative to the scan directory: `d` is the staging directory, renamed when the scan succeeds
+        result.manifest = str(manifest.relative_to(d.root))
         result.departure, result.departure_note = patched_departure(outcome, manifest, result, progress)
     return result
 

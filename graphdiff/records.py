@@ -198,7 +198,7 @@ class Capture(BaseModel):
     startup_s: float | None = None  # engine: how long its start-up (load + compile) took
     # engine: its attention kernel (opaque to the scan), e.g. {"backend": "CPU_ATTN", "isa": "vec", ...}
     attention: dict[str, str] = Field(default_factory=dict)
-    # engine: parameters it loaded, holding values, that its compiled graphs never read (capture.engine_model.unread_params)
+    # engine: parameters it loaded, holding values, that its compiled graphs never read (engine_model.unread_params)
     unread_params: list[str] = Field(default_factory=list)
     # engine: the weight its logits are computed with ("lm_head.weight", or "input embedding" where its model has
     # no LM head of its own); "" where not recorded
@@ -681,7 +681,7 @@ class KLResult(BaseModel):
     bucket: int = 128  # width of the position buckets (`position`) in tokens
     compilation_config: dict[str, object] = Field(default_factory=dict)  # the compiled engine's, as asked
     attribution: Attribution | None = None
-    manifest: str | None = None
+    manifest: str | None = None  # the patch measured; `scan --kl`: relative to the scan directory
     # The patched trainer with the engine's own attention op (graphdiff.measure.engine_attention) and the patched
     # gap split into named sources by it; sources_note says why not, where they could not be measured
     engine_attention: KLMeasurement | None = None

@@ -453,11 +453,21 @@ def _manifest(scan: ScanResult, wanted: list[Region], parts: _Parts, frags: list
     )
 
 
-def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None,
-             attention: AttentionForm = "fp32") -> Manifest:
-    """The patch of the scan in `scan_dir` (its `regions`, default all) into `out_dir`; `attention`: the attention
+@dataclass
+class Patch:
+    """A generated patch: the module's source and the manifest that names its splices (written by `write_patch`)."""
+
+    manifest: Manifest
+    module: str
+
+
+def make_patch(scan: ScanResult, train: Capture, regions: list[str] | None = None,
+               attention: AttentionForm = "fp32") -> Patch:
+    """The patch of `scan` made on the trainer graph `train` (its `regions`, default all); `attention`: the attention
     splice computes as the registry says the engine does ("fp32"), or runs the engine's own op ("engine")."""
-    scan, train = load_scan_dir(scan_dir)
+    if not scan.config:
+        raise GraphdiffError("the scan records no model config (written by an older graphdiff): rescan with "
+                             f"`{scan.reproduce or 'graphdiff scan MODEL --out DIR'}`")
     graph = train.graphs[0]
     scan = norm_order.with_order_regions(scan, graph)  # norms with no site that the engine sums in its own order
     # the engine's attention op also where it rounds as sdpa does (no site): its key order is still its own
@@ -469,11 +479,21 @@ def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None,
     frags = cut_fragments(scan, graph, [r.name for r in wanted], engine_op)
     _add_fragments(parts, frags, graph.node_map(), len(train.prompt_tokens))
     source = render_module(scan, parts.body, any(s.triton_fn for s in parts.splices))
+    return Patch(_manifest(scan, wanted, parts, frags, source), source)
+
+
+def write_patch(patch: Patch, out_dir: Path) -> Manifest:
+    """The patch directory: the generated module and manifest.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MODULE_FILE).write_text(source)
-    manifest = _manifest(scan, wanted, parts, frags, source)
-    save_json(manifest, out_dir / "manifest.json")
-    return manifest
+    (out_dir / MODULE_FILE).write_text(patch.module)
+    save_json(patch.manifest, out_dir / "manifest.json")
+    return patch.manifest
+
+
+def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None,
+             attention: AttentionForm = "fp32") -> Manifest:
+    """The patch of the scan in `scan_dir` (`make_patch`) written into `out_dir`."""
+    return write_patch(make_patch(*load_scan_dir(scan_dir), regions, attention), out_dir)
 
 
 def shape_notes(regions: list[Region], shapes: list[str]) -> list[str]:

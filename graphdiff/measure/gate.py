@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from graphdiff.measure.logprobs import engine_logprobs, per_token, train_logprobs, trainer
-from graphdiff.records import EngineSample, Manifest, Progress, RegionEffect, save_json
+from graphdiff.records import EngineSample, Manifest, Progress, RegionEffect, ScanResult, save_json
 
 BOOTSTRAP = 400
 
@@ -115,20 +115,27 @@ GATE_TOKENS = 256  # tokens per sample the patch is measured on when no longer s
 GATE_PROMPTS = 8
 
 
-def gate_patch(scan_dir: Path, patch_dir: Path, *, max_tokens: int = GATE_TOKENS, prompts: int = GATE_PROMPTS,
-               model_dir: Path | None = None, progress: Progress = lambda m: None) -> Manifest:
-    """Measure the patch generated from `scan_dir` on the engine's samples (the scan directory's cached samples, else
-    the engine, started as the scan configured it) and leave out the regions that widen the gap."""
-    from graphdiff.artifacts import ScanDir
+def gate(scan: ScanResult, patch_dir: Path, samples_dir: Path, *, max_tokens: int = GATE_TOKENS,
+         prompts: int = GATE_PROMPTS, model_dir: Path | None = None, progress: Progress = lambda m: None) -> Manifest:
+    """Measure the patch in `patch_dir`, generated from `scan`, on the engine's samples (those cached in `samples_dir`,
+    else from the engine, started as the scan configured it) and leave out the regions that widen the gap."""
     from graphdiff.capture.hf import load_hf_model
     from graphdiff.engines.vllm.session import random_prompts, sample_engine
     from graphdiff.models.prepare import scanned_model
     from graphdiff.models.resolve import read_config
 
-    scan = ScanDir(scan_dir).load_scan()
     if model_dir is None:
         model_dir = scanned_model(scan, progress)
     asked = random_prompts(read_config(model_dir), prompts, 16, 0)
-    samples = sample_engine(model_dir, asked, ["compiled"], max_tokens=max_tokens, out_dir=scan_dir,
+    samples = sample_engine(model_dir, asked, ["compiled"], max_tokens=max_tokens, out_dir=samples_dir,
                             progress=progress, compilation_config=scan.compilation_config)["compiled"].samples
     return select_regions(load_hf_model(model_dir), patch_dir / "manifest.json", samples, progress)
+
+
+def gate_patch(scan_dir: Path, patch_dir: Path, *, max_tokens: int = GATE_TOKENS, prompts: int = GATE_PROMPTS,
+               model_dir: Path | None = None, progress: Progress = lambda m: None) -> Manifest:
+    """`gate` of the scan in `scan_dir`, on the samples cached there."""
+    from graphdiff.artifacts import ScanDir
+
+    return gate(ScanDir(scan_dir).load_scan(), patch_dir, scan_dir, max_tokens=max_tokens, prompts=prompts,
+                model_dir=model_dir, progress=progress)

@@ -20,7 +20,7 @@ from markupsafe import Markup
 
 from graphdiff.artifacts import ScanDir
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import Capture, Graph, Region, ScanResult, Site
+from graphdiff.records import Capture, Graph, KLResult, Region, ScanResult, Site
 from graphdiff.report import graphs as rg
 from graphdiff.report.headline import headline
 
@@ -151,93 +151,70 @@ def short_path(file: str) -> str:
 
 
 KL_RUN = ("prompts", "max_tokens", "temperature", "seed", "method")  # how the gap was measured
-KL_SKIP = {"schema_version", "kind", "model", "architecture", "fingerprint", "scan_id", "engine", "versions", "timings",
-           "reproduce", "notes", "floor", "engine_attention", "sources", "sources_note", "bucket",
-           "left_out", "departure", "departure_note",
-           "routing"}  # position_view and the routing table show those
 SERIES = (("unpatched", "#d93025"), ("patched", "#1a73e8"), ("patched, the engine's attention op", "#188038"),
           ("floor: engine decode vs its prefill", "#5f6368"))
 
 
-def _num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def kl_view(kl: dict | None) -> dict:
-    """Lay out a `kl` result: the KLResult shape (measurements, Shapley attribution) where present,
-    anything else generically: numbers as cards, {name: number} dicts as bar charts, the rest as JSON."""
-    view: dict = {"cards": [], "measurements": [], "charts": [], "run": "", "rest": {}}
-    kl = dict(kl or {})
-    meas = kl.pop("measurements", None)
-    if isinstance(meas, list) and all(isinstance(m, dict) and "k1" in m for m in meas):
-        view["measurements"] = meas
-        for m in meas[:4]:  # k3 with its standard error: >= 0 per token, stable where k1 is mostly noise
-            what = "unpatched" if m.get("regions") is None else f"{len(m['regions'])} regions patched"
-            se = f" ± {m['k3_se']:.2g}" if _num(m.get("k3_se")) else ""
-            view["cards"].append((f"KL (k3 ± se) · {m.get('engine_mode')} engine vs {m.get('trainer_mode')} "
-                                  f"trainer, {what}", f"{m.get('k3', 0.0):.3g}{se}"))
-    elif meas is not None:
-        kl["measurements"] = meas
-    att = kl.pop("attribution", None)
-    if isinstance(att, dict) and isinstance(att.get("values"), list):
-        vals = [v for v in att["values"] if isinstance(v, dict) and _num(v.get("value"))]
-        items = sorted(((v["region"], v["value"]) for v in vals), key=lambda kv: -abs(kv[1]))
-        errors = {v["region"]: (v["ci_low"], v["ci_high"]) for v in vals if _num(v.get("ci_low"))}
-        note = (f"Shapley values of the {att.get('metric', '')} gap reduction {att.get('reduction', 0):.4g} "
-                f"({att.get('baseline', 0):.4g} → {att.get('aligned', 0):.4g}, {att.get('method', '')}); "
-                f"bars show {att.get('confidence', 0.95):.0%} bootstrap intervals.")
-        if att.get("minimal_set") is not None:
-            note += f" Minimal set: {', '.join(att['minimal_set']) or '(none)'}."
-        view["charts"].append(("shapley", items, errors, note))
-    elif att is not None:
-        kl["attribution"] = att
-    view["run"] = " · ".join(f"{k.replace('_', ' ')} {kl.pop(k)}" for k in KL_RUN if k in kl)
-    for key, value in kl.items():
-        if key in KL_SKIP:
-            continue
-        if _num(value) or isinstance(value, (str, bool)):
-            view["cards"].append((key.replace("_", " "), value))
-        elif isinstance(value, dict) and value and all(_num(v) for v in value.values()):
-            if key in ("shapley", "nonuniformity") or len(value) > 4:
-                view["charts"].append((key, sorted(value.items(), key=lambda kv: -abs(kv[1])), {}, ""))
-            else:
-                view["cards"] += [(f"{key} · {k}".replace("_", " "), v) for k, v in value.items()]
-        elif value is not None:
-            view["rest"][key] = value
-    view["rest"] = json.dumps(view["rest"], indent=1) if view["rest"] else ""
+def kl_view(kl: KLResult | None, nonuniformity: dict[str, float] | None = None) -> dict:
+    """Lay out the measured gap: the measurements, a k3 card for each of the first four, the Shapley attribution and
+    the non-uniformity per region as charts, how it was measured, the compilation config and manifest it ran."""
+    view: dict = {"cards": [], "measurements": [], "charts": [], "run": "", "rest": ""}
+    if nonuniformity:
+        view["charts"].append(("nonuniformity", sorted(nonuniformity.items(), key=lambda kv: -abs(kv[1])), {}, ""))
+    if kl is None:
+        return view
+    view["measurements"] = kl.measurements
+    for m in kl.measurements[:4]:  # k3 with its standard error: >= 0 per token, stable where k1 is mostly noise
+        what = "unpatched" if m.regions is None else f"{len(m.regions)} regions patched"
+        se = f" ± {m.k3_se:.2g}" if m.k3_se is not None else ""
+        view["cards"].append((f"KL (k3 ± se) · {m.engine_mode} engine vs {m.trainer_mode} trainer, {what}",
+                              f"{m.k3:.3g}{se}"))
+    att = kl.attribution
+    if att is not None:
+        items = sorted(((v.region, v.value) for v in att.values), key=lambda kv: -abs(kv[1]))
+        errors = {v.region: (v.ci_low, v.ci_high) for v in att.values}
+        note = (f"Shapley values of the {att.metric} gap reduction {att.reduction:.4g} "
+                f"({att.baseline:.4g} → {att.aligned:.4g}, {att.method}); "
+                f"bars show {att.confidence:.0%} bootstrap intervals.")
+        if att.minimal_set is not None:
+            note += f" Minimal set: {', '.join(att.minimal_set) or '(none)'}."
+        view["charts"].insert(0, ("shapley", items, errors, note))
+    run = [f"{k.replace('_', ' ')} {getattr(kl, k)}" for k in KL_RUN]
+    if kl.compilation_config:
+        run.append(f"compilation config {json.dumps(kl.compilation_config, sort_keys=True)}")
+    view["run"] = " · ".join(run)
+    if kl.manifest:
+        view["cards"].append(("manifest", kl.manifest))
     return view
 
 
-def position_view(kl: dict | None) -> dict | None:
+def position_view(kl: KLResult | None) -> dict | None:
     """The gap by continuation position: RMS and bit-identical fraction per bucket for the unpatched and patched
     trainer, the patched one with the engine's attention op, and the engine's own floor; the sources table."""
-    if not kl or not isinstance(kl.get("measurements"), list):
+    if kl is None:
         return None
-    meas = [m for m in kl["measurements"] if m.get("engine_mode") == "compiled" and m.get("trainer_mode") == "eager"]
-    plain = next((m for m in meas if m.get("regions") is None), None)
-    fixed = next((m for m in meas if m.get("regions")), None)
-    rows = [m for m in (plain, fixed, kl.get("engine_attention"), kl.get("floor"))]
-    named = [(label, color, m) for (label, color), m in zip(SERIES, rows) if m and m.get("position")]
+    meas = [m for m in kl.measurements if m.engine_mode == "compiled" and m.trainer_mode == "eager"]
+    plain = next((m for m in meas if m.regions is None), None)
+    fixed = next((m for m in meas if m.regions), None)
+    rows = [plain, fixed, kl.engine_attention, kl.floor]
+    named = [(label, color, m) for (label, color), m in zip(SERIES, rows) if m and m.position]
     if not named:
         return None
-    width = kl.get("bucket", 128)
 
     def series(key: str) -> list:
-        return [(label, color, [(b["start"], b.get(key, 0.0)) for b in m["position"]]) for label, color, m in named]
+        return [(label, color, [(b.start, getattr(b, key)) for b in m.position]) for label, color, m in named]
 
-    buckets = [f"{b['start']}–{b['stop'] - 1}" for b in named[0][2]["position"]]
-    table = [(label, [f"{b['rms']:.4f} ({b.get('bitexact_fraction', 0.0):.0%})" for b in m["position"]])
-             for label, _, m in named]
+    buckets = [f"{b.start}–{b.stop - 1}" for b in named[0][2].position]
+    table = [(label, [f"{b.rms:.4f} ({b.bitexact_fraction:.0%})" for b in m.position]) for label, _, m in named]
     for label, m in (("patched / unpatched", fixed), ("with the engine's attention op / unpatched",
-                                                      kl.get("engine_attention"))):
+                                                      kl.engine_attention)):
         if plain and m:
-            table.append((label, [f"{b['rms'] / a['rms']:.2f}" if a["rms"] else "–"
-                                  for a, b in zip(plain["position"], m["position"])]))
-    for src in kl.get("sources") or []:
-        table.append((f"share of the patched ms: {src['name']}", [f"{x:.0%}" for x in src["share"]]))
-    x_label = f"continuation position (bucket start; {width} tokens per bucket)"
-    notes = [kl.get("sources_note", ""), *(f"in the patched gap, not patched: {r}" for r in kl.get("left_out") or []),
-             kl.get("departure_note", "")]
+            table.append((label, [f"{b.rms / a.rms:.2f}" if a.rms else "–"
+                                  for a, b in zip(plain.position, m.position)]))
+    for src in kl.sources:
+        table.append((f"share of the patched ms: {src.name}", [f"{x:.0%}" for x in src.share]))
+    x_label = f"continuation position (bucket start; {kl.bucket} tokens per bucket)"
+    notes = [kl.sources_note, *(f"in the patched gap, not patched: {r}" for r in kl.left_out), kl.departure_note]
     return {"buckets": buckets, "table": table, "note": " · ".join(n for n in notes if n),
             "rms": rg.line_chart(series("rms"), "RMS of logp_engine − logp_train", x_label, "{:.3f}"),
             "exact": rg.line_chart(series("bitexact_fraction"), "bit-identical fraction", x_label, "{:.0%}", 1.0)}
@@ -311,9 +288,7 @@ def html_context(scan: ScanResult, train: Capture | None, engine: Capture | None
             "naive": max((r.naive_bitexact for r in reps), default=None),
         })
     ok = [r for r in scan.replay if not r.error]
-    kl_json = scan.kl.model_dump(mode="json") if scan.kl else {}
-    measured = {**kl_json, **({"nonuniformity": scan.nonuniformity} if scan.nonuniformity else {})}
-    kl = kl_view(measured or None)
+    kl = kl_view(scan.kl, scan.nonuniformity)
     region_slugs = {x["r"].name: x["slug"] for x in regions}
     kernels = _kernels(engine, scan, region_slugs)
     return {
@@ -324,9 +299,9 @@ def html_context(scan: ScanResult, train: Capture | None, engine: Capture | None
                    "engine": sum(s.rounded_on == "engine" for s in scan.sites)},
         "replay_min": min((r.predicted_bitexact for r in ok), default=None),
         "naive_max": max((r.naive_bitexact for r in ok), default=None),
-        "position": position_view(kl_json),
+        "position": position_view(scan.kl),
         # the scan's own tokens, then the gap's samples (kl: unpatched and patched trainer)
-        "routing": [a.model_dump() for a in scan.routing] + list(kl_json.get("routing") or []),
+        "routing": [*scan.routing, *(scan.kl.routing if scan.kl else [])],
         "kl": kl, "kl_charts": [(k, rg.bar_chart(v, "#1a73e8" if k == "shapley" else "#5f6368", region_slugs, errors),
                                  note) for k, v, errors, note in kl["charts"]],
         "has_captures": bool(train or engine), "has_dot": rg.dot_binary() is not None,
@@ -360,6 +335,11 @@ def render_html(scan: ScanResult, train: Capture | None, engine: Capture | None,
     env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(("html", "j2")),
                       trim_blocks=True, lstrip_blocks=True)
     return env.get_template("report.html.j2").render(**html_context(scan, train, engine, region))
+
+
+def write_html(scan: ScanResult, train: Capture | None, engine: Capture | None, path: Path) -> Path:
+    """The HTML report of `scan`, drawn from both captures, written to `path`."""
+    return _write(path, render_html(scan, train, engine))
 
 
 def write_report(scan_dir: Path, fmt: str = "html", *, region: str | None = None, layer: int | None = None,

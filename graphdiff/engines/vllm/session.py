@@ -222,7 +222,7 @@ def _sample_recording_routing(model_dir: Path, prompts: Sequence[list[int]], *, 
                               temperature: float, progress: Progress, compilation_config: dict
                               ) -> list[EngineSample]:
     """A compiled MoE engine started as the scan's capture starts it (its kernels wrapped by recorders), so that
-    after sampling it can record which experts it chose for every token of each sample (engines.vllm.capture.record_routing).
+    after sampling it can record which experts it chose for every token of each sample (record_routing).
     The kernels are the same; only the capture's recorders wrap their calls."""
     from graphdiff.capture.shapes import prefill, with_prompts
     from graphdiff.engines.base import EngineOptions

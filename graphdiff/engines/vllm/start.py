@@ -137,7 +137,7 @@ def llm_kwargs(model_dir: Path, options: EngineOptions, shapes: list[Shape]) -> 
 
 
 def start_llm(model_dir: Path, kwargs: dict[str, Any], forced_off: list[str]) -> Any:
-    """vLLM's LLM(**kwargs), its compilation config honoured as asked (engines.vllm.cpu.as_asked); one line on failure."""
+    """vLLM's LLM(**kwargs), its compilation config honoured as asked (cpu.as_asked); one line on failure."""
     import vllm
     from vllm import LLM
     from vllm.model_executor.models.registry import ModelRegistry
