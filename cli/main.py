@@ -8,9 +8,9 @@ import shlex
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
@@ -19,7 +19,7 @@ from rich.table import Table
 from graphdiff.analysis.opaque import truncates_output
 from graphdiff.capture.cpu_kind import apply_forced_kind
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import SampleAsk, save_json
+from graphdiff.records import save_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Find where an inference engine and its trainer round to BF16 in different places.")
@@ -29,6 +29,17 @@ out = Console(width=None if sys.stdout.isatty() else 160)
 DEFAULT_PROMPT_TOKENS = 16
 RANDOM_WEIGHTS_HELP = ("run a local checkpoint directory that has no weights on seeded random weights (made in the "
                        "graphdiff cache, GRAPHDIFF_CACHE or ~/.cache/graphdiff; the directory is not written)")
+
+# The engine's options, as `vllm serve` takes them, shared by every command that starts an engine
+CompilationConfig = Annotated[str | None, typer.Option(
+    "--compilation-config", "-cc", help="the engine's compilation config, JSON as for `vllm serve` (e.g. "
+    "'{\"mode\": 3}' for vLLM's piecewise graphs); `check`: the engine's now (default: the patch's)")]
+OptimizationLevel = Annotated[int | None, typer.Option(
+    "--optimization-level", "-O", help="the engine's -O level (0-3), as for `vllm serve`")]
+TensorParallel = Annotated[int, typer.Option(
+    "--tensor-parallel-size", "-tp", help="the engine's tensor-parallel ranks, as for `vllm serve` (each rank "
+    "captured in its worker)")]
+RandomWeights = Annotated[bool, typer.Option("--random-weights", help=RANDOM_WEIGHTS_HELP)]
 
 
 @contextlib.contextmanager
@@ -120,15 +131,12 @@ def capture(
     tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="length of the seeded test prompt"),
     shapes: str | None = typer.Option(None, "--shapes", help="engine forwards to record (see `scan --shapes`); "
                                       "default: one prefill of --tokens"),
-    compilation_config: str | None = typer.Option(None, "--compilation-config", "-cc",
-                                                  help="the engine's compilation config, JSON as for `vllm serve`"),
-    optimization_level: int | None = typer.Option(None, "--optimization-level", "-O",
-                                                  help="the engine's -O level (0-3), as for `vllm serve`"),
+    compilation_config: CompilationConfig = None,
+    optimization_level: OptimizationLevel = None,
     keep_dump: bool = typer.Option(False, help="keep the TORCH_COMPILE_DEBUG dump in OUT/inductor-debug"),
     kernels: bool = typer.Option(True, help="print one line per kernel"),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="the engine's tensor-parallel "
-                                             "ranks, as for `vllm serve` (each rank captured in its worker)"),
-    random_weights: bool = typer.Option(False, "--random-weights", help=RANDOM_WEIGHTS_HELP),
+    tensor_parallel_size: TensorParallel = 1,
+    random_weights: RandomWeights = False,
 ) -> None:
     """Capture one side's graph and write OUT/capture.json."""
     from graphdiff.artifacts import check_out, check_replaceable, staged
@@ -230,11 +238,8 @@ def scan_cmd(
     shapes: str | None = typer.Option(None, "--shapes", help="engine forwards to record and replay: N (a prefill of N "
                                       "tokens), decode:BxC (a decode step of B sequences with C cached tokens), comma-"
                                       "separated; default: --tokens, 512, 2048 (as the model allows), decode:8x64"),
-    compilation_config: str | None = typer.Option(None, "--compilation-config", "-cc",
-                                                  help="the engine's compilation config, JSON as for `vllm serve` "
-                                                  "(e.g. '{\"mode\": 3}' for vLLM's piecewise graphs)"),
-    optimization_level: int | None = typer.Option(None, "--optimization-level", "-O",
-                                                  help="the engine's -O level (0-3), as for `vllm serve`"),
+    compilation_config: CompilationConfig = None,
+    optimization_level: OptimizationLevel = None,
     out_dir: Path | None = typer.Option(None, "--out", help="output directory (default scans/<model>)"),
     report: bool = typer.Option(False, "--report", help="also render OUT/report.html (see `graphdiff report`)"),
     patch: bool = typer.Option(False, "--patch", help="also generate the patch into OUT/patch (see `graphdiff patch`)"),
@@ -244,27 +249,21 @@ def scan_cmd(
                             "patched vs unpatched) into scan.json `kl` and OUT/kl.json"),
     manifest: Path | None = typer.Option(None, "--manifest", help="scan the trainer patched by this manifest: "
                                          "the sites are what the patch leaves"),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="the engine's tensor-parallel "
-                                             "ranks, as for `vllm serve` (each rank captured in its worker)"),
+    tensor_parallel_size: TensorParallel = 1,
     attention: str = typer.Option("fp32", "--attention", help="with --patch: the attention splice's form (see "
                                   "`graphdiff patch --attention`)"),
-    random_weights: bool = typer.Option(False, "--random-weights", help=RANDOM_WEIGHTS_HELP),
+    random_weights: RandomWeights = False,
 ) -> None:
     """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
     from graphdiff.artifacts import ScanDir, staged
-    from graphdiff.pipeline import Extras, scan, write_outputs
+    from graphdiff.pipeline import Extras, sample_ask, scan, write_outputs
 
     with user_errors():
         form = attention_form(attention)
         target = out_dir or Path("scans") / model.replace("/", "--").replace(":", "-")
         wanted, config = check_scan_args(engine, tokens, layers, target, shapes, compilation_config,
                                          optimization_level, manifest, engine_dump, tensor_parallel_size)
-        from graphdiff.measure.gate import GATE_PROMPTS, GATE_TOKENS
-        from graphdiff.measure.kl import DEFAULT_MAX_TOKENS
-
-        gap_tokens = DEFAULT_MAX_TOKENS if kl else GATE_TOKENS  # one engine samples for the patch and the gap
-        sample = SampleAsk(count=GATE_PROMPTS, prompt_tokens=16, max_tokens=gap_tokens) \
-            if (patch or kl) and engine_dump is None else None
+        gap_tokens, sample = sample_ask(patch, kl, engine_dump)
         with staged(target, "scan") as tmp:  # a failure or Ctrl-C leaves `target` as it was
             with progress("scanning") as update:
                 outcome = scan(model, layers=layers, tokens=tokens, shapes=wanted, out=ScanDir(tmp), progress=update,
@@ -392,13 +391,12 @@ def check_cmd(
     manifest: Path = typer.Argument(..., help="the checked-in patch: manifest.json or its directory"),
     engine: str = typer.Option("vllm", help="the inference engine (vllm)"),
     model: str | None = typer.Option(None, help="the checkpoint to check (default: the model the patch was made for)"),
-    compilation_config: str | None = typer.Option(None, "--compilation-config", "-cc",
-                                                  help="the engine's compilation config now (default: the patch's)"),
-    optimization_level: int | None = typer.Option(None, "--optimization-level", "-O", help="the engine's -O now"),
+    compilation_config: CompilationConfig = None,
+    optimization_level: OptimizationLevel = None,
     shapes: str | None = typer.Option(None, "--shapes", help="shapes to re-scan (default: the patch's scan's)"),
     fmt: str = typer.Option("text", "--format", help="text, json (a CI log) or markdown (a PR comment)"),
     out_dir: Path | None = typer.Option(None, "--out", help="keep the re-scan here"),
-    random_weights: bool = typer.Option(False, "--random-weights", help=RANDOM_WEIGHTS_HELP),
+    random_weights: RandomWeights = False,
 ) -> None:
     """CI gate: exit 0 when the patch still holds, 1 (with why) when it must be regenerated."""
     from graphdiff.artifacts import check_out, check_replaceable
@@ -647,13 +645,11 @@ def kl_cmd(
     seed: int = typer.Option(0, help="seed for prompts, sampling (seed+i per prompt) and the bootstrap"),
     modes: bool = typer.Option(False, "--modes", help="engine compiled/eager x trainer eager/compiled (2x2)"),
     bootstrap: int = typer.Option(1000, help="bootstrap resamples for the attribution's confidence intervals"),
-    compilation_config: str | None = typer.Option(None, "--compilation-config", "-cc",
-                                                  help="the compiled engine's config, JSON as for `vllm serve`"),
-    optimization_level: int | None = typer.Option(None, "--optimization-level", "-O", help="the engine's -O"),
+    compilation_config: CompilationConfig = None,
+    optimization_level: OptimizationLevel = None,
     out_dir: Path | None = typer.Option(None, "--out", help="output directory (default kl/<model>)"),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="the engine's tensor-parallel "
-                                             "ranks, as for `vllm serve`"),
-    random_weights: bool = typer.Option(False, "--random-weights", help=RANDOM_WEIGHTS_HELP),
+    tensor_parallel_size: TensorParallel = 1,
+    random_weights: RandomWeights = False,
 ) -> None:
     """Measure the engine-vs-trainer log-prob gap on engine samples; write OUT/kl.json."""
     from graphdiff.artifacts import staged
@@ -707,48 +703,31 @@ def check_kl_args(engine: str, prompts_file: Path | None, random: int | None, pr
     return engine_config(compile_option(compilation_config, optimization_level), optimization_level)
 
 
-def position_table(result, rows: list, patched: Callable) -> Table:  # noqa: ANN001 - KLResult
-    """The gap per position bucket: each measurement, the patched / unpatched and patched / floor ratios, whether
-    each bucket is at the engine (kl.at_target), and the named shares of the patched gap."""
-    from graphdiff.measure.kl import TARGET_OF_FLOOR, TARGET_OF_UNPATCHED, at_target, floor_ratio
+def position_table(result) -> Table | None:  # noqa: ANN001 - KLResult
+    """The gap per position bucket (report.gap.gap_table) as a terminal table."""
+    from graphdiff.report.gap import gap_table
 
+    table = gap_table(result)
+    if table is None:
+        return None
     p = Table(title=f"rms of diff (bit-identical) by continuation position, {result.bucket} at a time "
                     "(0 = the first sampled token)")
     p.add_column("engine / trainer")
-    for b in rows[0].position:
-        p.add_column(f"{b.start}-{b.stop - 1}", justify="right")
-    sub = result.engine_attention
-    for m in [*rows, *([sub] if sub else [])]:
-        who = "floor" if m.trainer_mode == "engine-prefill" else f"{m.engine_mode} / {m.trainer_mode}" + (
-            f" + {patched(m)}" if m.regions else "") + (", engine's attention op" if m is sub else "")
-        p.add_row(who, *(f"{b.rms:.4f} ({b.bitexact_fraction:.0%})" for b in m.position))
-    plain = next((m for m in result.measurements if m.regions is None and m.trainer_mode == "eager"), None)
-    fixed = next((m for m in result.measurements if m.regions and m.trainer_mode == "eager"), None)
-    for label, m in (("patched / unpatched rms", fixed), ("... with the engine's attention op", sub)):
-        if plain and m:
-            p.add_row(label, *(f"{b.rms / a.rms:.2f}" if a.rms else "-" for a, b in zip(plain.position, m.position)))
-    fl = result.floor
-    if fixed and fl:
-        p.add_row("patched / floor rms", *(floor_ratio(b, f) for b, f in zip(fixed.position, fl.position)))
-    if plain and fixed:
-        floors = fl.position if fl else [None] * len(fixed.position)
-        p.add_row(f"at the engine (<= {TARGET_OF_UNPATCHED:g} x unpatched or {TARGET_OF_FLOOR:g} x floor)",
-                  *("yes" if at_target(a, b, f) else "[red]no[/]"
-                    for a, b, f in zip(plain.position, fixed.position, floors)))
-    for src in result.sources:
-        p.add_row(f"share of the patched ms: {src.name}", *(f"{x:.0%}" for x in src.share))
+    for bucket in table.buckets:
+        p.add_column(bucket, justify="right")
+    for i, (label, cells) in enumerate(table.rows):
+        p.add_row(label, *(f"[red]{c}[/]" if i in table.colored and c == "no" else c for c in cells))
     return p
 
 
 def print_kl(result) -> None:  # noqa: ANN001 - KLResult
+    from graphdiff.report.gap import regions_label
+
     t = Table(title=f"log-prob gap, diff = logp_engine - logp_train: {result.model} ({result.architecture}), "
                     f"{result.prompts} prompts x {result.max_tokens} tokens")
     for col in ("engine", "trainer", "patched", "k3 ± se (1e-4)", "rms", "max |diff|", "bit-identical",
                 "k1 ± se (1e-4)", "tokens"):
         t.add_column(col, justify="left" if col in ("engine", "trainer", "patched") else "right")
-
-    def patched(m) -> str:  # noqa: ANN001 - KLMeasurement; kl.json lists every region
-        return "-" if not m.regions else "+".join(m.regions) if len(m.regions) <= 2 else f"{len(m.regions)} regions"
 
     def pm(value: float, se: float | None) -> str:
         return f"{value * 1e4:.2f}" + ("" if se is None else f" ± {se * 1e4:.2f}")
@@ -756,11 +735,12 @@ def print_kl(result) -> None:  # noqa: ANN001 - KLResult
     rows = [*result.measurements, *([result.floor] if result.floor else [])]
     for m in rows:
         t.add_row(m.engine_mode, "engine prefill (floor)" if m.trainer_mode == "engine-prefill" else m.trainer_mode,
-                  patched(m), pm(m.k3, m.k3_se), f"{m.rms:.4f}", f"{m.max_abs:.4f}", f"{m.bitexact_fraction:.1%}",
+                  regions_label(m), pm(m.k3, m.k3_se), f"{m.rms:.4f}", f"{m.max_abs:.4f}", f"{m.bitexact_fraction:.1%}",
                   pm(m.k1, m.k1_se), str(m.tokens))
     out.print(t)
-    if rows and rows[0].position:
-        out.print(position_table(result, rows, patched))
+    positions = position_table(result)
+    if positions is not None:
+        out.print(positions)
     if result.sources_note:
         out.print(f"[yellow]note:[/] {result.sources_note}")
     for region in result.left_out:

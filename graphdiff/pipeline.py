@@ -244,6 +244,17 @@ def _published_layers(spec: str, scanned: int) -> int:
     return int(cfg.get("num_hidden_layers", scanned)) if cfg else scanned
 
 
+def sample_ask(patch: bool, kl: bool, engine_dump: Path | None) -> tuple[int, SampleAsk | None]:
+    """The tokens the patch's gate and the gap sample per prompt (the gap's length with --kl, else the gate's), and
+    what the capture's engine samples so that one engine run serves both (None: nothing to sample, or no engine)."""
+    from graphdiff.measure.gate import GATE_PROMPTS, GATE_TOKENS
+    from graphdiff.measure.kl import DEFAULT_MAX_TOKENS
+
+    tokens = DEFAULT_MAX_TOKENS if kl else GATE_TOKENS
+    wanted = (patch or kl) and engine_dump is None
+    return tokens, SampleAsk(count=GATE_PROMPTS, prompt_tokens=16, max_tokens=tokens) if wanted else None
+
+
 # --- after the scan: patch, gate, gap, report ----------------------------------------------------------------
 
 @dataclass

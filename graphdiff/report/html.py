@@ -22,6 +22,7 @@ from graphdiff.artifacts import ScanDir
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import Capture, Graph, KLResult, Region, ScanResult, Site
 from graphdiff.report import graphs as rg
+from graphdiff.report.gap import compared, gap_table
 from graphdiff.report.headline import headline
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -190,32 +191,21 @@ def kl_view(kl: KLResult | None, nonuniformity: dict[str, float] | None = None) 
 
 def position_view(kl: KLResult | None) -> dict | None:
     """The gap by continuation position: RMS and bit-identical fraction per bucket for the unpatched and patched
-    trainer, the patched one with the engine's attention op, and the engine's own floor; the sources table."""
-    if kl is None:
+    trainer, the patched one with the engine's attention op, and the engine's own floor as charts; the table the
+    terminal shows (report.gap.gap_table)."""
+    table = gap_table(kl)
+    if kl is None or table is None:
         return None
-    meas = [m for m in kl.measurements if m.engine_mode == "compiled" and m.trainer_mode == "eager"]
-    plain = next((m for m in meas if m.regions is None), None)
-    fixed = next((m for m in meas if m.regions), None)
+    plain, fixed = compared(kl)
     rows = [plain, fixed, kl.engine_attention, kl.floor]
     named = [(label, color, m) for (label, color), m in zip(SERIES, rows) if m and m.position]
-    if not named:
-        return None
 
     def series(key: str) -> list:
         return [(label, color, [(b.start, getattr(b, key)) for b in m.position]) for label, color, m in named]
 
-    buckets = [f"{b.start}–{b.stop - 1}" for b in named[0][2].position]
-    table = [(label, [f"{b.rms:.4f} ({b.bitexact_fraction:.0%})" for b in m.position]) for label, _, m in named]
-    for label, m in (("patched / unpatched", fixed), ("with the engine's attention op / unpatched",
-                                                      kl.engine_attention)):
-        if plain and m:
-            table.append((label, [f"{b.rms / a.rms:.2f}" if a.rms else "–"
-                                  for a, b in zip(plain.position, m.position)]))
-    for src in kl.sources:
-        table.append((f"share of the patched ms: {src.name}", [f"{x:.0%}" for x in src.share]))
     x_label = f"continuation position (bucket start; {kl.bucket} tokens per bucket)"
     notes = [kl.sources_note, *(f"in the patched gap, not patched: {r}" for r in kl.left_out), kl.departure_note]
-    return {"buckets": buckets, "table": table, "note": " · ".join(n for n in notes if n),
+    return {"buckets": table.buckets, "table": table.rows, "note": " · ".join(n for n in notes if n),
             "rms": rg.line_chart(series("rms"), "RMS of logp_engine − logp_train", x_label, "{:.3f}"),
             "exact": rg.line_chart(series("bitexact_fraction"), "bit-identical fraction", x_label, "{:.0%}", 1.0)}
 
