@@ -366,7 +366,8 @@ def replay_cmd(
 
     with user_errors():
         ScanDir(scan_dir).check_parts()
-        r = replay_one(scan_dir, kernel, shape)
+        one = replay_one(scan_dir, kernel, shape)
+    r = one.evidence
     if r.error:
         out.print(f"{kernel} @ {r.shape}: not replayed: {r.error}")
         raise typer.Exit(1)
@@ -374,16 +375,19 @@ def replay_cmd(
                     "its recorded stores")
     for col in ("store", "node", "dtype", "predicted", "naive"):
         t.add_column(col, justify="right" if col in ("predicted", "naive") else "left")
-    for buf, (node, dtype, pred, naive) in r.per_output.items():
+    for buf, (node, dtype) in one.stores.items():
+        pred, naive = r.per_output.get(buf, (float("nan"), float("nan")))
         t.add_row(buf, node, dtype, f"{pred:.2%}", f"{naive:.2%}")
     out.print(t)
     out.print(f"predicted rounding model (FP32 in registers, rounded at stores"
-              f"{', and at ' + ', '.join(r.explicit) if r.explicit else ''}): {r.predicted:.2%} of {r.elements} "
-              f"low-precision elements bit-identical; naive round-after-every-op: {r.naive:.2%}")
+              f"{', and at ' + ', '.join(r.explicit_roundings) if r.explicit_roundings else ''}): "
+              f"{r.predicted_bitexact:.2%} of {r.elements} low-precision elements bit-identical; naive "
+              f"round-after-every-op: {r.naive_bitexact:.2%}")
     if r.reduction_lanes:
-        aten = (f"; in ATen's order {r.aten_order[0]:.4%} and {r.aten_order[1]:.2g}" if r.aten_order else "")
+        aten = (f"; in ATen's order {r.aten_order_bitexact:.4%} and {r.aten_order_fp32_error:.2g}"
+                if r.aten_order_bitexact is not None and r.aten_order_fp32_error is not None else "")
         out.print(f"row sums in the kernel's order ({r.reduction_lanes} lanes, then a halving tree): FP32 stores "
-                  f"within {r.fp32_error:.2g} (relative){aten}")
+                  f"within {r.fp32_max_rel_error:.2g} (relative){aten}")
 
 
 @app.command("check")

@@ -54,11 +54,12 @@ def test_the_printed_replay_command_reproduces_the_scans_numbers(scan):
     site = next(s for s in scan.sites if s.kind == "gated_act")
     d = next(d for d in scan.plan if d.id == site.id and d.site)
     evidence = next(r for r in scan.replay if r.kernel == d.evidence.kernel and not r.error)
-    again = replay_one(SCAN, d.evidence.kernel, evidence.shape)
-    assert not again.error
-    assert (round(again.predicted, 6), round(again.naive, 6), again.elements) == (
+    one = replay_one(SCAN, d.evidence.kernel, evidence.shape)
+    again = one.evidence
+    assert not again.error and again.shape == evidence.shape
+    assert (round(again.predicted_bitexact, 6), round(again.naive_bitexact, 6), again.elements) == (
         evidence.predicted_bitexact, evidence.naive_bitexact, evidence.elements)
-    assert again.per_output and all(p == 1.0 for _, _, p, _ in again.per_output.values())
+    assert one.stores and all(again.per_output[b][0] == 1.0 for b in one.stores)
 
 
 def test_explain_cli_prints_the_site_and_refuses_an_unknown_one():

@@ -205,7 +205,7 @@ def test_a_value_stored_by_a_loop_nest_without_a_reduction_is_read_rounded_befor
     total = ordered_sum(x * x, [-1], True, 16)
     y = (x * torch.rsqrt(total / d + 1e-06) * ins["w"].float()).bfloat16()
     record = {"in": ins, "out": {"buf0": gate, "buf1": x, "buf2": total, "buf3": y}, "scalars": {}}
-    rep, _ = replay_kernel(graph, k, record, {b: b for b in ins}, set(computed))
+    rep, _, _ = replay_kernel(graph, k, record, {b: b for b in ins}, set(computed))
     assert rep.predicted_bitexact == 1.0 and rep.fp32_max_rel_error == 0.0
     assert rep.note.startswith("a store re-loaded")
 
@@ -274,7 +274,7 @@ def test_a_concatenation_of_the_kernels_stores_is_read_back_rounded() -> None:
     from graphdiff.replay.kernels import Declared, replay_kernel, stored_concats
 
     graph, k, record, owned = _qk_norm_rope_kernel()
-    rep, _ = replay_kernel(graph, k, record, {b: b for b in ("x", "w", "cos", "sin")}, owned)
+    rep, _, _ = replay_kernel(graph, k, record, {b: b for b in ("x", "w", "cos", "sin")}, owned)
     assert rep.outputs["lo_buf"] == "lo" and rep.predicted_bitexact == 1.0
     assert rep.per_output["out_buf"] == (1.0, rep.per_output["out_buf"][1])
     assert "concatenation" in rep.note
@@ -288,7 +288,7 @@ def test_an_fp32_store_of_a_mean_is_placed_at_the_mean_by_its_row_sum() -> None:
     from graphdiff.replay.kernels import replay_kernel
 
     graph, k, record, owned = _qk_norm_rope_kernel()
-    rep, _ = replay_kernel(graph, k, record, {b: b for b in ("x", "w", "cos", "sin")}, owned)
+    rep, _, _ = replay_kernel(graph, k, record, {b: b for b in ("x", "w", "cos", "sin")}, owned)
     assert rep.outputs["sum_buf"] == "mean" and rep.fp32_max_rel_error == 0.0
 
 

@@ -24,9 +24,20 @@ from graphdiff.analysis.match import Match
 from graphdiff.analysis.opaque import ExternRule, extern_rule
 from graphdiff.analysis.rounding import EngineRounding, is_view
 from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, ROUTING, is_attention, is_heavy, is_low, op_name
-from graphdiff.records import Decision, Evidence, Graph, Node, RegionKind, SideRef, SideState, Site, layer_of
+from graphdiff.records import (
+    Decision,
+    Evidence,
+    Graph,
+    KernelEvidence,
+    Node,
+    RegionKind,
+    SideRef,
+    SideState,
+    Site,
+    layer_of,
+)
 from graphdiff.replay.interpreter import LOW
-from graphdiff.replay.kernels import KernelReplay, value_base
+from graphdiff.replay.kernels import value_base
 
 MAX_HOPS = 12
 NORMS = frozenset({"rsqrt", "native_layer_norm"})  # where a normalization shows in an ATen graph (RMSNorm, LayerNorm)
@@ -236,7 +247,7 @@ def _anchors(train: Graph, engine: Graph, by_train: dict[str, Match]) -> dict[st
     return anchors
 
 
-def _replay_fields(kernel: str | None, replays: dict[str, KernelReplay]) -> dict:
+def _replay_fields(kernel: str | None, replays: dict[str, KernelEvidence]) -> dict:
     rep = replays.get(kernel or "")
     return dict(replay_predicted=round(rep.predicted_bitexact, 6), replay_naive=round(rep.naive_bitexact, 6)) \
         if rep else {}
@@ -255,7 +266,7 @@ class _Evidence:
     unmatched: set[str]
     rounded: set[str]  # trainer nodes whose low-precision store changes some element
     kernel_inputs: dict[str, set[str]]  # engine kernel id -> the engine nodes it reads
-    replays: dict[str, KernelReplay]
+    replays: dict[str, KernelEvidence]
 
 
 @dataclass

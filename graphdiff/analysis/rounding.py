@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from graphdiff.ops import EXACT, UNINITIALIZED, is_low, op_name
-from graphdiff.records import Graph, Kernel, KernelRecord
+from graphdiff.records import Graph, Kernel, KernelEvidence, KernelRecord
 from graphdiff.replay.interpreter import LOW, run_fragment
-from graphdiff.replay.kernels import Declared, KernelReplay, is_view, replay_kernel
+from graphdiff.replay.kernels import Declared, is_view, replay_kernel
 
-__all__ = ["EngineRounding", "KernelReplay", "buffer_nodes", "engine_rounding", "eager_values", "is_view",
+__all__ = ["EngineRounding", "buffer_nodes", "engine_rounding", "eager_values", "is_view",
            "rerun_fp32", "train_rounding"]
 
 
@@ -36,7 +36,7 @@ __all__ = ["EngineRounding", "KernelReplay", "buffer_nodes", "engine_rounding", 
 @dataclass
 class EngineRounding:
     rounded: dict[str, str]  # node -> how it is rounded ("stored by K as bfloat16", "output of extern E", ...)
-    replays: list[KernelReplay]
+    replays: list[KernelEvidence]
     values: dict[str, torch.Tensor]  # node -> value the engine computes (FP32 where it keeps FP32)
 
 
@@ -72,18 +72,18 @@ def extern_roundings(graph: Graph, k: Kernel) -> dict[str, str]:
     return rounded
 
 
-def store_roundings(k: Kernel, rep: KernelReplay) -> dict[str, str]:
+def store_roundings(k: Kernel, rep: KernelEvidence) -> dict[str, str]:
     """What a replayed generated kernel rounds: its low-precision stores and its in-register conversions."""
     name = k.id.split(":")[0]
     dtypes = {a.name: a.dtype for a in k.args}
     rounded = {node: f"stored by {name} as {dtypes.get(buf)}" for buf, node in rep.outputs.items()
                if is_low(dtypes.get(buf))}
-    rounded.update({node: f"converted in registers by {name}" for node in rep.explicit})
+    rounded.update({node: f"converted in registers by {name}" for node in rep.explicit_roundings})
     return rounded
 
 
 def values_seen_outside(graph: Graph, buffers: dict[str, KernelRecord], known: dict[str, str],
-                        replays: dict[str, KernelReplay]) -> dict[str, torch.Tensor]:
+                        replays: dict[str, KernelEvidence]) -> dict[str, torch.Tensor]:
     """Values as stored (rounded), as other kernels see them: every recorded load and replayed store."""
     nodes = graph.node_map()
     seen: dict[str, torch.Tensor] = {}
@@ -109,7 +109,7 @@ def engine_rounding(graph: Graph, buffers: dict[str, KernelRecord]) -> EngineRou
     """Where the engine rounds in one compiled graph, every generated kernel replayed on its real buffers."""
     known = buffer_nodes(graph)
     owned = {n for k in graph.kernels if k.kind == "generated" for n in k.nodes}
-    replays: list[KernelReplay] = []
+    replays: list[KernelEvidence] = []
     values: dict[str, torch.Tensor] = {}
     rounded: dict[str, str] = {}
     # input buffers a replay placed for certain (an extern's output the capture names no node for): a later kernel
@@ -124,14 +124,15 @@ def engine_rounding(graph: Graph, buffers: dict[str, KernelRecord]) -> EngineRou
             continue
         record = buffers.get(k.id)
         if record is None:
-            replays.append(KernelReplay(k.id, 0.0, 0.0, 0, error="no recorded buffers"))
+            replays.append(KernelEvidence(kernel=k.id, predicted_bitexact=0.0, naive_bitexact=0.0, elements=0,
+                                          error="no recorded buffers"))
             continue
-        rep, vals = replay_kernel(graph, k, record, {**placed, **known}, owned)
+        rep, vals, certain = replay_kernel(graph, k, record, {**placed, **known}, owned)
         replays.append(rep)
         values.update({n: v for n, v in vals.items() if isinstance(v, torch.Tensor)})
         for buf, node in rep.outputs.items():
             known.setdefault(buf, node)  # later kernels load what this one stored
-        placed.update({buf: node for buf, node in rep.inputs.items() if buf not in known})
+        placed.update({buf: node for buf, node in certain.items() if buf not in known})
         rounded.update(store_roundings(k, rep))
     # Values the engine reads from opaque kernels: whatever downstream kernels loaded.
     seen = values_seen_outside(graph, buffers, known, {r.kernel: r for r in replays})

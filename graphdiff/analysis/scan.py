@@ -96,15 +96,12 @@ def scanned_config_of(config: dict) -> dict:
 # --- analysis ------------------------------------------------------------------------------------------------
 
 def _evidence(er: EngineRounding, shape: str) -> list[KernelEvidence]:
-    return [KernelEvidence(kernel=r.kernel, shape=shape, predicted_bitexact=round(r.predicted_bitexact, 6),
-                           naive_bitexact=round(r.naive_bitexact, 6), elements=r.elements,
-                           fp32_max_rel_error=r.fp32_max_rel_error, explicit_roundings=r.explicit, error=r.error,
-                           note=r.note, outputs=r.outputs, per_output={b: (round(p, 6), round(n, 6))
-                                                          for b, (p, n) in r.per_output.items()},
-                           reduction_lanes=r.reduction_lanes,
-                           aten_order_bitexact=round(r.aten_order[0], 6) if r.aten_order else None,
-                           aten_order_fp32_error=r.aten_order[1] if r.aten_order else None)
-            for r in er.replays]
+    """Each kernel's replay at `shape`, its fractions rounded to 6 digits as scan.json keeps them."""
+    return [r.model_copy(update=dict(
+        shape=shape, predicted_bitexact=round(r.predicted_bitexact, 6), naive_bitexact=round(r.naive_bitexact, 6),
+        per_output={b: (round(p, 6), round(n, 6)) for b, (p, n) in r.per_output.items()},
+        aten_order_bitexact=round(r.aten_order_bitexact, 6) if r.aten_order_bitexact is not None else None))
+        for r in er.replays]
 
 
 def _signature(d: Decision) -> tuple:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from graphdiff.ops import CASTS, UNINITIALIZED, VIEWS, is_low, op_name
-from graphdiff.records import Graph, Kernel, KernelRecord, Node
+from graphdiff.records import Graph, Kernel, KernelEvidence, KernelRecord, Node
 from graphdiff.replay.forms import SUFFIX as FORM_SUFFIX
 from graphdiff.replay.forms import two_step_variance
 from graphdiff.replay.interpreter import LOW, SUM, bits_equal_fraction, run_fragment, to_dtype
@@ -40,23 +40,6 @@ def value_base(nodes: dict[str, Node], name: str) -> Node | None:
     while n is not None and n.inputs and (op_name(n.target) in CASTS or is_view(n)):
         n = nodes.get(n.inputs[0])
     return n
-
-
-@dataclass
-class KernelReplay:
-    kernel: str
-    predicted_bitexact: float
-    naive_bitexact: float
-    elements: int  # low-precision elements compared
-    fp32_max_rel_error: float = 0.0  # FP32 stores: accumulation-order differences only
-    outputs: dict[str, str] = field(default_factory=dict)  # stored buffer -> FX node
-    explicit: list[str] = field(default_factory=list)  # in-register roundings the code really does
-    error: str = ""
-    per_output: dict[str, tuple[float, float]] = field(default_factory=dict)  # low-precision store -> (pred, naive)
-    note: str = ""
-    reduction_lanes: int = 0  # its row sums replayed in the kernel's order (replay.sum_order); 0: ATen's
-    aten_order: tuple[float, float] | None = None  # (bit-exact, FP32 error) with ATen's sum order instead
-    inputs: dict[str, str] = field(default_factory=dict)  # read-only input buffer -> FX node, placed for certain
 
 
 class Declared:
@@ -410,7 +393,7 @@ def _explicit_conversions(plan: _Plan, inputs: dict[str, Any], outputs: dict[str
     return predicted, explicit, values
 
 
-def copy_kernel(graph: Graph, k: Kernel, record: KernelRecord) -> KernelReplay | None:
+def copy_kernel(graph: Graph, k: Kernel, record: KernelRecord) -> KernelEvidence | None:
     """A kernel whose fused nodes are all computed by other kernels (Inductor's copy-back of a buffer a mutating
     extern wrote) computes nothing: it replays if every store equals one of its loads bit for bit."""
     nodes = graph.node_map()
@@ -421,15 +404,17 @@ def copy_kernel(graph: Graph, k: Kernel, record: KernelRecord) -> KernelReplay |
     if not stores or not all(any(i.numel() == t.numel() and i.dtype == t.dtype
                                  and torch.equal(i.reshape(-1), t.reshape(-1)) for i in loads) for t in stores):
         return None
-    return KernelReplay(k.id, 1.0, 1.0, sum(t.numel() for t in stores), note="a copy: every store equals a load")
+    return KernelEvidence(kernel=k.id, predicted_bitexact=1.0, naive_bitexact=1.0,
+                          elements=sum(t.numel() for t in stores), note="a copy: every store equals a load")
 
 
 def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str, str], owned: set[str],
-                  compute: torch.dtype = torch.float32) -> tuple[KernelReplay, dict[str, Any]]:
-    """The kernel's replay evidence and, under the predicted model, every fragment value."""
+                  compute: torch.dtype = torch.float32) -> tuple[KernelEvidence, dict[str, Any], dict[str, str]]:
+    """The kernel's replay evidence; under the predicted model, every fragment value; and the read-only input buffers
+    it placed for certain (buffer -> FX node), which later kernels reading the same buffer read too."""
     copied = copy_kernel(graph, k, record)
     if copied is not None:
-        return copied, {}
+        return copied, {}, {}
     frag, external = kernel_fragment(graph, k, owned)
     syms = bind_symbols(graph, record)
     cpp = 'extern "C"' in (k.code or "")
@@ -442,7 +427,7 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
     binding = _bind(graph, k, record, known, frag, external, syms)
     best, error, placed = _best_assignment(graph, binding, plan, external, record)
     if best is None:
-        return KernelReplay(k.id, 0.0, 0.0, 0, error=error), {}
+        return KernelEvidence(kernel=k.id, predicted_bitexact=0.0, naive_bitexact=0.0, elements=0, error=error), {}, {}
     _, inputs, outputs, values, _ = best
     read_only = {a.name for a in k.args if a.role == "in"}
     placed = {buf: node for buf, node in placed.items() if buf in read_only}
@@ -472,9 +457,11 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
     per_output = {buf: (score(values, {buf: node}, record)[0],
                         score(naive_run.values, {buf: node}, record)[0] if naive_run.ok else 0.0)
                   for buf, node in outputs.items() if getattr(record["out"].get(buf), "dtype", None) in LOW}
-    return KernelReplay(k.id, predicted, naive, elements, fp32, outputs, explicit, per_output=per_output,
-                        note=note, reduction_lanes=lanes if plan.ordered else 0,
-                        aten_order=aten[:2] if aten is not None else None, inputs=placed), values
+    return KernelEvidence(kernel=k.id, predicted_bitexact=predicted, naive_bitexact=naive, elements=elements,
+                          fp32_max_rel_error=fp32, outputs=outputs, explicit_roundings=explicit, per_output=per_output,
+                          note=note, reduction_lanes=lanes if plan.ordered else 0,
+                          aten_order_bitexact=aten[0] if aten is not None else None,
+                          aten_order_fp32_error=aten[1] if aten is not None else None), values, placed
 
 
 def _aten_order(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: KernelRecord,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from graphdiff.artifacts import ScanDir
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import Decision, Kernel, KernelEvidence, ScanResult, SideRef, Site
+from graphdiff.records import Decision, KernelEvidence, ScanResult, SideRef, Site
 
 
 def find_site(scan: ScanResult, query: str) -> Site:
@@ -83,17 +83,10 @@ def explain_lines(scan_dir: Path, scan: ScanResult, site: Site) -> list[str]:
 
 @dataclass
 class OneReplay:
-    kernel: Kernel
-    shape: str
-    predicted: float
-    naive: float
-    elements: int
-    per_output: dict[str, tuple[str, str, float, float]]  # buffer -> (node, dtype, predicted, naive)
-    explicit: list[str]
-    error: str
-    fp32_error: float = 0.0  # largest relative error of its FP32 stores
-    reduction_lanes: int = 0  # row sums replayed in the kernel's order (0: ATen's)
-    aten_order: tuple[float, float] | None = None  # (bit-exact, FP32 error) with ATen's sum order instead
+    """A kernel's replay evidence at one shape, with the FX node and dtype of each low-precision store."""
+
+    evidence: KernelEvidence
+    stores: dict[str, tuple[str, str]]  # buffer -> (node, dtype)
 
 
 def replay_one(scan_dir: Path, kernel_id: str, shape: str | None = None) -> OneReplay:
@@ -126,12 +119,11 @@ def replay_one(scan_dir: Path, kernel_id: str, shape: str | None = None) -> OneR
         for buf, node in ev.outputs.items():
             known.setdefault(buf, node)
     owned = {n for k in graph.kernels if k.kind == "generated" for n in k.nodes}
-    rep, _ = replay_kernel(graph, kernel, record, known, owned)
+    rep, _, _ = replay_kernel(graph, kernel, record, known, owned)
     nodes = graph.node_map()
-    per = {b: (n, str(record["out"][b].dtype).removeprefix("torch."), *rep.per_output.get(b, (float("nan"),) * 2))
-           for b, n in rep.outputs.items() if b in record["out"] and nodes.get(n) is not None}
-    return OneReplay(kernel, shape, rep.predicted_bitexact, rep.naive_bitexact, rep.elements, per, rep.explicit,
-                     rep.error, rep.fp32_max_rel_error, rep.reduction_lanes, rep.aten_order)
+    stores = {b: (n, str(record["out"][b].dtype).removeprefix("torch."))
+              for b, n in rep.outputs.items() if b in record["out"] and nodes.get(n) is not None}
+    return OneReplay(rep.model_copy(update={"shape": shape}), stores)
 
 
 def _evidence_at(scan: ScanResult, shape: str) -> list[KernelEvidence]:
