@@ -31,12 +31,12 @@ def by_target(capture: Capture, target: str) -> list:
 
 def test_graph_reproduces_eager_logits(captured):
     _, capture, extra = captured
-    model = extra["model"]
+    model = extra.model
     with torch.no_grad():
         eager = model(torch.tensor([capture.prompt_tokens]), use_cache=False).logits
     assert eager.dtype == torch.bfloat16
-    assert torch.equal(extra["graph_module"](*extra["inputs"]), eager)
-    assert torch.equal(run_graph(extra["graph_module"], model, capture.prompt_tokens), eager)
+    assert torch.equal(extra.graph_module(*extra.inputs), eager)
+    assert torch.equal(run_graph(extra.graph_module, model, capture.prompt_tokens), eager)
 
 
 def test_capture_metadata(captured):

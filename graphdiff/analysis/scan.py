@@ -77,10 +77,10 @@ def run_train_side(model_dir: Path, prompt: list[int], manifest: Path | None = N
 
     cap, live = capture_hf(model_dir, input_ids=prompt, manifest=manifest,
                            allow_version_mismatch=allow_version_mismatch)
-    values = eager_values(live["graph_module"], live["inputs"])
+    values = eager_values(live.graph_module, live.inputs)
     fp32: dict[str, Any] = {}
-    changed = train_rounding(live["graph_module"], values, fp32)
-    return TrainSide(cap, values, changed, live["graph_module"], fp32)
+    changed = train_rounding(live.graph_module, values, fp32)
+    return TrainSide(cap, values, changed, live.graph_module, fp32)
 
 
 def scanned_config_of(config: dict) -> dict:

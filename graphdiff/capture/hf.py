@@ -10,8 +10,9 @@ are graph inputs (via functional_call), so each weight placeholder has its HF na
 from __future__ import annotations
 
 import importlib.metadata
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 from unittest import mock
 
 import torch
@@ -126,15 +127,24 @@ def _version(package: str) -> str:
         return "unknown"
 
 
+@dataclass
+class Traced:
+    """The trainer's eager forward as make_fx traced it: `graph_module(*inputs)` recomputes the logits."""
+
+    graph_module: torch.fx.GraphModule
+    model: torch.nn.Module
+    inputs: list[torch.Tensor]  # the real tensors, in placeholder order
+    input_names: dict[str, str]  # placeholder -> parameter name or input name
+
+
 def capture_hf(
     model_path: Path, input_ids: list[int] | None = None, num_tokens: int = 16, seed: int = 0,
     manifest: Path | None = None, allow_version_mismatch: bool = False,
-) -> tuple[Capture, dict[str, Any]]:
+) -> tuple[Capture, Traced]:
     """Capture the HF eager graph of `model_path` on one prompt (patched first by `manifest`, if given:
     a scan of the patched trainer shows which one-sided roundings the patch leaves).
 
-    Returns the Capture and {"graph_module", "model", "inputs", "input_names"}: `inputs` are the real
-    tensors, in placeholder order, so `graph_module(*inputs)` recomputes the logits.
+    Returns the Capture and the traced forward it was read from.
     """
     import transformers
 
@@ -172,4 +182,4 @@ def capture_hf(
         prompt_tokens=list(input_ids),
     )
     _, tensors = _graph_inputs(model, ids)
-    return capture, {"graph_module": gm, "model": model, "inputs": tensors, "input_names": input_names}
+    return capture, Traced(gm, model, list(tensors), input_names)
