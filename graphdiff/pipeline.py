@@ -265,6 +265,7 @@ class Extras:
     kl: bool = False
     report: bool = False
     attention: AttentionForm = "fp32"
+    exact: bool = False  # the engine's own ops where no rounding plan makes the forward equal (make_patch)
     gap_tokens: int = 256  # continuation tokens the gate and the gap sample (one engine run serves both)
     tensor_parallel_size: int = 1
     reproduce: str = ""
@@ -287,7 +288,7 @@ def write_outputs(d: ScanDir, outcome: ScanOutcome, engine_dump: Path | None, ex
         from graphdiff.codegen.generate import make_patch, write_patch
         from graphdiff.measure.gate import gate
 
-        write_patch(make_patch(result, outcome.train.capture, None, extras.attention), d.patch_dir)
+        write_patch(make_patch(result, outcome.train.capture, None, extras.attention, extras.exact), d.patch_dir)
         progress("measuring the patch region by region")
         made = gate(result, d.patch_dir, d.root, max_tokens=extras.gap_tokens, model_dir=outcome.model_dir,
                     progress=progress)

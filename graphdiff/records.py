@@ -478,6 +478,9 @@ class ScanResult(BaseModel):
     engine_config: dict[str, object] = Field(default_factory=dict)  # the engine's effective compilation config
     # the engine's attention kernel as its capture reports it (Capture.attention: backend, isa, CPU kind, ops build)
     engine_attention: dict[str, str] = Field(default_factory=dict)
+    # the engine's fused-MoE op as its graph calls it (analysis.moe.engine_experts_op): op, activation, isa,
+    # padded_intermediate; what `patch --exact` runs in the trainer
+    engine_experts: dict[str, str] = Field(default_factory=dict)
     compilation_config: dict[str, object] = Field(default_factory=dict)  # as asked (-O as "optimization_level")
     plan: list[Decision] = Field(default_factory=list)  # every trainer value decided on; codegen reads it
     sites: list[Site]

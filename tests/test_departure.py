@@ -9,12 +9,17 @@ from graphdiff.analysis.match import Match
 from graphdiff.records import Graph, Node
 
 
-def _n(name: str, module: str) -> Node:
-    return Node(name=name, op="call_function", target="aten.mm.default", dtype="bfloat16", shape=[2, 4], module=module)
+def _n(name: str, module: str, inputs: tuple[str, ...] = ("x", "w")) -> Node:
+    return Node(name=name, op="call_function", target="aten.mm.default", dtype="bfloat16", shape=[2, 4], module=module,
+                inputs=list(inputs))
+
+
+X = Node(name="x", op="placeholder", target="x", dtype="bfloat16")  # the forward's input
+W = Node(name="w", op="placeholder", target="w", dtype="bfloat16", param="model.layers.0.mlp.weight")
 
 
 def _graphs() -> tuple[Graph, list[Graph]]:
-    train = Graph(name="train", nodes=[_n("mm", "model.layers.0.mlp"), _n("mm_1", "model.layers.1.mlp")])
+    train = Graph(name="train", nodes=[X, W, _n("mm", "model.layers.0.mlp"), _n("mm_1", "model.layers.1.mlp")])
     # a piecewise engine: both pieces have a node called arg4_1 (buffer names are per graph)
     pieces = [Graph(name=f"piece{i}", nodes=[Node(name="arg4_1", op="placeholder", target="", dtype="bfloat16")])
               for i in range(2)]
@@ -34,3 +39,16 @@ def test_values_are_compared_with_the_graph_they_were_matched_in() -> None:
     assert left is not None and left.node == "mm_1" and left.engine_graph == "piece1" and left.first_row == 1
     assert left.equal_before == 1 and left.differing == 1 / 8
 
+
+
+def test_a_value_of_the_weights_alone_is_no_departure() -> None:
+    """A splice's own transform of a weight (padded and packed expert weights) is not a value of the forward."""
+    _, pieces = _graphs()
+    train = Graph(name="train", nodes=[X, W, _n("packed", "model.layers.0.mlp", ("w",)),
+                                       _n("mm", "model.layers.0.mlp")])
+    a, other = torch.randn(2, 4).bfloat16(), torch.randn(2, 4).bfloat16()
+    matched = {"piece0": ([Match("packed", "arg4_1", 0.0, 1.0, ""), Match("mm", "arg4_1", 0.0, 1.0, "")], [])}
+    values = {"piece0": {"arg4_1": a}}
+    assert first_departure(train, {"packed": other, "mm": a}, matched, pieces, values) is None
+    left = first_departure(train, {"packed": a, "mm": other}, matched, pieces, values)
+    assert left is not None and left.node == "mm"

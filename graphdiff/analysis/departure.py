@@ -37,6 +37,16 @@ def differing(t: torch.Tensor, e: torch.Tensor) -> tuple[float, int | None]:
     return frac, row
 
 
+def activation_values(graph: Graph) -> set[str]:
+    """The nodes that depend on the model's inputs (token ids, positions), not only on its weights: a weight's own
+    transform (a splice padding and packing expert weights) is no value of the forward to compare."""
+    reached: set[str] = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.param is None) or any(i in reached for i in n.inputs):
+            reached.add(n.name)
+    return reached
+
+
 def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[list[Match], list[str]]],
                     engine_graphs: list[Graph], engine_values: dict[str, dict]) -> Departure | None:
     """The first matched trainer value (graph order) not bit-identical to its engine value; None if all are.
@@ -45,8 +55,11 @@ def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[
     declared = {(g.name, n.name): n.dtype for g in engine_graphs for n in g.nodes}
     pairs = sorted(((m, g) for g, (ms, _) in matched.items() for m in ms), key=lambda p: tgraph.position(p[0].train))
     nodes = tgraph.node_map()
+    forward = activation_values(tgraph)
     equal = 0
     for m, g in pairs:
+        if m.train not in forward:
+            continue
         t, e = train_values.get(m.train), engine_values.get(g, {}).get(m.engine)
         if not (isinstance(t, torch.Tensor) and isinstance(e, torch.Tensor)) or t.numel() != e.numel() \
                 or not (t.is_floating_point() and e.is_floating_point()):

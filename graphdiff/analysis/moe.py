@@ -32,6 +32,23 @@ class _Experts(torch.nn.Module):
         self.gate_up_proj, self.down_proj, self.act_fn = gate_up, down, act
 
 
+def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
+    """How the engine ran its experts, from its first fused-MoE call (`_C.cpu_fused_moe`): the op, its activation
+    and ISA, and the intermediate size its packed gate/up weight is padded to; {} where no such call was captured."""
+    for graph in graphs:
+        nodes = graph.node_map()
+        for n in graph.nodes:
+            if n.target != "_C.cpu_fused_moe.default" or len(n.call[0]) < 11:
+                continue
+            args = n.call[0]
+            w13 = nodes.get(args[2]["node"]) if isinstance(args[2], dict) else None
+            if w13 is None or not w13.shape or not isinstance(w13.shape[1], int):
+                continue
+            return {"op": "_C.cpu_fused_moe", "activation": str(args[9]), "isa": str(args[10]),
+                    "padded_intermediate": str(w13.shape[1] // 2)}
+    return {}
+
+
 def experts_modules(graph: Graph) -> dict[str, dict[str, str]]:
     """Experts modules of the trainer graph, found by their stacked weights: path -> {"gate_up_proj": node,
     "down_proj": node} (transformers' MoE experts hold [E, 2I, H] and [E, H, I] parameters)."""

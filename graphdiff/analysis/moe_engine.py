@@ -1,4 +1,5 @@
-"""Mixture-of-experts as vLLM CPU computes it: what a router or experts splice runs in the trainer.
+"""Mixture-of-experts as vLLM CPU computes it: what a router or experts splice runs in the trainer, and (`--exact`)
+the engine's own fused-MoE op forward with that computation's gradient backward.
 
 The generated patch carries the source of these two functions (the runtime imports nothing of the scanner); the
 scan runs them for its numeric check of the trainer's experts (analysis.moe), and the registry entry
@@ -10,19 +11,32 @@ from __future__ import annotations
 
 import torch
 
+from graphdiff.replay.inductor_math import inductor_math
+
+# How the engine ran its experts (ScanResult.engine_experts); the generated module sets its own from the scan
+MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE = "vec", "silu", 0
+
+
+def moe_constants(engine_experts: dict[str, str]) -> list[str]:
+    """The generated module's lines that set the engine's experts constants."""
+    return [f"MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE = {engine_experts['isa']!r}, "
+            f"{engine_experts['activation']!r}, {int(engine_experts['padded_intermediate'])}"]
+
 
 def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """vLLM CPU's routing: top-k of the BF16 router logits (the GEMM reads BF16 inputs), softmax over those k in FP32
-    (renormalized; else their share of all), weights kept FP32. Returned in the order the module's own forward
-    returns them (Qwen: logits, weights, indices; Granite: indices, weights, logits), told apart by dtype and width on
-    the module's first call."""
+    (renormalized; else their share of all) with the exp of the engine's Inductor kernel, weights kept FP32. Returned
+    in the order the module's own forward returns them (Qwen: logits, weights, indices; Granite: indices, weights,
+    logits), told apart by dtype and width on the module's first call."""
     hidden_states = hidden_states.reshape(-1, module.weight.shape[1]).to(module.weight.dtype)
     logits = torch.nn.functional.linear(hidden_states, module.weight)
     values, indices = torch.topk(logits, module.top_k, dim=-1)
-    if getattr(module, "norm_topk_prob", True):
-        weights = torch.softmax(values.float(), dim=-1)
+    if getattr(module, "norm_topk_prob", True):  # exp(v - max) / sum, exp as the engine's Inductor kernel computes it
+        shifted = values.float() - values.float().amax(-1, keepdim=True)
+        exps = inductor_math("exp", shifted)
+        weights = exps / exps.sum(-1, keepdim=True)
     else:
-        weights = (values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).exp()
+        weights = inductor_math("exp", values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
     order = module.__dict__.get("_graphdiff_router_order")
     if order is None:  # the module's own forward, once per module: which output is which, and its dtype
         with torch.no_grad():
@@ -52,3 +66,73 @@ def moe_experts_like_engine(module, hidden_states: torch.Tensor, top_k_index: to
 
 PATCH_PARTS = (moe_router_like_engine, moe_experts_like_engine)
 ROUTER_FN, EXPERTS_FN = moe_router_like_engine.__name__, moe_experts_like_engine.__name__
+
+
+def _packed_experts(module, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module's expert weights as the engine holds them: the gate and up halves each zero-padded to
+    MOE_PADDED_INTERMEDIATE rows, then packed for MOE_ISA (vLLM CPU's `prepack_moe_weight`). Kept on the module until
+    the weights change (an optimizer step bumps their version)."""
+    import vllm._custom_ops  # noqa: F401 - loads the op library (torch.ops._C)
+
+    key = (gate_up_proj.data_ptr(), gate_up_proj._version, down_proj.data_ptr(), down_proj._version)
+    cached = module.__dict__.get("_graphdiff_packed_experts")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.no_grad():
+        experts, two_inter, hidden = gate_up_proj.shape
+        inter, padded = two_inter // 2, MOE_PADDED_INTERMEDIATE
+        w13 = gate_up_proj.new_zeros(experts, 2 * padded, hidden)
+        w13[:, :inter], w13[:, padded:padded + inter] = gate_up_proj[:, :inter], gate_up_proj[:, inter:]
+        w2 = down_proj.new_zeros(experts, hidden, padded)
+        w2[:, :, :inter] = down_proj
+        packed = (torch.empty_like(w13), torch.empty_like(w2))
+        torch.ops._C.prepack_moe_weight(w13, packed[0], MOE_ISA)
+        torch.ops._C.prepack_moe_weight(w2, packed[1], MOE_ISA)
+    module.__dict__["_graphdiff_packed_experts"] = (key, packed)
+    return packed
+
+
+class _EngineExperts(torch.autograd.Function):
+    """Forward: the engine's fused-MoE op. Backward: the exact gradient of the same computation in FP32 PyTorch ops
+    (moe_experts_like_engine), recomputed from the saved inputs."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, module):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+        ctx.module = module
+        w13, w2 = _packed_experts(module, gate_up_proj, down_proj)
+        out = torch.empty_like(hidden_states)
+        torch.ops._C.cpu_fused_moe(out, hidden_states.contiguous(), w13, w2, None, None,
+                                   top_k_weights.float().contiguous(), top_k_index.to(torch.int32).contiguous(),
+                                   False, MOE_ACTIVATION, MOE_ISA)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: ANN001, ANN205
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad)
+                      for t in (hidden_states, top_k_weights, gate_up_proj, down_proj)]
+            x, weights, w13, w2 = leaves
+
+            class Weights:  # the module's weights as the recompute's leaves
+                gate_up_proj, down_proj, act_fn = w13, w2, ctx.module.act_fn
+
+            out = moe_experts_like_engine(Weights, x, top_k_index, weights)
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_output) if wanted else [])
+        g = [next(grads) if t.requires_grad else None for t in leaves]
+        return g[0], None, g[1], g[2], g[3], None
+
+
+def moe_experts_engine_op(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts as the engine computes them, by the engine's own op (vLLM CPU's `cpu_fused_moe` with the ISA and
+    activation its graph called it with): bit for bit the engine's output at every batch size; the backward is
+    moe_experts_like_engine's exact gradient."""
+    return _EngineExperts.apply(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
+                                module)
+
+
+ENGINE_PARTS = (_packed_experts, _EngineExperts, moe_experts_engine_op)
+ENGINE_EXPERTS_FN = moe_experts_engine_op.__name__

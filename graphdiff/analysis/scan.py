@@ -24,7 +24,7 @@ import torch
 from graphdiff.analysis import tensor_parallel as tp
 from graphdiff.analysis.departure import first_departure
 from graphdiff.analysis.match import Match
-from graphdiff.analysis.moe import experts_decisions, experts_nodes, routing_agreement
+from graphdiff.analysis.moe import engine_experts_op, experts_decisions, experts_nodes, routing_agreement
 from graphdiff.analysis.opaque import attention_decisions, extern_rule
 from graphdiff.analysis.plan import classify, decide, mark_rounded_reads, merge_decisions, sites_of, stable_ids
 from graphdiff.analysis.regions import group_regions
@@ -461,6 +461,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
                                       len({s.layer for s in sites if s.layer is not None}) or layers_total)),
         layers_total=layers_total, prompt_tokens=engine_cap.prompt_tokens, shapes=engine_cap.shapes,
         engine_config=engine_cap.engine_config, engine_attention=engine_cap.attention, plan=plan, sites=sites,
+        engine_experts=engine_experts_op(engine_cap.graphs),
         regions=regions, replay=replay,
         matched=sum(len(ms) for ms, _ in matched.values()),
         unmatched_train=[n.name for n in tgraph.nodes if n.name in unmatched_all and n.op == "call_function"][:500],

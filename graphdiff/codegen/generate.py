@@ -185,13 +185,22 @@ def _module_class(graph: Graph, pattern: str) -> str:
     return next((n.module_type for n in graph.nodes if n.module and rx.match(n.module) and n.module_type), "") or ""
 
 
-def _moe_splice(r: Region, graph: Graph) -> ManifestSplice:
-    """A router or experts region: the module's forward replaced by the engine's computation (analysis.moe_engine)."""
+def _moe_splice(r: Region, graph: Graph, engine_experts: dict[str, str] | None) -> ManifestSplice:
+    """A router or experts region: the module's forward replaced by the engine's computation (analysis.moe_engine);
+    with `engine_experts` (--exact: how the engine's graph called its fused-MoE op), the experts by that op."""
     target: Literal["router", "experts"] = "router" if r.kind == "router" else "experts"
     fn = moe_engine.ROUTER_FN if r.kind == "router" else moe_engine.EXPERTS_FN
-    return ManifestSplice(key=f"{target} {r.module}", target=target, module=r.module,
-                          module_class=_module_class(graph, r.module), regions=[r.name], torch_fn=fn,
-                          triton_problem="the engine's fused MoE computation, run with PyTorch ops")
+    splice = ManifestSplice(key=f"{target} {r.module}", target=target, module=r.module,
+                            module_class=_module_class(graph, r.module), regions=[r.name], torch_fn=fn,
+                            triton_problem="the engine's fused MoE computation, run with PyTorch ops")
+    if engine_experts is not None and target == "experts":
+        splice.torch_fn, splice.imports = moe_engine.ENGINE_EXPERTS_FN, ["vllm._custom_ops"]
+        splice.triton_problem = "runs the engine's own fused-MoE op (vLLM CPU)"
+        if not engine_experts:
+            splice.problems.append("--exact runs the engine's fused-MoE op, and the scan records no `_C.cpu_fused_moe` "
+                                   "call in the engine's graph (an engine that fuses its experts otherwise, or a scan "
+                                   "older than this graphdiff: rescan)")
+    return splice
 
 
 METADATA = frozenset({"dtype", "device", "shape", "ndim"})  # attributes that read a tensor's metadata, not its values
@@ -390,7 +399,7 @@ def _wanted(scan: ScanResult, regions: list[str] | None, more: list[Region]) -> 
 
 
 def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Region],
-                attention: AttentionForm) -> None:
+                attention: AttentionForm, exact: bool) -> None:
     """The splices that replace a whole op or module: attention, MoE routing and experts, tensor-parallel linears."""
     nodes = graph.node_map()
     site_node = {s.id: s.train.node for s in scan.sites}
@@ -400,10 +409,16 @@ def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Regi
         parts.body += lines if not splice.problems else []
         parts.status[r.name] = "; ".join(splice.problems)
     moe_regions = [r for r in wanted if r.kind in ("router", "expert_combine")]
-    parts.splices += [_moe_splice(r, graph) for r in moe_regions]
+    moe = [_moe_splice(r, graph, scan.engine_experts if exact else None) for r in moe_regions]
+    parts.splices += moe
+    parts.status.update({s.regions[0]: "; ".join(s.problems) for s in moe if s.problems})
     if moe_regions:
         parts.body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.analysis.moe_engine)",
                        *prelude.source(moe_engine.PATCH_PARTS)]
+    if any(s.torch_fn == moe_engine.ENGINE_EXPERTS_FN and not s.problems for s in moe):
+        parts.body += ["", "", "# the engine's own fused-MoE op forward, the same computation's gradient backward",
+                       *moe_engine.moe_constants(scan.engine_experts), "", "",
+                       *prelude.source(moe_engine.ENGINE_PARTS)]
     for r in (r for r in wanted if r.kind == "allreduce"):
         splice, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),
                                                    scan.engine_attention.get("build", ""))
@@ -462,9 +477,13 @@ class Patch:
 
 
 def make_patch(scan: ScanResult, train: Capture, regions: list[str] | None = None,
-               attention: AttentionForm = "fp32") -> Patch:
+               attention: AttentionForm = "fp32", exact: bool = False) -> Patch:
     """The patch of `scan` made on the trainer graph `train` (its `regions`, default all); `attention`: the attention
-    splice computes as the registry says the engine does ("fp32"), or runs the engine's own op ("engine")."""
+    splice computes as the registry says the engine does ("fp32"), or runs the engine's own op ("engine"); `exact`:
+    every splice whose forward no rounding plan can make equal runs the engine's own op (attention, the fused MoE),
+    with the exact gradient of the same computation by recompute backward."""
+    if exact:
+        attention = "engine"
     if not scan.config:
         raise GraphdiffError("the scan records no model config (written by an older graphdiff): rescan with "
                              f"`{scan.reproduce or 'graphdiff scan MODEL --out DIR'}`")
@@ -473,7 +492,7 @@ def make_patch(scan: ScanResult, train: Capture, regions: list[str] | None = Non
     # the engine's attention op also where it rounds as sdpa does (no site): its key order is still its own
     wanted = _wanted(scan, regions, attention_order.order_regions(scan, graph) if attention == "engine" else [])
     parts = _Parts()
-    _add_opaque(parts, scan, graph, wanted, attention)
+    _add_opaque(parts, scan, graph, wanted, attention, exact)
     engine_op = frozenset(r for s in parts.splices if s.target == "attention" and not s.problems
                           and s.torch_fn == attention_splice.attention_engine_op.__name__ for r in s.regions)
     frags = cut_fragments(scan, graph, [r.name for r in wanted], engine_op)
@@ -491,9 +510,9 @@ def write_patch(patch: Patch, out_dir: Path) -> Manifest:
 
 
 def generate(scan_dir: Path, out_dir: Path, regions: list[str] | None = None,
-             attention: AttentionForm = "fp32") -> Manifest:
+             attention: AttentionForm = "fp32", exact: bool = False) -> Manifest:
     """The patch of the scan in `scan_dir` (`make_patch`) written into `out_dir`."""
-    return write_patch(make_patch(*load_scan_dir(scan_dir), regions, attention), out_dir)
+    return write_patch(make_patch(*load_scan_dir(scan_dir), regions, attention, exact), out_dir)
 
 
 def shape_notes(regions: list[Region], shapes: list[str]) -> list[str]:

