@@ -126,7 +126,8 @@ def sweep_one(arch: str, root: Path, args: argparse.Namespace) -> dict:
     model, scan, kl = d / "model", d / "scan", d / "kl"
     res: dict = dict(arch=arch, steps=[])
     steps = [("make-tiny", ["make-tiny", arch, "--out", str(model), "--layers", str(args.layers)], 300),
-             ("scan", ["scan", str(model), "--out", str(scan), "--patch", "--attention", args.attention], args.timeout)]
+             ("scan", ["scan", str(model), "--out", str(scan), "--patch",
+                       *(["--exact"] if args.exact else ["--attention", args.attention])], args.timeout)]
     for name, cli, limit in steps:
         step = run_step(name, cli, d / f"{name}.log", limit)
         res["steps"].append(step)
@@ -248,6 +249,8 @@ def main() -> None:
     p.add_argument("--table", type=Path, help="also write the markdown table here")
     p.add_argument("--attention", choices=("fp32", "engine"), default="fp32",
                    help="the attention splice's form (`graphdiff patch --attention`)")
+    p.add_argument("--exact", action="store_true", help="the patch runs the engine's own ops where no rounding plan "
+                   "makes the forward equal (`graphdiff patch --exact`)")
     args = p.parse_args()
     archs = args.archs or list(ARCHS)
     results = []

@@ -1,0 +1,96 @@
+"""`--exact` against the real engine (vLLM CPU): a mixture-of-experts patch whose experts run the engine's own
+fused-MoE op forward (and the same computation's gradient backward) gives the engine's log-probs bit for bit wherever
+the engine's decode equals its own prefill scoring, and chooses no other expert than the engine on any token.
+
+One engine start: the scan's capture samples 4 seeded prompts x 160 tokens and records its expert choices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphdiff.analysis import moe_engine
+from graphdiff.artifacts import ScanDir
+from graphdiff.capture.hf import load_hf_model
+from graphdiff.capture.shapes import prefill
+from graphdiff.codegen import generate
+from graphdiff.engines.vllm.session import random_prompts, sample_engine
+from graphdiff.measure.kl import _logprobs_and_routing
+from graphdiff.measure.logprobs import trainer
+from graphdiff.models.tiny import make_tiny
+from graphdiff.pipeline import scan
+from graphdiff.records import SampleAsk
+
+pytestmark = pytest.mark.engine
+SAMPLE = SampleAsk(count=4, prompt_tokens=16, max_tokens=160)
+
+
+def test_exact_moe_gives_the_engines_logprobs_and_expert_choices(tmp_path):
+    model = make_tiny("qwen3_moe", tmp_path / "model", layers=2)
+    d = ScanDir(tmp_path / "scan")
+    outcome = scan(str(model), shapes=[prefill(16)], out=d, sample=SAMPLE)
+    d.save_scan(outcome.result)
+    d.save_train(outcome.train.capture)
+    assert outcome.result.engine_experts["op"] == "_C.cpu_fused_moe", outcome.result.engine_experts
+    made = generate(d.root, d.patch_dir, exact=True)
+    experts = next(s for s in made.splices if s.target == "experts")
+    attention = next(s for s in made.splices if s.target == "attention")
+    assert experts.torch_fn == moe_engine.ENGINE_EXPERTS_FN and experts.imports == ["vllm._custom_ops"]
+    assert attention.torch_fn == "attention_engine_op" and not experts.problems
+    regions = [r.name for r in made.regions if r.generated]
+    assert len(regions) == len(made.regions), [r.reason for r in made.regions]
+
+    prompts = random_prompts(outcome.config, SAMPLE.count, SAMPLE.prompt_tokens, SAMPLE.seed)
+    samples = sample_engine(model, prompts, ["compiled"], max_tokens=SAMPLE.max_tokens, out_dir=d.root
+                            )["compiled"].samples  # cached by the scan's engine: no second start
+    assert all(s.routing for s in samples)
+    base = load_hf_model(model)
+    found = {}
+    for label, enabled in (("unpatched", None), ("patched", regions)):
+        with trainer(base, "eager", d.patch_dir / "manifest.json" if enabled else None, enabled) as patched:
+            found[label] = _logprobs_and_routing(patched, samples, label)
+    (lp_plain, flips_plain), (lp, flips) = found["unpatched"], found["patched"]
+    at_floor = same = differ_plain = 0
+    for s, mine, plain in zip(samples, lp, lp_plain):
+        engine, prefill_lp = torch.tensor(s.logprobs), torch.tensor(s.prefill_logprobs)
+        exact = engine == prefill_lp  # where the engine's own floor is 0
+        at_floor += int(exact.sum())
+        same += int((mine.float() == engine)[exact].sum())
+        differ_plain += int((plain.float() != engine)[exact].sum())
+    assert at_floor > 0.9 * SAMPLE.count * SAMPLE.max_tokens and differ_plain > 0  # the unpatched trainer departs
+    assert same == at_floor, f"{at_floor - same} of {at_floor} tokens at the engine's floor differ"
+    assert sum(a.differing for a in flips) == 0 < sum(a.differing for a in flips_plain), (flips, flips_plain)
+
+
+def test_the_engine_experts_op_packs_new_weights_and_takes_the_exact_gradient():
+    pytest.importorskip("vllm")
+    torch.manual_seed(0)
+    experts, hidden, inter, tokens, k = 4, 64, 32, 40, 2
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter((torch.randn(experts, 2 * inter, hidden) / 8).bfloat16())
+            self.down_proj = torch.nn.Parameter((torch.randn(experts, hidden, inter) / 8).bfloat16())
+            self.act_fn = torch.nn.SiLU()
+
+    module, x = Experts(), torch.randn(tokens, hidden).bfloat16().requires_grad_()
+    ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, k), -1).requires_grad_()
+    moe_engine.MOE_PADDED_INTERMEDIATE = inter  # what the generated module sets from the scan
+    try:
+        out = moe_engine.moe_experts_engine_op(module, x, ids, weights)
+        like = moe_engine.moe_experts_like_engine(module, x, ids, weights)
+        assert out.dtype == torch.bfloat16 and (out.float() - like.float()).abs().max() <= 0.02 * like.abs().max()
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, [x, weights, module.gate_up_proj, module.down_proj], grad)
+        want = torch.autograd.grad(like, [x, weights, module.gate_up_proj, module.down_proj], grad)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        with torch.no_grad():  # an optimizer step: the packed weights follow
+            module.gate_up_proj.mul_(2)
+        again = moe_engine.moe_experts_engine_op(module, x, ids, weights)
+        assert not torch.equal(again, out)
+        module.__dict__.pop("_graphdiff_packed_experts")
+        assert torch.equal(moe_engine.moe_experts_engine_op(module, x, ids, weights), again)
+    finally:
+        moe_engine.MOE_PADDED_INTERMEDIATE = 0
