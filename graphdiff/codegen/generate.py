@@ -33,6 +33,7 @@ from graphdiff.codegen import (
     names,
     norm_order,
     prelude,
+    router_order,
     tp_linear,
 )
 from graphdiff.codegen.fragment import Fragment, cut_fragments, region_slug
@@ -490,7 +491,8 @@ def make_patch(scan: ScanResult, train: Capture, regions: list[str] | None = Non
     graph = train.graphs[0]
     scan = norm_order.with_order_regions(scan, graph)  # norms with no site that the engine sums in its own order
     # the engine's attention op also where it rounds as sdpa does (no site): its key order is still its own
-    wanted = _wanted(scan, regions, attention_order.order_regions(scan, graph) if attention == "engine" else [])
+    more = attention_order.order_regions(scan, graph) if attention == "engine" else []
+    wanted = _wanted(scan, regions, more + (router_order.router_regions(scan, graph) if exact else []))
     parts = _Parts()
     _add_opaque(parts, scan, graph, wanted, attention, exact)
     engine_op = frozenset(r for s in parts.splices if s.target == "attention" and not s.problems
