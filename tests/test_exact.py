@@ -1,0 +1,54 @@
+"""`--exact` codegen on a recorded MoE scan (tiny Mixtral, fixtures/scans/tiny-mixtral-3: its router has no site):
+which splices run the engine's own ops, what the manifest names, and a portable patch without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from graphdiff.analysis import moe_engine
+from graphdiff.analysis.moe import engine_experts_op
+from graphdiff.artifacts import ScanDir
+from graphdiff.codegen import generate
+from graphdiff.codegen.router_order import router_regions
+
+MIXTRAL = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-mixtral-3"
+
+
+def test_exact_runs_the_engines_ops_and_names_what_it_imports(tmp_path: Path) -> None:
+    scan = ScanDir(MIXTRAL).load_scan()
+    assert scan.engine_experts == {"op": "_C.cpu_fused_moe", "activation": "silu", "isa": "vec",
+                                   "padded_intermediate": "128"}
+    assert not any(r.kind == "router" for r in scan.regions)
+    made = generate(MIXTRAL, tmp_path / "exact", exact=True)
+    by_target = {s.target: s for s in made.splices}
+    assert by_target["experts"].torch_fn == moe_engine.ENGINE_EXPERTS_FN
+    assert by_target["attention"].torch_fn == "attention_engine_op"
+    assert by_target["experts"].imports == by_target["attention"].imports == ["vllm._custom_ops"]
+    router = next(r for r in made.regions if r.kind == "router")
+    assert router.name == "model.layers.*.mlp.gate#router" and not router.sites and router.generated
+    assert by_target["router"].torch_fn == moe_engine.ROUTER_FN and not by_target["router"].imports
+    module = (tmp_path / "exact" / made.module_file).read_text()
+    assert "MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE = 'vec', 'silu', 128" in module
+    assert "torch.ops._C.cpu_fused_moe(" in module
+
+    portable = generate(MIXTRAL, tmp_path / "portable")
+    assert not any(s.imports for s in portable.splices)
+    assert not any(r.kind == "router" for r in portable.regions)
+    assert "cpu_fused_moe(" not in (tmp_path / "portable" / portable.module_file).read_text()
+
+
+def test_exact_refuses_the_engine_op_where_the_scan_recorded_none(tmp_path: Path) -> None:
+    scan = ScanDir(MIXTRAL).load_scan()
+    scan.engine_experts = {}
+    d = ScanDir(tmp_path / "scan")
+    d.save_scan(scan)
+    d.save_train(ScanDir(MIXTRAL).load_train())
+    made = generate(d.root, tmp_path / "patch", exact=True)
+    experts = next(r for r in made.regions if r.kind == "expert_combine")
+    assert not experts.generated and "cpu_fused_moe" in experts.reason
+    assert not router_regions(scan, ScanDir(MIXTRAL).load_train().graphs[0])  # no engine op: no router of its own
+
+
+def test_the_engines_experts_op_is_read_from_its_graph() -> None:
+    engine = ScanDir(Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3").load_engine(None)
+    assert engine_experts_op(engine[0].graphs) == {}  # a dense model
