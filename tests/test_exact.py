@@ -28,7 +28,7 @@ def test_exact_runs_the_engines_ops_and_names_what_it_imports(tmp_path: Path) ->
     assert router.name == "model.layers.*.mlp.gate#router" and not router.sites and router.generated
     assert by_target["router"].torch_fn == moe_engine.ROUTER_FN and not by_target["router"].imports
     module = (tmp_path / "exact" / made.module_file).read_text()
-    assert "MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE = 'vec', 'silu', 128" in module
+    assert "MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE, MOE_ROUTER_LANES = 'vec', 'silu', 128, 0" in module
     assert "torch.ops._C.cpu_fused_moe(" in module
 
     portable = generate(MIXTRAL, tmp_path / "portable")

@@ -22,6 +22,7 @@ from graphdiff.analysis.moe_engine import moe_experts_like_engine
 from graphdiff.analysis.rounding import is_view
 from graphdiff.ops import CASTS, EXACT, is_heavy, is_low, op_name
 from graphdiff.records import Decision, Evidence, Graph, Node, RoutingAgreement, SideState, layer_of
+from graphdiff.replay.sum_order import cpp_sum_lanes
 
 _ACTS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "relu": torch.relu}
 
@@ -34,7 +35,8 @@ class _Experts(torch.nn.Module):
 
 def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
     """How the engine ran its experts, from its first fused-MoE call (`_C.cpu_fused_moe`): the op, its activation
-    and ISA, and the intermediate size its packed gate/up weight is padded to; {} where no such call was captured."""
+    and ISA, the intermediate size its packed gate/up weight is padded to, and the lanes its router kernel sums a
+    logsumexp's exps in (a router that does not renormalize its top-k: OLMoE); {} where no such call was captured."""
     for graph in graphs:
         nodes = graph.node_map()
         for n in graph.nodes:
@@ -44,8 +46,10 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
             w13 = nodes.get(args[2]["node"]) if isinstance(args[2], dict) else None
             if w13 is None or not w13.shape or not isinstance(w13.shape[1], int):
                 continue
+            router = next((k for k in graph.kernels if k.kind == "generated" and "logsumexp" in k.id), None)
+            lanes = cpp_sum_lanes(router.code or "") if router is not None else 0
             return {"op": "_C.cpu_fused_moe", "activation": str(args[9]), "isa": str(args[10]),
-                    "padded_intermediate": str(w13.shape[1] // 2)}
+                    "padded_intermediate": str(w13.shape[1] // 2), "router_lanes": str(lanes)}
     return {}
 
 

@@ -12,15 +12,18 @@ from __future__ import annotations
 import torch
 
 from graphdiff.replay.inductor_math import inductor_math
+from graphdiff.replay.sum_order import ordered_sum
 
-# How the engine ran its experts (ScanResult.engine_experts); the generated module sets its own from the scan
-MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE = "vec", "silu", 0
+# How the engine ran its experts and router (ScanResult.engine_experts); the generated module sets its own from the
+# scan. MOE_ROUTER_LANES: the lanes the router's kernel sums its exps in (0: no such sum recorded)
+MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE, MOE_ROUTER_LANES = "vec", "silu", 0, 0
 
 
 def moe_constants(engine_experts: dict[str, str]) -> list[str]:
-    """The generated module's lines that set the engine's experts constants."""
-    return [f"MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE = {engine_experts['isa']!r}, "
-            f"{engine_experts['activation']!r}, {int(engine_experts['padded_intermediate'])}"]
+    """The generated module's line that sets the engine's experts and router constants."""
+    e = engine_experts
+    return [f"MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE, MOE_ROUTER_LANES = {e.get('isa', 'vec')!r}, "
+            f"{e.get('activation', 'silu')!r}, {int(e.get('padded_intermediate', 0))}, {int(e.get('router_lanes', 0))}"]
 
 
 def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -35,8 +38,14 @@ def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.T
         shifted = values.float() - values.float().amax(-1, keepdim=True)
         exps = inductor_math("exp", shifted)
         weights = exps / exps.sum(-1, keepdim=True)
-    else:
-        weights = inductor_math("exp", values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
+    else:  # exp(v - logsumexp(logits)), logsumexp as the engine's kernel: max, exps summed in its lanes, log, + max,
+        x = logits.float()  # stored in the logits' dtype (BF16), as the engine's logsumexp of BF16 logits is
+        top = x.amax(-1, keepdim=True)
+        top = torch.where(top.abs() == float("inf"), torch.zeros_like(top), top)
+        exps = inductor_math("exp", x - top)
+        total = ordered_sum(exps, [-1], True, MOE_ROUTER_LANES) if MOE_ROUTER_LANES else exps.sum(-1, keepdim=True)
+        log_z = (inductor_math("log", total) + top).to(logits.dtype).float()
+        weights = inductor_math("exp", values.float() - log_z)
     order = module.__dict__.get("_graphdiff_router_order")
     if order is None:  # the module's own forward, once per module: which output is which, and its dtype
         with torch.no_grad():

@@ -415,10 +415,10 @@ def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Regi
     parts.status.update({s.regions[0]: "; ".join(s.problems) for s in moe if s.problems})
     if moe_regions:
         parts.body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.analysis.moe_engine)",
+                       *moe_engine.moe_constants(scan.engine_experts), "", "",
                        *prelude.source(moe_engine.PATCH_PARTS)]
     if any(s.torch_fn == moe_engine.ENGINE_EXPERTS_FN and not s.problems for s in moe):
         parts.body += ["", "", "# the engine's own fused-MoE op forward, the same computation's gradient backward",
-                       *moe_engine.moe_constants(scan.engine_experts), "", "",
                        *prelude.source(moe_engine.ENGINE_PARTS)]
     for r in (r for r in wanted if r.kind == "allreduce"):
         splice, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),
