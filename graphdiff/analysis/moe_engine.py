@@ -60,17 +60,19 @@ def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.T
 def moe_experts_like_engine(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """vLLM CPU's fused MoE: gate/up GEMM and the activation in FP32, silu(gate) * up rounded once, the down GEMM
-    and the weighted sum over the chosen experts in FP32, the output rounded once."""
-    x = hidden_states.float()
+    and the weighted sum over the chosen experts in FP32, the output rounded once. It reads its input in the weights'
+    dtype, as the engine's op reads the stored activation (the patched trainer may hand it FP32)."""
+    low = module.gate_up_proj.dtype
+    x = hidden_states.to(low).float()
     out = torch.zeros(x.shape[0], module.down_proj.shape[1], dtype=torch.float32, device=x.device)
     inter = module.gate_up_proj.shape[1] // 2
     for e in top_k_index.unique().tolist():
         tokens, slot = torch.where(top_k_index == e)
         gate_up = x[tokens] @ module.gate_up_proj[e].float().t()
-        act = (module.act_fn(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden_states.dtype)
+        act = (module.act_fn(gate_up[:, :inter]) * gate_up[:, inter:]).to(low)
         down = act.float() @ module.down_proj[e].float().t()
         out.index_add_(0, tokens, down * top_k_weights[tokens, slot, None].float())
-    return out.to(hidden_states.dtype)
+    return out.to(low).to(hidden_states.dtype)
 
 
 PATCH_PARTS = (moe_router_like_engine, moe_experts_like_engine)
@@ -110,11 +112,11 @@ class _EngineExperts(torch.autograd.Function):
         ctx.save_for_backward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
         ctx.module = module
         w13, w2 = _packed_experts(module, gate_up_proj, down_proj)
-        out = torch.empty_like(hidden_states)
-        torch.ops._C.cpu_fused_moe(out, hidden_states.contiguous(), w13, w2, None, None,
-                                   top_k_weights.float().contiguous(), top_k_index.to(torch.int32).contiguous(),
-                                   False, MOE_ACTIVATION, MOE_ISA)
-        return out
+        x = hidden_states.to(gate_up_proj.dtype).contiguous()  # the op reads the activation as the engine stores it
+        out = torch.empty_like(x)
+        torch.ops._C.cpu_fused_moe(out, x, w13, w2, None, None, top_k_weights.float().contiguous(),
+                                   top_k_index.to(torch.int32).contiguous(), False, MOE_ACTIVATION, MOE_ISA)
+        return out.to(hidden_states.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205
