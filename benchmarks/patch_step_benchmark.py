@@ -2,6 +2,7 @@
 
     python benchmarks/patch_step_benchmark.py --scan fixtures/scans/tiny-qwen3 --arch qwen3
     python benchmarks/patch_step_benchmark.py --scan SCAN_DIR --batch 1 --seq 1024 --attention engine
+    python benchmarks/patch_step_benchmark.py --scan SCAN_DIR --arch qwen3_moe --batch 1 --seq 1024 --exact
     python benchmarks/patch_step_benchmark.py --scan SCAN_DIR --config Qwen/Qwen3-8B --device cuda \\
         --batch 2 --seq 4096 --variants unpatched,rope,all
 
@@ -97,10 +98,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the result here")
     ap.add_argument("--attention", default="fp32", choices=("fp32", "engine"),
                     help="the attention splice: FP32 sdpa, or the engine's own op forward (needs vLLM CPU)")
+    ap.add_argument("--exact", action="store_true", help="the patch runs the engine's own ops (`patch --exact`)")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="gd-bench-"))
-    manifest = generate(args.scan, work / "patch", attention=args.attention)
+    manifest = generate(args.scan, work / "patch", attention=args.attention, exact=args.exact)
     model, label = load_model(args, work)
     variants = {v: regions_of(v, manifest) for v in args.variants.split(",")}
     gen = torch.Generator().manual_seed(0)
@@ -137,6 +139,7 @@ def main() -> None:
         "model": label, "architecture": manifest.architecture, "layers": model.config.num_hidden_layers,
         "device": torch.cuda.get_device_name() if cuda else "cpu", "path": path, "batch": args.batch,
         "seq": args.seq, "steps": args.steps, "threads": torch.get_num_threads(), "attention": args.attention,
+        "exact": args.exact,
         "torch": torch.__version__,
         "variants": {v: {"regions": len(r) if r is not None else 0, "median_s": round(med[v], 4),
                          "ratio": round(med[v] / base, 4) if base else None,
