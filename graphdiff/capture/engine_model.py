@@ -18,7 +18,6 @@ def _mangle(path: str, kind: str) -> str:
     return "l_self_" + "_".join(parts) + "_"
 
 
-
 def input_names(placeholders: list[str], model: torch.nn.Module) -> tuple[dict[str, str], str]:
     """Map Dynamo placeholder names to the engine model's parameter names.
 
@@ -52,7 +51,6 @@ def input_names(placeholders: list[str], model: torch.nn.Module) -> tuple[dict[s
         else:
             names[p] = re.sub(r"^l_|_$", "", p)
     return names, root
-
 
 
 def unread_params(model: torch.nn.Module, graphs: list[Graph]) -> list[str]:
@@ -94,11 +92,9 @@ def unread_params(model: torch.nn.Module, graphs: list[Graph]) -> list[str]:
     return unread
 
 
-
 def is_model_graph(names: dict[str, str]) -> bool:
     # The model's graph takes its weights as inputs; other compiled helpers (the sampler) don't.
     return any("." in n for n in names.values())
-
 
 
 def unique_kernel_ids(graph: Graph, index: int) -> dict[str, str]:
@@ -106,7 +102,6 @@ def unique_kernel_ids(graph: Graph, index: int) -> dict[str, str]:
     compile `<name>:<handle>` repeats across pieces. Graph `index` > 0 gets `<name>:g<index>.<handle>` (in its
     kernels and nodes); returns old -> new. The first graph, and so every single-graph capture, is unchanged."""
     return tag_kernel_ids(graph, f"g{index}") if index else {}
-
 
 
 def tag_kernel_ids(graph: Graph, tag: str) -> dict[str, str]:
@@ -120,7 +115,6 @@ def tag_kernel_ids(graph: Graph, tag: str) -> dict[str, str]:
         if n.kernel in renamed:
             n.kernel = renamed[n.kernel]
     return renamed
-
 
 
 def logits_weight(model: torch.nn.Module) -> str:

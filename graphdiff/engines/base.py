@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from graphdiff.records import Buffers, Capture, EngineSample, Progress, Shape
+from graphdiff.records import Buffers, Capture, EngineSample, Progress
 
 
 @dataclass
@@ -69,9 +69,4 @@ class Engine(Protocol):
 
     def stop(self) -> None:
         """Free the engine and its threads, so another can start in this process."""
-        ...
-
-
-class StartEngine(Protocol):
-    def __call__(self, model_dir: Path, shapes: list[Shape], options: EngineOptions, progress: Progress) -> Engine:
         ...

@@ -115,7 +115,6 @@ class EngineRun:
     recorders: list[BufferRecorder] = field(default_factory=list)  # one per capture graph, in order (TP: none here)
 
 
-
 def llm_kwargs(model_dir: Path, options: EngineOptions, shapes: list[Shape]) -> dict[str, Any]:
     compilation = dict(options.compilation_config)
     if torch.cuda.is_available():
