@@ -485,9 +485,6 @@ def make_patch(scan: ScanResult, train: Capture, regions: list[str] | None = Non
     with the exact gradient of the same computation by recompute backward."""
     if exact:
         attention = "engine"
-    if not scan.config:
-        raise GraphdiffError("the scan records no model config (written by an older graphdiff): rescan with "
-                             f"`{scan.reproduce or 'graphdiff scan MODEL --out DIR'}`")
     graph = train.graphs[0]
     scan = norm_order.with_order_regions(scan, graph)  # norms with no site that the engine sums in its own order
     # the engine's attention op also where it rounds as sdpa does (no site): its key order is still its own

@@ -159,7 +159,7 @@ SERIES = (("unpatched", "#d93025"), ("patched", "#1a73e8"), ("patched, the engin
 def kl_view(kl: KLResult | None, nonuniformity: dict[str, float] | None = None) -> dict:
     """Lay out the measured gap: the measurements, a k3 card for each of the first four, the Shapley attribution and
     the non-uniformity per region as charts, how it was measured, the compilation config and manifest it ran."""
-    view: dict = {"cards": [], "measurements": [], "charts": [], "run": "", "rest": ""}
+    view: dict = {"cards": [], "measurements": [], "charts": [], "run": ""}
     if nonuniformity:
         view["charts"].append(("nonuniformity", sorted(nonuniformity.items(), key=lambda kv: -abs(kv[1])), {}, ""))
     if kl is None:
