@@ -9,7 +9,7 @@ from graphdiff.analysis import moe_engine
 from graphdiff.analysis.moe import engine_experts_op
 from graphdiff.artifacts import ScanDir
 from graphdiff.codegen import generate
-from graphdiff.codegen.router_order import router_regions
+from graphdiff.codegen.moe_order import router_regions
 
 MIXTRAL = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-mixtral-3"
 

@@ -30,10 +30,10 @@ from graphdiff.codegen import (
     emit_torch,
     emit_triton,
     inductor_lowering,
+    moe_order,
     names,
     norm_order,
     prelude,
-    router_order,
     tp_linear,
 )
 from graphdiff.codegen.fragment import Fragment, cut_fragments, region_slug
@@ -489,7 +489,9 @@ def make_patch(scan: ScanResult, train: Capture, regions: list[str] | None = Non
     scan = norm_order.with_order_regions(scan, graph)  # norms with no site that the engine sums in its own order
     # the engine's attention op also where it rounds as sdpa does (no site): its key order is still its own
     more = attention_order.order_regions(scan, graph) if attention == "engine" else []
-    wanted = _wanted(scan, regions, more + (router_order.router_regions(scan, graph) if exact else []))
+    if exact:
+        more += moe_order.router_regions(scan, graph) + moe_order.experts_regions(scan, graph)
+    wanted = _wanted(scan, regions, more)
     parts = _Parts()
     _add_opaque(parts, scan, graph, wanted, attention, exact)
     engine_op = frozenset(r for s in parts.splices if s.target == "attention" and not s.problems
