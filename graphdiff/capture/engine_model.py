@@ -1,6 +1,6 @@
 """What a compiled engine model tells, whichever engine compiled it: the parameter name behind each graph input
-(Dynamo's placeholder names), the parameters no graph reads, the weight its logits use, and kernel ids made unique
-across the graphs of one capture."""
+(Dynamo's placeholder names), each node's module by its name in the model, the parameters no graph reads, the weight
+its logits use, and kernel ids made unique across the graphs of one capture."""
 
 from __future__ import annotations
 
@@ -51,6 +51,33 @@ def input_names(placeholders: list[str], model: torch.nn.Module) -> tuple[dict[s
         else:
             names[p] = re.sub(r"^l_|_$", "", p)
     return names, root
+
+
+def canonical_modules(graph: Graph, model: torch.nn.Module) -> None:
+    """Each node's module path that names no module of `model` (Dynamo spells the path it reached the module by:
+    vLLM's shared experts are called through a closure, `mlp.experts._shared_experts._mk_can_overlap_shared_experts
+    .__closure__.0.cell_contents._shared_experts._layer.gate_up_proj`) made the module's shortest name in the
+    model (`mlp.shared_experts.gate_up_proj`), the name its checkpoint gives it, so it matches the trainer's."""
+    names: dict[int, str] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if id(mod) not in names or len(name) < len(names[id(mod)]):
+            names[id(mod)] = name
+    known = set(names.values()) | {n for n, _ in model.named_modules(remove_duplicate=False)}
+    resolved: dict[str, str] = {}
+    for node in graph.nodes:
+        path = node.module
+        if not path or path in known:
+            continue
+        if path not in resolved:
+            obj: object = model
+            for part in path.split("."):
+                try:
+                    obj = obj[int(part)] if part.isdigit() else getattr(obj, part)  # type: ignore[index]
+                except (AttributeError, IndexError, KeyError, TypeError):
+                    obj = None
+                    break
+            resolved[path] = names.get(id(obj), path) if isinstance(obj, torch.nn.Module) else path
+        node.module = resolved[path]
 
 
 def unread_params(model: torch.nn.Module, graphs: list[Graph]) -> list[str]:
