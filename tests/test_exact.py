@@ -7,6 +7,7 @@ from pathlib import Path
 
 from graphdiff.analysis import moe_engine
 from graphdiff.analysis.moe import engine_experts_op
+from graphdiff.analysis.plan import mark_fp32_reads
 from graphdiff.artifacts import ScanDir
 from graphdiff.codegen import generate
 from graphdiff.codegen.moe_order import router_regions
@@ -52,3 +53,46 @@ def test_exact_refuses_the_engine_op_where_the_scan_recorded_none(tmp_path: Path
 def test_the_engines_experts_op_is_read_from_its_graph() -> None:
     engine = ScanDir(Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3").load_engine(None)
     assert engine_experts_op(engine[0].graphs) == {}  # a dense model
+
+
+GLM4_MOE = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-glm4_moe-3"
+
+
+def test_an_fp32_router_gemm_of_the_engine_is_read_from_its_graph() -> None:
+    engine = ScanDir(GLM4_MOE).load_engine_graphs()
+    assert engine is not None
+    assert engine_experts_op(engine.graphs)["router_gemm"] == "_C.onednn_mm"
+    mixtral = ScanDir(MIXTRAL).load_scan()
+    assert "router_gemm" not in mixtral.engine_experts  # a BF16 router GEMM: ATen's sums are the engine's
+
+
+def test_a_norm_product_the_engines_router_reads_unrounded_is_a_site() -> None:
+    """The post-attention norm's product: BF16 for the experts and shared experts, its FP32 value for the router's
+    GEMM (converted inside the norm's kernel). A site in the MoE layers (1, 2), not in the dense layer 0."""
+    scan, train = ScanDir(GLM4_MOE).load_scan(), ScanDir(GLM4_MOE).load_train()
+    engine = ScanDir(GLM4_MOE).load_engine_graphs()
+    assert engine is not None
+    products = [d for d in scan.plan if (d.module or "").endswith("post_attention_layernorm") and d.rule == "matched"
+                and d.op.endswith("mul.Tensor")]
+    assert sorted(d.layer for d in products if d.site) == [1, 2]
+    for d in products:  # as the plan stood before: the engine's BF16 store taken for the value
+        if d.site and d.engine is not None:
+            d.site, d.engine = False, d.engine.model_copy(update=dict(dtype="bfloat16", rounds=True, on_grid=True))
+    mark_fp32_reads(train.graphs[0], scan.plan, engine.graphs)
+    assert sorted(d.layer for d in products if d.site and d.engine and not d.engine.rounds) == [1, 2]
+    assert [d.layer for d in products if not d.site] == [0]  # its product feeds the dense MLP's GEMMs only
+
+
+def test_exact_runs_the_engines_router_gemm_and_keeps_the_norm_product_fp32_for_it(tmp_path: Path) -> None:
+    made = generate(GLM4_MOE, tmp_path / "exact", exact=True)
+    router = next(s for s in made.splices if s.target == "router")
+    assert router.torch_fn == moe_engine.ENGINE_ROUTER_FN and router.imports == ["vllm._custom_ops"]
+    assert next(r for r in made.regions if r.kind == "router").generated
+    module = (tmp_path / "exact" / made.module_file).read_text()
+    # layers 1 and 2: the norm's product leaves in FP32 while its region and the experts' are aligned
+    assert ("return (mul if a0 and 'model.layers.*.mlp.experts#expert_combine' in align else "
+            "mul.to(torch.bfloat16),)") in module
+    assert "ops.onednn_mm(" in module
+    portable = generate(GLM4_MOE, tmp_path / "portable")
+    assert not any(s.target == "router" for s in portable.splices)
+    assert "onednn_mm(" not in (tmp_path / "portable" / portable.module_file).read_text()

@@ -96,3 +96,32 @@ def test_the_engine_experts_op_packs_new_weights_and_takes_the_exact_gradient():
         assert torch.equal(moe_engine.moe_experts_engine_op(module, x, ids, weights), again)
     finally:
         moe_engine.MOE_PADDED_INTERMEDIATE = 0
+
+
+def test_the_engine_router_gemm_runs_the_modules_routing_with_the_linears_gradient():
+    pytest.importorskip("vllm")
+    torch.manual_seed(0)
+    hidden, experts, tokens = 64, 8, 40
+
+    class Router(torch.nn.Module):  # a router whose own forward computes FP32 logits with F.linear, as GLM-4-MoE's
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter((torch.randn(experts, hidden) / 8).bfloat16())
+
+        def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = torch.nn.functional.linear(hidden_states.float(), self.weight.float())
+            return logits, logits.sigmoid().topk(2, dim=-1).indices
+
+    module, x = Router(), torch.randn(tokens, hidden).requires_grad_()
+    logits, ids = moe_engine.moe_router_engine_gemm(module, x)
+    want, want_ids = Router.forward(module, x)
+    assert logits.dtype == torch.float32 and torch.allclose(logits, want, rtol=1e-5, atol=1e-5)
+    assert "_graphdiff_router_gemm" in module.__dict__  # the engine's op ran, not F.linear
+    grad = torch.randn_like(logits)
+    got = torch.autograd.grad(logits, [x, module.weight], grad)
+    expect = torch.autograd.grad(want, [x, module.weight], grad)
+    assert all(torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-4) for a, b in zip(got, expect))
+    with torch.no_grad():  # an optimizer step: the engine's GEMM is made again from the new weight
+        module.weight.mul_(2)
+    again, _ = moe_engine.moe_router_engine_gemm(module, x)
+    assert torch.allclose(again, 2 * logits, rtol=1e-5, atol=1e-5)

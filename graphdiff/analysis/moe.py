@@ -35,8 +35,10 @@ class _Experts(torch.nn.Module):
 
 def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
     """How the engine ran its experts, from its first fused-MoE call (`_C.cpu_fused_moe`): the op, its activation
-    and ISA, the intermediate size its packed gate/up weight is padded to, and the lanes its router kernel sums a
-    logsumexp's exps in (a router that does not renormalize its top-k: OLMoE); {} where no such call was captured."""
+    and ISA, the intermediate size its packed gate/up weight is padded to, the lanes its router kernel sums a
+    logsumexp's exps in (a router that does not renormalize its top-k: OLMoE), and the engine's own GEMM op where
+    it computes the router logits from an FP32 input (`router_gemm`: vLLM's FP32 gate on oneDNN, whose sums run in
+    another order than ATen's); {} where no such call was captured."""
     for graph in graphs:
         nodes = graph.node_map()
         for n in graph.nodes:
@@ -48,9 +50,39 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
                 continue
             router = next((k for k in graph.kernels if k.kind == "generated" and "logsumexp" in k.id), None)
             lanes = cpp_sum_lanes(router.code or "") if router is not None else 0
-            return {"op": "_C.cpu_fused_moe", "activation": str(args[9]), "isa": str(args[10]),
-                    "padded_intermediate": str(w13.shape[1] // 2), "router_lanes": str(lanes)}
+            found = {"op": "_C.cpu_fused_moe", "activation": str(args[9]), "isa": str(args[10]),
+                     "padded_intermediate": str(w13.shape[1] // 2), "router_lanes": str(lanes)}
+            weights = args[6]["node"] if isinstance(args[6], dict) else None
+            gemm = _router_gemm(graph, weights) if weights else None
+            if gemm is not None:
+                found["router_gemm"] = gemm.target.removesuffix(".default")
+            return found
     return {}
+
+
+ENGINE_GEMMS = frozenset({"_C.onednn_mm.default"})  # the engine's own GEMM ops, writing into their first argument
+
+
+def _router_gemm(graph: Graph, weights: str) -> Node | None:
+    """The engine's own GEMM op computing the router logits that the routing `weights` derive from, where it reads
+    an FP32 activation (the first GEMM met walking back from the weights); None where the logits come from ATen's
+    GEMM or a BF16 input."""
+    nodes, users = graph.node_map(), graph.users()
+    seen, frontier = set(), [weights]
+    while frontier:
+        name = frontier.pop(0)
+        if name in seen or name not in nodes:
+            continue
+        seen.add(name)
+        writer = next((nodes[u] for u in users.get(name, []) if nodes[u].target in ENGINE_GEMMS
+                       and nodes[u].inputs[:1] == [name]), None)
+        if writer is not None:
+            x = nodes.get(writer.inputs[1]) if len(writer.inputs) > 1 else None
+            return writer if x is not None and x.dtype == "float32" else None
+        if is_heavy(nodes[name].target):
+            return None
+        frontier += nodes[name].inputs
+    return None
 
 
 def experts_modules(graph: Graph) -> dict[str, dict[str, str]]:

@@ -147,3 +147,69 @@ def moe_experts_engine_op(module, hidden_states: torch.Tensor, top_k_index: torc
 
 ENGINE_PARTS = (_packed_experts, _EngineExperts, moe_experts_engine_op)
 ENGINE_EXPERTS_FN = moe_experts_engine_op.__name__
+
+def _router_gemm(module, weight: torch.Tensor):  # noqa: ANN202 - vLLM's handle object
+    """The engine's FP32 GEMM of the router weight (vLLM CPU's oneDNN matmul handle, made as its linear layer makes
+    it), kept on the module until the weight changes; dropped at exit while the op library that frees it is still
+    loaded."""
+    import atexit
+
+    import vllm._custom_ops as ops
+
+    key = (module.weight.data_ptr(), module.weight._version)
+    cached = module.__dict__.get("_graphdiff_router_gemm")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if cached is None:
+        atexit.register(module.__dict__.pop, "_graphdiff_router_gemm", None)
+    handle = ops.create_onednn_mm(weight.detach().float().t(), 32)
+    module.__dict__["_graphdiff_router_gemm"] = (key, handle)
+    return handle
+
+
+class _EngineRouterGemm(torch.autograd.Function):
+    """Forward: the router logits by the engine's FP32 GEMM op. Backward: the FP32 linear's exact gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, module):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x, weight)
+        import vllm._custom_ops as ops
+
+        return ops.onednn_mm(_router_gemm(module, weight), x.float().contiguous(), None)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: ANN001, ANN205
+        x, weight = ctx.saved_tensors
+        grad_x = grad_output @ weight.float() if ctx.needs_input_grad[0] else None
+        grad_w = grad_output.t() @ x.float() if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+class _EngineLinear(torch.overrides.TorchFunctionMode):
+    """While the router's own forward runs: its FP32 logits GEMM (`F.linear` of FP32 input and weight, no bias) by
+    the engine's op; every other op as written."""
+
+    def __init__(self, module) -> None:  # noqa: ANN001
+        super().__init__()
+        self.module = module
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and len(args) >= 2 and args[2:] in ((), (None,)) \
+                and kwargs.get("bias") is None and args[0].dtype == args[1].dtype == torch.float32:
+            x, weight = args[0], args[1]
+            logits = _EngineRouterGemm.apply(x.reshape(-1, x.shape[-1]), weight, self.module)
+            return logits.reshape(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
+
+
+def moe_router_engine_gemm(module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The router module's own routing (grouped top-k, sigmoid scores, correction bias, renormalization: as the
+    engine's routing computes them) with its FP32 logits GEMM run by the engine's op (vLLM CPU's oneDNN matmul),
+    whose sums run in another order than ATen's; the input is the FP32 value the engine's GEMM reads."""
+    with _EngineLinear(module):
+        return type(module).forward(module, hidden_states)
+
+
+ROUTER_GEMM_PARTS = (_router_gemm, _EngineRouterGemm, _EngineLinear, moe_router_engine_gemm)
+ENGINE_ROUTER_FN = moe_router_engine_gemm.__name__

@@ -536,6 +536,41 @@ def mark_rounded_reads(train: Graph, plan: list[Decision], engine_graphs: list[G
             t.site = t.site or not t.train.on_grid
 
 
+def mark_fp32_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
+    """Values the engine stores in low precision but also hands an FP32 consumer unrounded: the kernel computing
+    the value converts it to FP32 itself, so the store's rounding never reaches that consumer (vLLM's router GEMM
+    in FP32 reads a norm's product this way, the experts and the other GEMMs its BF16 store). Where the trainer
+    rounds the value and its own consumer upcasts it to FP32, the engine holds it in FP32: a site on the trainer's
+    side (the other consumers read it rounded, `read_rounded_by`, as the engine's GEMMs and fused-MoE op load it)."""
+    graphs = {g.name: g for g in engine_graphs}
+    nodes, users = train.node_map(), train.users()
+    by_node = {d.node: d for d in plan if d.rule == "matched"}
+
+    def consumers(name: str) -> list[str]:
+        return [c for u in users.get(name, []) for c in (consumers(u) if is_view(nodes[u]) else [u])]
+
+    for t in plan:
+        if t.rule != "matched" or t.engine is None or not t.engine.rounds or not t.train.rounds:
+            continue
+        graph = graphs.get(t.evidence.engine_graph)
+        stored = _one_kernel_store(t, graph) if graph is not None else None
+        if graph is None or stored is None:
+            continue
+        enodes, computed = graph.node_map(), graph.computed_in()
+        readers = [by_node[u].id for u in consumers(t.node)
+                   if u in by_node and op_name(nodes[u].target) in CASTS and not is_low(nodes[u].dtype)
+                   and by_node[u].evidence.engine_graph == graph.name
+                   and (e := enodes.get(by_node[u].evidence.engine_node)) is not None and not is_low(e.dtype)
+                   and computed.get(e.name, set()) & stored[1]
+                   and any(b is not None and b.name == stored[0].name for b in [value_base(enodes, e.name)])]
+        if readers:
+            kernel = next(iter(stored[1])).split(":")[0]
+            t.engine = t.engine.model_copy(update=dict(
+                dtype="float32", rounds=False, on_grid=False,
+                how=f"FP32 for {', '.join(readers[:3])} in {kernel} (a BF16 copy is stored for the other readers)"))
+            t.site = True
+
+
 def find_sites(train: Graph, train_values: dict[str, object], changed: dict[str, float], engine: Graph,
                er: EngineRounding, matches: list[Match], unmatched: list[str]) -> list[Site]:
     """The sites of one engine graph (the decisions' one-sided part), kinds set: for single-graph callers."""

@@ -26,7 +26,15 @@ from graphdiff.analysis.departure import first_departure
 from graphdiff.analysis.match import Match
 from graphdiff.analysis.moe import engine_experts_op, experts_decisions, experts_nodes, routing_agreement
 from graphdiff.analysis.opaque import attention_decisions, extern_rule
-from graphdiff.analysis.plan import classify, decide, mark_rounded_reads, merge_decisions, sites_of, stable_ids
+from graphdiff.analysis.plan import (
+    classify,
+    decide,
+    mark_fp32_reads,
+    mark_rounded_reads,
+    merge_decisions,
+    sites_of,
+    stable_ids,
+)
 from graphdiff.analysis.regions import group_regions
 from graphdiff.analysis.rounding import EngineRounding, eager_values, engine_rounding, train_rounding
 from graphdiff.analysis.uniformity import site_nonuniformity
@@ -436,9 +444,9 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         others[label] = merge_decisions(tgraph, [*graphs_here, [a.model_copy(deep=True) for a in attn]])
     plan = _merge_shapes(merge_decisions(tgraph, [*per_graph, attn]), others, labels[0])
     mark_rounded_reads(tgraph, plan, engine_cap.graphs)
+    mark_fp32_reads(tgraph, plan, engine_cap.graphs)
     tp_replay, tp_notes = tp.after_merge(plan, per_graph, engine_cap, buffers, tgraph, train.values, labels[0])
-    replay += tp_replay
-    notes += tp_notes
+    replay, notes = replay + tp_replay, notes + tp_notes
     timings["shapes_s"] = time.perf_counter() - t
     sites, regions = _sites_and_regions(plan, tgraph, engine_cap, labels)
     not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs,

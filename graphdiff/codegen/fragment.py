@@ -425,15 +425,18 @@ def merge(frags: list[Fragment]) -> list[Fragment]:
 
 
 def cut_fragments(scan: ScanResult, graph: Graph, regions: list[str] | None = None,
-                  fp32_attention: frozenset[str] = frozenset()) -> list[Fragment]:
+                  fp32_attention: frozenset[str] = frozenset(), replaced: dict[str, str] | None = None
+                  ) -> list[Fragment]:
     """The splice points of `regions` (default all; attention regions are one opaque op, no fragment): cut per
     group of layers sharing one rounding plan, merged per splice, boundary outputs decided (`fp32_attention`: the
-    attention regions whose splice takes FP32 inputs, rounding them as the engine stores them: the engine's own op).
-    Generation and verification both cut them here."""
+    attention regions whose splice takes FP32 inputs, rounding them as the engine stores them: the engine's own op;
+    `replaced`: module pattern -> region of the modules an experts splice replaces, which reads its input in its
+    weights' dtype). Generation and verification both cut them here."""
     wanted = [r for r in scan.regions if (regions is None or r.name in regions) and r.kind not in OPAQUE_KINDS]
     cuts = [(r, g, fragment_for(scan, graph, r, g)) for r in wanted for g in layer_groups(scan, r, graph)]
     frags = merge(_common_groups(scan, graph, cuts))
-    decide_outputs(graph, frags, {s.train.node: s.region for s in scan.sites if s.region in fp32_attention})
+    decide_outputs(graph, frags, {s.train.node: s.region for s in scan.sites if s.region in fp32_attention},
+                   replaced)
     return frags
 
 
@@ -502,7 +505,8 @@ def ordered_points(frag: Fragment, align: frozenset[str], lanes: int) -> dict[st
     return {n: lanes for n, r in frag.ordered.items() if r in align} if lanes else {}
 
 
-def decide_outputs(graph: Graph, frags: list[Fragment], attention: dict[str, str] | None = None) -> None:
+def decide_outputs(graph: Graph, frags: list[Fragment], attention: dict[str, str] | None = None,
+                   replaced: dict[str, str] | None = None) -> None:
     """May an output that an aligned site leaves in FP32 cross the splice boundary unrounded?
 
     Yes when every consumer is re-emitted by the patch (it reads FP32 and rounds where the engine
@@ -514,10 +518,13 @@ def decide_outputs(graph: Graph, frags: list[Fragment], attention: dict[str, str
     engine stores them): a rotary embedding's FP32 cos/sin, which the engine's RoPE kernel reads in FP32 and HF's
     `q * cos + rotate_half(q) * sin` then computes in FP32 by type promotion, rounded once by the engine's op.
     Also, while the carry regions are aligned, when it feeds a carried module's own residual add (a post-norm's
-    output: the engine's fused add reads it unrounded, the carried FP32 residual sums it in FP32).
+    output: the engine's fused add reads it unrounded, the carried FP32 residual sums it in FP32); and while the
+    experts regions of `replaced` are aligned, when it feeds their modules (the splice reads it rounded, as the
+    engine's fused-MoE op loads its BF16 store).
     Otherwise (attention, unpatched code) the value is rounded at the boundary.
     """
     r = _Reach(graph, frags, attention or {})
+    within = [(module_regex(m), region) for m, region in (replaced or {}).items()]
     for f in frags:
         for o in f.outputs:
             ok, carried = True, set()
@@ -526,6 +533,9 @@ def decide_outputs(graph: Graph, frags: list[Fragment], attention: dict[str, str
                     continue
                 if (regions := r.carried_add(u)) is not None:
                     carried.update(regions)
+                    continue
+                if (region := next((g for rx, g in within if rx.fullmatch(r.nodes[u].module or "")), None)):
+                    carried.add(region)
                     continue
                 n = r.nodes[u]
                 if not is_boundary(n) and n.op == "call_function" and all(r.matmul(w) for w in r.through_views(u)):

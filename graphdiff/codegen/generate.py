@@ -194,6 +194,9 @@ def _moe_splice(r: Region, graph: Graph, engine_experts: dict[str, str] | None) 
     splice = ManifestSplice(key=f"{target} {r.module}", target=target, module=r.module,
                             module_class=_module_class(graph, r.module), regions=[r.name], torch_fn=fn,
                             triton_problem="the engine's fused MoE computation, run with PyTorch ops")
+    if engine_experts and engine_experts.get("router_gemm") and target == "router":
+        splice.torch_fn, splice.imports = moe_engine.ENGINE_ROUTER_FN, ["vllm._custom_ops"]
+        splice.triton_problem = "the module's own routing, its logits by the engine's own GEMM op (vLLM CPU)"
     if engine_experts is not None and target == "experts":
         splice.torch_fn, splice.imports = moe_engine.ENGINE_EXPERTS_FN, ["vllm._custom_ops"]
         splice.triton_problem = "runs the engine's own fused-MoE op (vLLM CPU)"
@@ -420,6 +423,9 @@ def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Regi
     if any(s.torch_fn == moe_engine.ENGINE_EXPERTS_FN and not s.problems for s in moe):
         parts.body += ["", "", "# the engine's own fused-MoE op forward, the same computation's gradient backward",
                        *prelude.source(moe_engine.ENGINE_PARTS)]
+    if any(s.torch_fn == moe_engine.ENGINE_ROUTER_FN and not s.problems for s in moe):
+        parts.body += ["", "", "# the router's logits by the engine's own GEMM op, the linear's gradient backward",
+                       *prelude.source(moe_engine.ROUTER_GEMM_PARTS)]
     for r in (r for r in wanted if r.kind == "allreduce"):
         splice, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),
                                                    scan.engine_attention.get("build", ""))
@@ -496,7 +502,8 @@ def make_patch(scan: ScanResult, train: Capture, regions: list[str] | None = Non
     _add_opaque(parts, scan, graph, wanted, attention, exact)
     engine_op = frozenset(r for s in parts.splices if s.target == "attention" and not s.problems
                           and s.torch_fn == attention_splice.attention_engine_op.__name__ for r in s.regions)
-    frags = cut_fragments(scan, graph, [r.name for r in wanted], engine_op)
+    experts = {s.module: s.regions[0] for s in parts.splices if s.target == "experts" and not s.problems}
+    frags = cut_fragments(scan, graph, [r.name for r in wanted], engine_op, experts)
     _add_fragments(parts, frags, graph.node_map(), len(train.prompt_tokens))
     source = render_module(scan, parts.body, any(s.triton_fn for s in parts.splices))
     return Patch(_manifest(scan, wanted, parts, frags, source), source)

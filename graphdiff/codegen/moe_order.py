@@ -35,9 +35,14 @@ def _siteless(graph: Graph, suffix: str, kind: RegionKind, reason: str, module_c
 
 def router_regions(scan: ScanResult, graph: Graph) -> list[Region]:
     """One router region per top-k router module pattern of the trainer graph (a `...Router` module whose own code
-    takes the top-k) where the scan found no router site and the engine routes with a softmax top-k; else none."""
+    takes the top-k) where the scan found no router site and the engine routes with a softmax top-k, or computes
+    the router logits with its own FP32 GEMM op (`router_gemm`); else none."""
     if any(r.kind == "router" for r in scan.regions) or not scan.engine_experts:
         return []
+    if scan.engine_experts.get("router_gemm"):
+        return _siteless(graph, "router", "router", "no rounding site: the engine computes the router logits with "
+                         f"its own FP32 GEMM ({scan.engine_experts['router_gemm']}), which sums in another order "
+                         "than ATen's", "Router", "topk")
     if any(key in scan.config for key in OTHER_ROUTING):
         return []
     return _siteless(graph, "router", "router", "no rounding site: the router rounds where the engine does, and "

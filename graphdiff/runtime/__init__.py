@@ -436,7 +436,8 @@ def _patch_moe(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
             _check_moe_module(mod, name, splice.target)
             mod.forward = functools.partial(getattr(p.gen, splice.torch_fn), mod)
             p.state.undo.append(functools.partial(_drop_attributes, mod, ("forward", "_graphdiff_router_order",
-                                                                           "_graphdiff_packed_experts")))
+                                                                           "_graphdiff_packed_experts",
+                                                                           "_graphdiff_router_gemm")))
     elif splice.target == "router":  # left as it is, it still gets the other regions' FP32 stream: its
         for _, mod in targets:  # own F.linear (not an nn.Linear) reads it rounded, as the engine's GEMM
             p.state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
