@@ -762,6 +762,10 @@ class ManifestSplice(BaseModel):
     # carry: child modules (paths relative to the module) whose output the module's own code scales before the
     # residual add; the engine fuses the scale into its FP32 sum, so the child's output reaches it in FP32
     fp32_outputs: list[str] = Field(default_factory=list)
+    # carry: child module whose output the module's own code scales by a constant -> the child modules that read the
+    # product (the first decoder layer reading the scaled embedding); the engine hands it on unrounded, so they get it
+    # in FP32 (torch_fn carry_scaled: the module's only sites; its incoming activation is not carried)
+    fp32_scaled: dict[str, list[str]] = Field(default_factory=dict)
     # carry: child module (path relative to the module) -> the decoder layers where the module's own residual add
     # of that child's output is rounded to BF16, as the engine stores that sum (the child's output may be held FP32)
     rounded_sums: dict[str, list[int]] = Field(default_factory=dict)

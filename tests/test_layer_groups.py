@@ -6,6 +6,7 @@ whose last layer holds a second site (the sum the final norm reads) in another e
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -127,3 +128,56 @@ def test_a_scaled_child_output_before_the_residual_add_is_carried_in_fp32():
     assert _scaled_child_outputs(Graph(name="g", nodes=parallel), layer, ["add_1"]) == {}
     out = carry_fp32_output(torch.nn.Identity(), (), (torch.ones(2, dtype=torch.bfloat16), None))
     assert out[0].dtype == torch.float32 and out[1] is None
+
+
+def test_a_scaled_child_output_handed_to_a_child_is_carried_in_fp32():
+    """`inputs_embeds * embedding_multiplier` in the model's own forward (Granite), read by the first decoder layer:
+    the trainer rounds the product, the engine computes it in FP32 in the first layer's kernels. The handoff is
+    recognized only where the child's output feeds the scale alone and the product's value readers lie in one child;
+    the hooks hand that child the FP32 product and leave every other reader (a rotary embedding reading its dtype)
+    the trainer's value."""
+    from graphdiff.codegen.carry import SCALED_PARTS
+    from graphdiff.codegen.fragment import scaled_handoffs
+    from graphdiff.records import Graph, Node
+
+    def node(name: str, target: str, module: str, *inputs: str) -> Node:
+        return Node(name=name, op="call_function", target=target, inputs=list(inputs), module=module)
+
+    nodes = [Node(name="weight", op="placeholder", target="weight", module="model.embed_tokens"),
+             node("embedding", "aten.embedding.default", "model.embed_tokens", "weight"),
+             node("mul", "aten.mul.Tensor", "model", "embedding"),
+             node("_to_copy", "aten._to_copy.default", "model.layers.0.input_layernorm", "mul"),
+             node("add", "aten.add.Tensor", "model.layers.0", "mul", "_to_copy")]
+    assert scaled_handoffs(Graph(name="g", nodes=nodes), "model", ["mul"]) == {"mul": ("embed_tokens", "layers.0")}
+    read_twice = [*nodes, node("other", "aten.sum.default", "model", "embedding")]
+    assert scaled_handoffs(Graph(name="g", nodes=read_twice), "model", ["mul"]) == {}
+    two_children = [*nodes, node("sum", "aten.sum.default", "model.layers.1", "mul")]
+    assert scaled_handoffs(Graph(name="g", nodes=two_children), "model", ["mul"]) == {}
+    own_read = [*nodes, node("sum", "aten.sum.default", "model", "mul")]
+    assert scaled_handoffs(Graph(name="g", nodes=own_read), "model", ["mul"]) == {}
+
+    _, start, source, _end, reader, done = SCALED_PARTS
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(8, 4, dtype=torch.bfloat16)
+            self.layer = torch.nn.Identity()
+            self.dtype_seen: torch.dtype | None = None
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.embed_tokens(ids) * 12.0
+            self.dtype_seen = x.dtype  # a reader of its dtype alone
+            return self.layer(x)
+
+    model = Model()
+    model.register_forward_pre_hook(start)
+    model.embed_tokens.register_forward_hook(functools.partial(source, model))
+    model.layer.register_forward_pre_hook(functools.partial(reader, model), with_kwargs=True, prepend=True)
+    model.register_forward_hook(done, always_call=True)
+    ids = torch.arange(8).reshape(2, 4)
+    out = model(ids)
+    assert out.dtype == torch.float32 and model.dtype_seen == torch.bfloat16
+    assert torch.equal(out, model.embed_tokens(ids).float() * 12.0)
+    assert not torch.equal(out, (model.embed_tokens(ids) * 12.0).float())  # the trainer's rounding differs
+    assert torch.overrides._get_current_function_mode_stack() == []  # the child called alone enters no mode

@@ -185,3 +185,82 @@ def test_a_norm_region_with_sites_is_cut_where_its_kernels_read_the_store_back()
                    reduction_lanes={f"model.layers.{i}.post_attention_layernorm": 32 for i in range(3)})
     assert scan.norm_rereads == ["model.layers.1.post_attention_layernorm"]
     assert layer_groups(scan, sited) == [[1], [0, 2]]
+
+
+def _rms_norm(module: str, stored: bool) -> tuple[Graph, Graph]:
+    """A trainer RMS norm's nodes and an engine kernel computing the residual sum and that norm; `stored`: the kernel
+    stores the sum in BF16 and its second loop reads the store back (Inductor realized the sum)."""
+    from graphdiff.records import BufferArg, Kernel, Node
+
+    def node(name: str, target: str, *inputs: str, dtype: str = "float32", mod: str = module, **kw: object) -> Node:
+        return Node(name=name, op="call_function", target=target, inputs=list(inputs), dtype=dtype, module=mod,
+                    shape=[16, 256], **kw)
+
+    train = Graph(name="t", nodes=[
+        Node(name="x", op="placeholder", target="x", dtype="bfloat16", shape=[16, 256]),
+        node("_to_copy", "aten._to_copy.default", "x"),
+        node("pow_1", "aten.pow.Tensor_Scalar", "_to_copy"),
+        node("mean", "aten.mean.dim", "pow_1", call=[[{"node": "pow_1"}, [-1], True], {}])])
+    reread = "for(x1) {\n tmp24.store(out_ptr0 + x1, 32);\n}\nfor(x1) {\n auto tmp0 = loadu(out_ptr0 + x1, 32);\n}"
+    code = "extern \"C\" void kernel(const at::BFloat16* in_ptr0, at::BFloat16* out_ptr0, float* out_ptr1)\n{\n" + (
+        reread if stored else "for(x1) {\n auto tmp0 = loadu(in_ptr0 + x1, 32);\n}") + "\n}"
+    k = "cpp_fused_add_mean_pow_rsqrt_5:18"
+    engine = Graph(name="e", nodes=[
+        Node(name="a", op="placeholder", target="a", dtype="bfloat16"),
+        node("add_492", "aten.add.Tensor", "a", dtype="bfloat16", kernel=k, mod=None),
+        node("convert_element_type_11", "prims.convert_element_type.default", "add_492", kernel=k, mod=None),
+        node("pow_4", "aten.pow.Tensor_Scalar", "convert_element_type_11", kernel=k, mod=None),
+        node("mean_3", "aten.mean.dim", "pow_4", kernel=k, mod=None)],
+        kernels=[Kernel(id=k, name=k.split(":")[0], kind="generated", nodes=["add_492", "mean_3"], code=code,
+                        args=[BufferArg(name="buf53", role="out", dtype="bfloat16", node="add_492"),
+                              BufferArg(name="buf54", role="out", dtype="float32", node="mean_3")])])
+    return train, engine
+
+
+def test_an_rms_norm_whose_kernel_reads_its_stored_input_back_is_a_reread() -> None:
+    """Granite's second layer: Inductor realizes the residual sum in the post-attention norm's kernel, sums the mean of
+    squares over the FP32 sum and normalizes the BF16 copy it stored (its second loop loads it back)."""
+    from graphdiff.analysis.match import Match
+    from graphdiff.analysis.scan import norm_rereads
+
+    module = "model.layers.1.post_attention_layernorm"
+    for stored in (True, False):
+        train, engine = _rms_norm(module, stored)
+        matched = {"e": ([Match(train="mean", engine="mean_3", distance=0.0, confidence=1.0, evidence="")], [])}
+        assert norm_rereads(train, [engine], matched) == ([module] if stored else [])
+        assert norm_rereads(train, [engine]) == []  # no matched mean: nothing said
+
+
+def test_an_rms_norm_that_rereads_its_store_normalizes_the_rounded_input() -> None:
+    """The emitted norm (aligned, with the engine's lanes) takes the mean over the FP32 input and normalizes its
+    BF16-rounded copy, as the engine kernel's second loop does; not aligned, it is HF's norm."""
+    from graphdiff.codegen.emit_torch import emit_function, store_readers
+    from graphdiff.codegen.fragment import Fragment
+    from graphdiff.records import Node
+
+    module, region = "model.layers.1.post_attention_layernorm", "model.layers.*.post_attention_layernorm#norm_weight"
+    train, _ = _rms_norm(module, True)
+    nodes = [*train.nodes[1:],
+             Node(name="add", op="call_function", target="aten.add.Tensor", inputs=["mean"], module=module,
+                  dtype="float32", call=[[{"node": "mean"}, 1e-06], {}]),
+             Node(name="rsqrt", op="call_function", target="aten.rsqrt.default", inputs=["add"], module=module,
+                  dtype="float32", call=[[{"node": "add"}], {}]),
+             Node(name="mul", op="call_function", target="aten.mul.Tensor", inputs=["_to_copy", "rsqrt"],
+                  module=module, dtype="float32", call=[[{"node": "_to_copy"}, {"node": "rsqrt"}], {}])]
+    nodes[0] = nodes[0].model_copy(update={"call": [[{"node": "x"}], {"dtype": {"dtype": "float32"}}]})
+    nodes[1] = nodes[1].model_copy(update={"call": [[{"node": "_to_copy"}, 2], {}]})
+    by_name = {n.name: n for n in [train.nodes[0], *nodes]}
+    frag = Fragment(key=region, target="module", module="model.layers.*.post_attention_layernorm", module_class="",
+                    nodes=nodes, inputs=["x"], outputs=["mul"], regions=[region], ordered={"mean": region},
+                    reads_store=True)
+    assert store_readers(frag, by_name) == {"mul": ("_to_copy", "torch.bfloat16")}
+    assert store_readers(frag.__class__(**{**frag.__dict__, "reads_store": False}), by_name) == {}
+    scope: dict = {}
+    exec("\n".join(emit_function(frag, "norm", by_name)), {**vars(torch), "torch": torch, "_f32": lambda t: t.float(),
+         "_round": lambda t, d: t.to(d).float(), "ordered_mean": ordered_mean}, scope)
+    x = torch.randn(16, 256) * 3  # the FP32 sum the engine holds
+    (out,) = scope["norm"](x, align=frozenset({region}), lanes=32)
+    rms = torch.rsqrt(ordered_mean(x * x, [-1], True, 32) + 1e-06)
+    assert torch.equal(out, x.to(torch.bfloat16).float() * rms) and not torch.equal(out, x * rms)
+    (hf,) = scope["norm"](x, align=frozenset(), lanes=32)
+    assert torch.equal(hf, x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-06))

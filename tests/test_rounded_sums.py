@@ -178,3 +178,39 @@ def test_a_layers_own_stored_sum_leaves_its_incoming_activation_fp32(tmp_path: P
     carries = [s for s in made.splices if s.target == "carry" and not s.problems]
     assert carries and all(s.torch_fn == "carry_fp32" and not s.fp32_children for s in carries), carries
     assert any(s.stored_sums == {"self_attn.o_proj": [1]} for s in carries)
+
+
+class _ScaledLayer(_PreNormLayer):
+    """Granite's order: the attention output scaled by `residual_multiplier` before the add, held FP32 by the carry."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = hidden_states + self.attn(hidden_states) * 0.22
+        normed = self.post_attention_layernorm(residual)
+        return normed, residual + normed.bfloat16() * 0.22
+
+
+def test_a_stored_sum_of_a_scaled_child_output_is_named_by_the_child() -> None:
+    """`residual + self_attn(x)[0] * residual_multiplier` (Granite's second layer, the sum the engine stores): the scan
+    names the add, the carry names the direct child whose output the scale reads (the carry holds that output FP32),
+    and the mode follows the scale to the add; the later add reads the sum rounded, the norm the FP32 sum."""
+    from graphdiff.codegen.fragment import stored_sums
+
+    layer = "model.layers.1"
+    graph = Graph(name="t", nodes=[
+        Node(name="x", op="placeholder", target="x"),
+        Node(name="mm", op="call_function", target="aten.mm.default", inputs=["x"], module=f"{layer}.self_attn.o_proj"),
+        Node(name="mul", op="call_function", target="aten.mul.Tensor", inputs=["mm"], module=layer),
+        Node(name="add", op="call_function", target="aten.add.Tensor", inputs=["x", "mul"], module=layer)])
+    scan = ScanResult.model_validate({**json.loads(Path("fixtures/scans/tiny-qwen3/scan.json").read_text()),
+                                      "stored_sums": ["add"]})
+    assert stored_sums(scan, graph, "model.layers.*") == {"self_attn": [1]}
+    module, state = _ScaledLayer(), SimpleNamespace(undo=[])
+    splice = ManifestSplice(key="k", target="carry", module="model.layers.*", regions=["r"], stored_sums={"attn": [0]})
+    _round_sums(carry, splice, "model.layers.0", module, state)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).float()
+    normed, out = module(x)
+    mid = x + (x * 1.001) * 0.22
+    assert torch.equal(normed, mid * 1.001)
+    later = ((mid * 1.001).bfloat16() * 0.22).float()
+    assert out.dtype == torch.float32 and torch.equal(out, mid.bfloat16().float() + later)
+    assert not torch.equal(out, mid + later)

@@ -349,10 +349,42 @@ def _same_operands(t: Node, e: Node, tnodes: dict[str, Node], enodes: dict[str, 
     return seen > 0
 
 
-def norm_rereads(tgraph: Graph, engine_graphs: list[Graph]) -> list[str]:
-    """The trainer layer norms (HF modules) whose engine kernel reads its input back from the BF16 copy it stored."""
+def norm_rereads(tgraph: Graph, engine_graphs: list[Graph],
+                 matched: dict[str, tuple[list[Match], list[str]]] | None = None) -> list[str]:
+    """The trainer norms (HF modules) whose engine kernel reads its input back from the BF16 copy it stored: layer
+    norms, and RMS norms whose matched row mean the engine takes of a sum its kernel stores (`_rms_rereads`)."""
     code = {k.id: k.code for g in engine_graphs for k in g.kernels}
-    return [m for m, k in _layer_norm_pairs(tgraph, engine_graphs) if cpp_rereads_store(code.get(k, ""))]
+    layer_norms = [m for m, k in _layer_norm_pairs(tgraph, engine_graphs) if cpp_rereads_store(code.get(k, ""))]
+    return [*layer_norms, *(m for m in _rms_rereads(tgraph, engine_graphs, matched or {}) if m not in layer_norms)]
+
+
+def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, tuple[list[Match], list[str]]]
+                 ) -> list[str]:
+    """HF modules whose row mean (an RMS norm's `x.pow(2).mean(-1)`) is matched to an engine mean of the square of a
+    value that the same kernel stores in BF16 and reads back in a later loop (a residual sum Inductor realizes in the
+    norm's kernel, Granite's second layer): the mean reads the FP32 sum, the normalization the rounded copy."""
+    nodes = tgraph.node_map()
+    graphs = {g.name: g for g in engine_graphs}
+    found: list[str] = []
+    for gname, (ms, _) in matched.items():
+        g = graphs.get(gname)
+        if g is None:
+            continue
+        enodes = g.node_map()
+        kernels = {k.id: k for k in g.kernels if k.kind == "generated"}
+        for m in ms:
+            n, e = nodes.get(m.train), enodes.get(m.engine)
+            if (n is None or e is None or not n.module or n.module in found or op_name(n.target) != "mean"
+                    or not is_row_reduction(n, nodes) or e.kernel not in kernels or not e.inputs):
+                continue
+            square = enodes.get(e.inputs[0])
+            base = value_base(enodes, square.inputs[0]) if square is not None and square.inputs else None
+            kernel = kernels[e.kernel]
+            stored = {a.node for a in kernel.args if a.role == "out" and is_low(a.dtype)}
+            if (op_name(square.target) == "pow" and base is not None and base.name in stored
+                    and cpp_rereads_store(kernel.code)):
+                found.append(n.module)
+    return found
 
 
 def _layer_norm_pairs(tgraph: Graph, engine_graphs: list[Graph]) -> list[tuple[str, str]]:
@@ -480,7 +512,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         timings={"analysis_s": round(time.perf_counter() - t0, 3), **{k: round(v, 3) for k, v in timings.items()}},
         reproduce=reproduce, notes=notes, nonuniformity=uniformity, routing=sorted(routing, key=lambda a: a.layer),
         departure=departure, ordered_sums=ordered_sums(tgraph, matched, engine_cap.graphs, kernel_lanes(replay)),
-        norm_rereads=norm_rereads(tgraph, engine_cap.graphs),
+        norm_rereads=norm_rereads(tgraph, engine_cap.graphs, matched),
         rounded_sums=sums[0], stored_sums=sums[1],
     )
 

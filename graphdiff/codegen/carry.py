@@ -4,7 +4,9 @@
 output FP32 where the layer scales it before the residual add; `carry_fp32_rounded`,
 `carry_fp32_child` and `carry_done` (ROUNDED_PARTS, carried where a region needs them) hold it as a piecewise
 engine does at a graph boundary; `RoundedSums` and its hooks (SUM_PARTS) round the layer's own residual sums where
-the engine stores them in BF16. The generated module carries their source (prelude.source); the runtime registers
+the engine stores them in BF16; `ScaledOutputs` and its hooks (SCALED_PARTS) hand a child's output, scaled by the
+module's own code, to the child modules that read it in FP32 (a scaled embedding into the first layer). The generated
+module carries their source (prelude.source); the runtime registers
 them by these names.
 """
 
@@ -69,7 +71,8 @@ class RoundedSums(torch.overrides.TorchFunctionMode):
     An add reading one of `outputs` (child outputs the patch may hold in FP32, a post-norm's) returns its sum in
     bfloat16, as the engine stores it; eager type promotion would keep it FP32 into the next add and the next layer.
     An add reading one of `stored_from` keeps its sum, but later adds read that sum rounded: the engine's norm
-    beside it read the FP32 sum in the kernel computing it, the kernels after it load the BF16 copy it stored."""
+    beside it read the FP32 sum in the kernel computing it, the kernels after it load the BF16 copy it stored. A named
+    output scaled by a constant (`hidden_states * residual_multiplier`) is named with it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,6 +81,13 @@ class RoundedSums(torch.overrides.TorchFunctionMode):
         self.stored: list[torch.Tensor] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        if func in (torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.mul):
+            out = func(*args, **(kwargs or {}))  # a named child's output scaled by a constant: its sum is the same add
+            if sum(isinstance(a, torch.Tensor) for a in args) == 1:
+                for named in (self.outputs, self.stored_from):
+                    if any(a is o for a in args for o in named):
+                        named.append(out)
+            return out
         if func not in (torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.add):
             return func(*args, **(kwargs or {}))
         args = tuple(a.to(torch.bfloat16).to(a.dtype) if any(a is s for s in self.stored) else a for a in args)
@@ -114,3 +124,70 @@ def carry_sums_done(module: torch.nn.Module, args: tuple, output: object) -> Non
 
 
 SUM_PARTS = (RoundedSums, carry_round_sums, carry_sum_output, carry_sums_done)
+
+
+class ScaledOutputs(torch.overrides.TorchFunctionMode):
+    """Active from a named child's output to the first child module that reads the module's own constant scale of it
+    (`inputs_embeds * embedding_multiplier`, read by the first decoder layer): the scale is computed as the trainer
+    does, the value every other reader gets (a rotary embedding reading its dtype), and once more in FP32, the value
+    the engine's kernel hands on unrounded (`scaled`: rounded, full)."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        super().__init__()
+        self.source = source
+        self.scaled: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        out = func(*args, **(kwargs or {}))
+        if (self.scaled is None and isinstance(out, torch.Tensor)
+                and func in (torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.mul)
+                and any(a is self.source for a in args)):
+            full = func(*(a.float() if a is self.source else a for a in args), **(kwargs or {}))
+            self.scaled = (out, full)
+        return out
+
+
+def carry_scaled_start(parent: torch.nn.Module, args: tuple) -> None:
+    """Forward pre-hook of the parent: its forward runs (the child called elsewhere, `get_input_embeddings()(ids)`,
+    is left alone)."""
+    parent.__dict__["_graphdiff_scaling"] = True
+
+
+def carry_scaled_source(parent: torch.nn.Module, child: torch.nn.Module, args: tuple, output: object) -> None:
+    """Forward hook of the child whose output the parent scales: watch the parent's code for that scale."""
+    if (parent.__dict__.pop("_graphdiff_scaling", False) and isinstance(output, torch.Tensor)
+            and output.is_floating_point() and "_graphdiff_scaled" not in parent.__dict__):
+        mode = ScaledOutputs(output)
+        parent.__dict__["_graphdiff_scaled"] = mode
+        mode.__enter__()
+
+
+def _scaled_end(parent: torch.nn.Module) -> ScaledOutputs | None:
+    parent.__dict__.pop("_graphdiff_scaling", None)
+    mode = parent.__dict__.pop("_graphdiff_scaled", None)
+    if mode is not None:
+        mode.__exit__(None, None, None)
+    return mode
+
+
+def carry_scaled_reader(parent: torch.nn.Module, child: torch.nn.Module, args: tuple, kwargs: dict
+                        ) -> tuple[tuple, dict]:
+    """Forward pre-hook of a child module reading the scaled output: the FP32 product in place of the rounded one."""
+    mode = _scaled_end(parent)
+    if mode is None or mode.scaled is None:
+        return args, kwargs
+    rounded, full = mode.scaled
+    if args and args[0] is rounded:
+        return (full, *args[1:]), kwargs
+    if kwargs.get("hidden_states") is rounded:
+        return args, {**kwargs, "hidden_states": full}
+    return args, kwargs
+
+
+def carry_scaled_done(parent: torch.nn.Module, args: tuple, output: object) -> None:
+    """Forward hook of the parent (also when its forward raises): leave the mode if no reader did."""
+    _scaled_end(parent)
+
+
+SCALED_PARTS = (ScaledOutputs, carry_scaled_start, carry_scaled_source, _scaled_end, carry_scaled_reader,
+                carry_scaled_done)

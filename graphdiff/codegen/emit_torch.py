@@ -119,6 +119,34 @@ def ordered_expression(n: Node, flag_var: str, nodes: dict[str, Node], names: di
     return f"{ordered} if {flag_var} and lanes else {expression(n, nodes, names)}"
 
 
+def store_readers(frag: Fragment, nodes: dict[str, Node]) -> dict[str, tuple[str, str]]:
+    """Where the engine's norm kernel reads its input back from its store (`frag.reads_store`), an RMS norm's ops
+    after the row mean read it rounded: node -> (the FP32 copy of the activation input it reads, HF's input dtype).
+    The mean's own operands (the square) read the FP32 value, in the kernel's first loop. Layer norms: the ordered
+    layer norm itself (ordered_expression)."""
+    if not frag.reads_store or not frag.ordered:
+        return {}
+    inside = {n.name for n in frag.nodes}
+    feeds_rows: set[str] = set()
+    frontier = [i for r in frag.ordered for i in nodes[r].inputs]
+    while frontier:
+        name = frontier.pop()
+        if name in inside and name not in feeds_rows:
+            feeds_rows.add(name)
+            frontier += nodes[name].inputs
+    found: dict[str, tuple[str, str]] = {}
+    for n in frag.nodes:
+        if n.name in feeds_rows or n.name in frag.ordered:
+            continue
+        for i in n.inputs:
+            src = nodes[i]
+            if (i in feeds_rows and op_name(src.target) in ("_to_copy", "convert_element_type") and src.inputs
+                    and src.inputs[0] in frag.inputs and src.inputs[0] not in frag.params
+                    and is_low(nodes[src.inputs[0]].dtype)):
+                found[n.name] = (i, DTYPES.get(str(nodes[src.inputs[0]].dtype), "torch.bfloat16"))
+    return found
+
+
 def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
                   names: dict[str, str] | None = None) -> list[str]:
     """`def fn_name(<inputs>, align, lanes) -> tuple`: the fragment under the plan set by `align`; `lanes` is the
@@ -133,10 +161,17 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
         lines.append(f"    a{i} = {region!r} in align  # aligned: {', '.join(sites)} stay FP32")
     for name in frag.inputs:
         lines.append(f"    {names[name]} = _f32({names[name]})  # {nodes_by_name[name].dtype}")
+    rereads = store_readers(frag, nodes_by_name)
     for n in frag.nodes:
         code = (n.source.code if n.source else "")[:70]
+        read = dict(names)
+        if n.name in rereads:  # the engine's later loop reads the norm's input from its BF16 store
+            src, dtype = rereads[n.name]
+            read[src] = f"{names[src]}_stored"
+            flags = " or ".join(flag(index, r) for r in sorted(set(frag.ordered.values())))
+            lines.append(f"    {read[src]} = _round({names[src]}, {dtype}) if ({flags}) and lanes else {names[src]}")
         expr = (ordered_expression(n, flag(index, frag.ordered[n.name]), nodes_by_name, names, frag.reads_store)
-                if n.name in frag.ordered else expression(n, nodes_by_name, names))
+                if n.name in frag.ordered else expression(n, nodes_by_name, read))
         if n.name in frag.inductor_math:  # the engine's kernel computes it with Inductor's math library
             flags = " or ".join(flag(index, r) for r in frag.regions)
             expr = f"inductor_math({op_name(n.target)!r}, {literal(n.call[0][0], names)}) if {flags} else {expr}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import takewhile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,6 +69,9 @@ class Fragment:
     carry_rounded: bool = False
     fp32_children: list[str] = field(default_factory=list)
     fp32_outputs: list[str] = field(default_factory=list)  # carry: children whose scaled or summed output stays FP32
+    # carry: child whose output the module's own code scales -> the children reading the product, handed it in FP32
+    fp32_scaled: dict[str, list[str]] = field(default_factory=dict)
+    carry_input: bool = True  # carry: its incoming activation is held FP32 (not where its only sites are handoffs)
     # carry: child module -> the decoder layers where the module's own residual add reading that child's output is
     # stored by the engine in BF16 (the patch may hold the child's output in FP32: the sum is then rounded there)
     rounded_sums: dict[str, list[int]] = field(default_factory=dict)
@@ -270,11 +274,15 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
         frag.nodes = [n for n in graph.nodes if n.op == "call_function" and n.module == path]
         if any((m.module or "").startswith(path + ".") for m in graph.nodes):
             frag.target = "carry"
-            scaled = _scaled_child_outputs(graph, path, [s for s in site_nodes if sides[s] == "train"])
-            if any(op_name(nodes[s].target) != "add" and s not in scaled for s in site_nodes):
+            trained = [s for s in site_nodes if sides[s] == "train"]
+            scaled, handed = _scaled_child_outputs(graph, path, trained), scaled_handoffs(graph, path, trained)
+            if any(op_name(nodes[s].target) != "add" and s not in scaled and s not in handed for s in site_nodes):
                 frag.problems.append("the module calls submodules and its sites are not residual adds or scaled "
                                      "child outputs: its forward cannot be re-emitted")
             frag.fp32_outputs = sorted({c for children in scaled.values() for c in children})
+            for source, reader in handed.values():
+                frag.fp32_scaled.setdefault(source, []).append(reader)
+            frag.carry_input = not site_nodes or any(s not in handed for s in site_nodes)
             frag.carry_rounded, frag.fp32_children = _carry_reads(scan, graph, region, layers)
             frag.rounded_sums = rounded_sums(scan, graph, region.module)
             frag.stored_sums = stored_sums(scan, graph, region.module)
@@ -346,6 +354,37 @@ def _scaled_child_outputs(graph: Graph, path: str, sites: list[str]) -> dict[str
     return found
 
 
+def scaled_handoffs(graph: Graph, path: str, sites: list[str]) -> dict[str, tuple[str, str]]:
+    """The sites that scale a child module's output by a constant in the module's own code and hand the product to
+    another child module (`inputs_embeds * embedding_multiplier`, read by the first decoder layer), each with that
+    source child and the reading child (paths relative to `path`). The trainer rounds the product, the engine computes
+    it in FP32 inside the kernel of its reader (the first layer's norm, and its residual add) and hands it on
+    unrounded; held in FP32 into the reader, its own code computes as the engine does. Only where the source child's
+    output feeds nothing but the site, and every value reader of the product lies inside one child module that runs
+    code of its own (not a list of layers) (a reader of its dtype alone, a rotary embedding, leaves no node and keeps
+    the trainer's value)."""
+    nodes, users = graph.node_map(), graph.users()
+    prefix = path + "."
+    found: dict[str, tuple[str, str]] = {}
+    for s in sites:
+        n = nodes[s]
+        if op_name(n.target) != "mul" or len(n.inputs) != 1:  # one activation times a constant
+            continue
+        src = nodes[n.inputs[0]]
+        readers = [nodes[u].module or "" for u in users.get(s, [])]
+        if (not (src.module or "").startswith(prefix) or set(users.get(src.name, [])) != {s} or not readers
+                or not all(m.startswith(prefix) for m in readers)):
+            continue
+        parts = [m.removeprefix(prefix).split(".") for m in readers]
+        common = [p[0] for p in takewhile(lambda p: len(set(p)) == 1, zip(*parts))]
+        source = (src.module or "").removeprefix(prefix)
+        reader = ".".join(common)
+        if (common and not _within(source, reader) and not _within(reader, source)  # a module that runs code,
+                and any(m.module == prefix + reader for m in graph.nodes)):  # not a container of several readers
+            found[s] = (source, reader)
+    return found
+
+
 def _carry_reads(scan: ScanResult, graph: Graph, region: Region, layers: list[int] | None = None
                  ) -> tuple[bool, list[str]]:
     """Does the carry module's own code read its incoming activation rounded in the engine, and which of its child
@@ -389,7 +428,8 @@ def stored_sums(scan: ScanResult, graph: Graph, pattern: str) -> dict[str, list[
 
 
 def _sums_by_child(graph: Graph, pattern: str, adds: set[str]) -> dict[str, list[int]]:
-    """child module -> layers, for the adds of `adds` in a carried module's own code that sum a child's output."""
+    """child module -> layers, for the adds of `adds` in a carried module's own code that sum a child's output (or its
+    scale by a constant)."""
     nodes, rx = graph.node_map(), module_regex(pattern)
     out: dict[str, set[int]] = {}
     for n in graph.nodes:
@@ -397,9 +437,14 @@ def _sums_by_child(graph: Graph, pattern: str, adds: set[str]) -> dict[str, list
         if op_name(n.target) != "add" or n.name not in adds or not rx.fullmatch(owner) or layer is None:
             continue
         for i in n.inputs:
-            p = value_base(nodes, i)
+            p, scaled = value_base(nodes, i), False
+            if p is not None and p.module == owner and op_name(p.target) == "mul" and len(p.inputs) == 1:
+                # the child's output scaled by a constant (Granite's multiplier): the direct child, whose output the
+                # carry may hold FP32 (`fp32_outputs`) and the scale reads
+                p, scaled = value_base(nodes, p.inputs[0]), True
             if p is not None and (p.module or "").startswith(owner + "."):
-                out.setdefault((p.module or "")[len(owner) + 1:], set()).add(layer)
+                child = (p.module or "")[len(owner) + 1:]
+                out.setdefault(child.split(".")[0] if scaled else child, set()).add(layer)
     return {child: sorted(layers) for child, layers in sorted(out.items())}
 
 
@@ -419,6 +464,9 @@ def merge(frags: list[Fragment]) -> list[Fragment]:
             g.regions += f.regions
             g.ordered.update({n: r for n, r in f.ordered.items() if n not in g.ordered})
             g.lanes.update({m: n for m, n in f.lanes.items() if m not in g.lanes})
+            for source, readers in f.fp32_scaled.items():
+                g.fp32_scaled[source] = sorted({*g.fp32_scaled.get(source, []), *readers})
+            g.carry_input = g.carry_input or f.carry_input
         else:
             by_key[f.key] = f
     return [*by_key.values(), *refused]

@@ -341,9 +341,11 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
                             layers=frag.layers)
     body: list[str] = []
     if frag.target == "carry" and not frag.problems:
-        splice.torch_fn = "carry_fp32_rounded" if frag.carry_rounded else "carry_fp32"
+        splice.torch_fn = ("carry_scaled" if not frag.carry_input else
+                           "carry_fp32_rounded" if frag.carry_rounded else "carry_fp32")
         splice.fp32_children = list(frag.fp32_children)
         splice.fp32_outputs = list(frag.fp32_outputs)
+        splice.fp32_scaled = {c: list(r) for c, r in frag.fp32_scaled.items()}
         splice.rounded_sums = dict(frag.rounded_sums)
         splice.stored_sums = dict(frag.stored_sums)
         if frag.carry_rounded:
@@ -371,8 +373,10 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
                 lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes, values)
                 frag.compiled = _compile(lines, f"torch_{slug}")
                 body += ["", "", f"# {frag.target} {frag.key}: regions {', '.join(frag.regions)}", *lines]
-                kernel = (emit_triton.emit(frag, slug, nodes, values) if not frag.fp32_with else
-                          "an output leaves in FP32 only while other regions are aligned too")
+                kernel = ("an output leaves in FP32 only while other regions are aligned too" if frag.fp32_with else
+                          "its norm reads its input back rounded from the engine's store after the mean (PyTorch "
+                          "only)" if emit_torch.store_readers(frag, nodes) else emit_triton.emit(frag, slug, nodes,
+                                                                                               values))
                 if isinstance(kernel, str):
                     splice.triton_problem = kernel
                 else:
@@ -444,6 +448,9 @@ def _add_fragments(parts: _Parts, frags: list[Fragment], nodes: dict[str, Node],
         parts.body += lines
     if any((f.rounded_sums or f.stored_sums) and not f.problems for f in frags):
         parts.body += ["", "", *prelude.source(carry.SUM_PARTS)]
+    if any(f.fp32_scaled and not f.problems for f in frags):
+        parts.body += ["", "", "# carry: a child's output scaled by its parent's code, handed to its readers in FP32",
+                       *prelude.source(carry.SCALED_PARTS)]
     for frag in frags:
         for r in frag.regions:  # a region is generated when every group of its layers is
             parts.status.setdefault(r, "")

@@ -634,6 +634,9 @@ def _carry(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state:
     own ops and FP32 for the named children (carry_fp32_rounded: a piecewise engine's BF16 graph boundary)."""
     for child in splice.fp32_outputs:  # a scaled or summed child output, computed in FP32
         state.undo.append(_child(mod, child, splice).register_forward_hook(gen.carry_fp32_output).remove)
+    _scaled(gen, splice, mod, state)
+    if splice.torch_fn == "carry_scaled":  # the module's own ops only scale a child's output: its input stays
+        return
     if splice.torch_fn != "carry_fp32_rounded":
         state.undo.append(mod.register_forward_pre_hook(gen.carry_fp32, with_kwargs=True).remove)
         return
@@ -643,6 +646,23 @@ def _carry(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state:
     state.undo.append(mod.register_forward_pre_hook(gen.carry_fp32_rounded, with_kwargs=True).remove)
     state.undo.append(mod.register_forward_hook(gen.carry_done).remove)
     state.undo.append(lambda: mod.__dict__.pop("_graphdiff_carry", None))
+
+
+def _scaled(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state: _State) -> None:
+    """The hooks that hand a child's output, scaled by the module's own code, to the children reading it in FP32
+    (`fp32_scaled`: the scaled embedding into the first decoder layer)."""
+    if not splice.fp32_scaled:
+        return
+    for source, readers in splice.fp32_scaled.items():
+        hook = functools.partial(gen.carry_scaled_source, mod)
+        state.undo.append(_child(mod, source, splice).register_forward_hook(hook).remove)
+        for reader in readers:  # before the reader's own carry hook, which copies its input
+            hook = functools.partial(gen.carry_scaled_reader, mod)
+            state.undo.append(_child(mod, reader, splice).register_forward_pre_hook(hook, with_kwargs=True,
+                                                                                    prepend=True).remove)
+    state.undo.append(mod.register_forward_pre_hook(gen.carry_scaled_start).remove)
+    state.undo.append(mod.register_forward_hook(gen.carry_scaled_done, always_call=True).remove)
+    state.undo.append(lambda: gen._scaled_end(mod))
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:
