@@ -381,7 +381,7 @@ def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, t
             base = value_base(enodes, square.inputs[0]) if square is not None and square.inputs else None
             kernel = kernels[e.kernel]
             stored = {a.node for a in kernel.args if a.role == "out" and is_low(a.dtype)}
-            if (op_name(square.target) == "pow" and base is not None and base.name in stored
+            if (square is not None and op_name(square.target) == "pow" and base is not None and base.name in stored
                     and cpp_rereads_store(kernel.code)):
                 found.append(n.module)
     return found
