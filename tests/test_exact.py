@@ -11,6 +11,7 @@ from graphdiff.analysis.plan import mark_fp32_reads
 from graphdiff.artifacts import ScanDir
 from graphdiff.codegen import generate
 from graphdiff.codegen.moe_order import router_regions
+from graphdiff.records import Graph, Node
 
 MIXTRAL = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-mixtral-3"
 
@@ -96,3 +97,25 @@ def test_exact_runs_the_engines_router_gemm_and_keeps_the_norm_product_fp32_for_
     portable = generate(GLM4_MOE, tmp_path / "portable")
     assert not any(s.target == "router" for s in portable.splices)
     assert "onednn_mm(" not in (tmp_path / "portable" / portable.module_file).read_text()
+
+
+def _fused_moe_graph(reader_args: list) -> Graph:
+    """An engine graph with a fused-MoE call writing `out`, and one reader of `out` (aten.mul with `reader_args`)."""
+    def node(name: str, target: str, inputs: list[str], call: list | None = None, **kw) -> Node:
+        return Node(name=name, op="call_function", target=target, inputs=inputs, call=[call or [], {}], **kw)
+
+    moe_args = [{"node": "out"}, {"node": "x"}, {"node": "w13"}, {"node": "w2"}, None, None, {"node": "weights"},
+                {"node": "ids"}, False, "silu", "vec"]
+    return Graph(name="g", nodes=[
+        Node(name="w13", op="placeholder", target="w13", dtype="bfloat16", shape=[8, 256, 64]),
+        node("out", "aten.empty.memory_format", []), node("x", "aten.mul.Tensor", []),
+        node("weights", "aten.div.Tensor", []), node("ids", "aten.topk.default", []),
+        Node(name="w2", op="placeholder", target="w2"),
+        node("moe", "_C.cpu_fused_moe.default", ["out", "x", "w13", "w2", "weights", "ids"], moe_args),
+        node("scaled", "aten.mul.Tensor", ["out"], reader_args)])
+
+
+def test_a_routed_scaling_of_the_experts_sum_is_read_from_the_engines_graph() -> None:
+    scaled = engine_experts_op([_fused_moe_graph([{"node": "out"}, 2.5])])
+    assert scaled["output_scale"] == "2.5" and scaled["padded_intermediate"] == "128"
+    assert "output_scale" not in engine_experts_op([_fused_moe_graph([{"node": "out"}, {"node": "x"}])])

@@ -94,8 +94,14 @@ def test_the_engine_experts_op_packs_new_weights_and_takes_the_exact_gradient():
         assert not torch.equal(again, out)
         module.__dict__.pop("_graphdiff_packed_experts")
         assert torch.equal(moe_engine.moe_experts_engine_op(module, x, ids, weights), again)
+        moe_engine.MOE_OUTPUT_SCALE = 2.5  # the engine scales the sum; the router handed these weights scaled
+        assert torch.equal(moe_engine.moe_experts_engine_op(module, x, ids, weights), again)
+        unscaled = weights.detach().clone()
+        unscaled.__dict__["_graphdiff_unscaled"] = True  # as the router splice hands them
+        got = moe_engine.moe_experts_engine_op(module, x, ids, unscaled)
+        assert got.dtype == torch.float32 and torch.equal(got, again.float() * 2.5)
     finally:
-        moe_engine.MOE_PADDED_INTERMEDIATE = 0
+        moe_engine.MOE_PADDED_INTERMEDIATE, moe_engine.MOE_OUTPUT_SCALE = 0, 1.0
 
 
 def test_the_engine_router_gemm_runs_the_modules_routing_with_the_linears_gradient():

@@ -38,7 +38,9 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
     and ISA, the intermediate size its packed gate/up weight is padded to, the lanes its router kernel sums a
     logsumexp's exps in (a router that does not renormalize its top-k: OLMoE), and the engine's own GEMM op where
     it computes the router logits from an FP32 input (`router_gemm`: vLLM's FP32 gate on oneDNN, whose sums run in
-    another order than ATen's); {} where no such call was captured."""
+    another order than ATen's), and the constant it scales the op's output by (`output_scale`: vLLM applies a routed
+    scaling factor to the experts' sum, where transformers scales the routing weights); {} where no such call was
+    captured."""
     for graph in graphs:
         nodes = graph.node_map()
         for n in graph.nodes:
@@ -56,8 +58,25 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
             gemm = _router_gemm(graph, weights) if weights else None
             if gemm is not None:
                 found["router_gemm"] = gemm.target.removesuffix(".default")
+            scale = _output_scale(graph, n)
+            if scale is not None:
+                found["output_scale"] = repr(scale)
             return found
     return {}
+
+
+def _output_scale(graph: Graph, op: Node) -> float | None:
+    """The constant the fused-MoE op's output (its first argument, written in place) is multiplied by, where the
+    engine scales it before anything else reads it; None where it is read unscaled."""
+    if not op.inputs:
+        return None
+    nodes, out = graph.node_map(), op.inputs[0]
+    readers = [nodes[u] for u in graph.users().get(out, []) if u != op.name]
+    if len(readers) != 1 or op_name(readers[0].target) != "mul" or readers[0].inputs != [out]:
+        return None
+    args = readers[0].call[0] if readers[0].call else []
+    consts = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    return float(consts[0]) if len(consts) == 1 else None
 
 
 ENGINE_GEMMS = frozenset({"_C.onednn_mm.default"})  # the engine's own GEMM ops, writing into their first argument

@@ -17,13 +17,16 @@ from graphdiff.replay.sum_order import ordered_sum
 # How the engine ran its experts and router (ScanResult.engine_experts); the generated module sets its own from the
 # scan. MOE_ROUTER_LANES: the lanes the router's kernel sums its exps in (0: no such sum recorded)
 MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE, MOE_ROUTER_LANES = "vec", "silu", 0, 0
+# The routed scaling factor the engine multiplies its experts' sum by (in FP32, unrounded), not the routing weights
+MOE_OUTPUT_SCALE = 1.0
 
 
 def moe_constants(engine_experts: dict[str, str]) -> list[str]:
-    """The generated module's line that sets the engine's experts and router constants."""
+    """The generated module's lines that set the engine's experts and router constants."""
     e = engine_experts
     return [f"MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE, MOE_ROUTER_LANES = {e.get('isa', 'vec')!r}, "
-            f"{e.get('activation', 'silu')!r}, {int(e.get('padded_intermediate', 0))}, {int(e.get('router_lanes', 0))}"]
+            f"{e.get('activation', 'silu')!r}, {int(e.get('padded_intermediate', 0))}, {int(e.get('router_lanes', 0))}",
+            f"MOE_OUTPUT_SCALE = {float(e.get('output_scale', 1.0))!r}"]
 
 
 def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -139,10 +142,14 @@ class _EngineExperts(torch.autograd.Function):
 def moe_experts_engine_op(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts as the engine computes them, by the engine's own op (vLLM CPU's `cpu_fused_moe` with the ISA and
-    activation its graph called it with): bit for bit the engine's output at every batch size; the backward is
-    moe_experts_like_engine's exact gradient."""
-    return _EngineExperts.apply(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
-                                module)
+    activation its graph called it with): bit for bit the engine's output at every batch size, times the routed
+    scaling factor where the engine scales the sum (MOE_OUTPUT_SCALE: in FP32, left unrounded as the engine's next
+    kernel holds it) and the router splice handed the weights unscaled; the backward is moe_experts_like_engine's
+    exact gradient."""
+    out = _EngineExperts.apply(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
+                               module)
+    unscaled = top_k_weights.__dict__.get("_graphdiff_unscaled", False)
+    return out.float() * MOE_OUTPUT_SCALE if MOE_OUTPUT_SCALE != 1.0 and unscaled else out
 
 
 ENGINE_PARTS = (_packed_experts, _EngineExperts, moe_experts_engine_op)
@@ -206,9 +213,26 @@ class _EngineLinear(torch.overrides.TorchFunctionMode):
 def moe_router_engine_gemm(module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The router module's own routing (grouped top-k, sigmoid scores, correction bias, renormalization: as the
     engine's routing computes them) with its FP32 logits GEMM run by the engine's op (vLLM CPU's oneDNN matmul),
-    whose sums run in another order than ATen's; the input is the FP32 value the engine's GEMM reads."""
-    with _EngineLinear(module):
-        return type(module).forward(module, hidden_states)
+    whose sums run in another order than ATen's; the input is the FP32 value the engine's GEMM reads. Where the
+    engine scales the experts' sum by the routed scaling factor (MOE_OUTPUT_SCALE), the weights stay unscaled, as
+    its routing leaves them."""
+    scale = getattr(module, "routed_scaling_factor", None)
+    if MOE_OUTPUT_SCALE != 1.0 and scale is None:
+        raise RuntimeError(f"{type(module).__name__} has no routed_scaling_factor: the engine scales the experts' "
+                           "sum, and this router's weights cannot be left unscaled; rescan this model")
+    if MOE_OUTPUT_SCALE == 1.0:
+        with _EngineLinear(module):
+            return type(module).forward(module, hidden_states)
+    try:
+        module.routed_scaling_factor = 1.0
+        with _EngineLinear(module):
+            outs = type(module).forward(module, hidden_states)
+    finally:
+        module.routed_scaling_factor = scale
+    for o in outs:  # the experts splice scales the sum of what it is handed unscaled
+        if o.is_floating_point() and o.shape[-1] == module.top_k:
+            o.__dict__["_graphdiff_unscaled"] = True
+    return outs
 
 
 ROUTER_GEMM_PARTS = (_router_gemm, _EngineRouterGemm, _EngineLinear, moe_router_engine_gemm)
