@@ -52,3 +52,28 @@ def test_exact_refuses_the_engine_op_where_the_scan_recorded_none(tmp_path: Path
 def test_the_engines_experts_op_is_read_from_its_graph() -> None:
     engine = ScanDir(Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen3").load_engine(None)
     assert engine_experts_op(engine[0].graphs) == {}  # a dense model
+
+
+def test_the_routers_weights_exp_is_computed_as_the_engines_unvectorized_loop() -> None:
+    """Tiny Qwen2-MoE's router kernel (recorded: fixtures/scans/qwen2_moe_router_kernel.json; a top-2 router that does
+    not renormalize) computes its weights `exp(v - logsumexp)` in a two-wide loop Inductor did not vectorize:
+    `std::exp`, the C library's, which SLEEF's vector exp misses in the last bit on some weights. The scan reads that
+    from the kernel, and the patch's scalar form is the engine's weights bit for bit."""
+    import json
+
+    import torch
+
+    from graphdiff.analysis.moe import router_exp_scalar
+    from graphdiff.replay.inductor_math import inductor_math
+
+    rec = json.loads((MIXTRAL.parent / "qwen2_moe_router_kernel.json").read_text())
+    assert router_exp_scalar(rec["code"])
+    assert not router_exp_scalar(rec["code"].replace("std::exp(tmp4)", "tmp4.exp()"))  # a vectorized last exp
+    values = torch.tensor(rec["topk_logits_bf16_bits"], dtype=torch.int16).view(torch.bfloat16).reshape(-1, rec["k"])
+    log_z = torch.tensor(rec["log_z_bf16_bits"], dtype=torch.int16).view(torch.bfloat16).reshape(-1, 1)
+    engine = torch.tensor(rec["weights_fp32_bits"], dtype=torch.int32).view(torch.float32).reshape(values.shape)
+    x = values.float() - log_z.float()
+    assert torch.equal(inductor_math("exp", x, scalar=True), engine)
+    assert not torch.equal(inductor_math("exp", x), engine)  # the vector form differs on some weights
+    assert "MOE_ROUTER_SCALAR_EXP = True" in moe_engine.moe_constants({"router_exp": "scalar"})
+    assert "MOE_ROUTER_SCALAR_EXP = False" in moe_engine.moe_constants({})

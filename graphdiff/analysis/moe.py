@@ -35,8 +35,9 @@ class _Experts(torch.nn.Module):
 
 def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
     """How the engine ran its experts, from its first fused-MoE call (`_C.cpu_fused_moe`): the op, its activation
-    and ISA, the intermediate size its packed gate/up weight is padded to, and the lanes its router kernel sums a
-    logsumexp's exps in (a router that does not renormalize its top-k: OLMoE); {} where no such call was captured."""
+    and ISA, the intermediate size its packed gate/up weight is padded to, the lanes its router kernel sums a
+    logsumexp's exps in (a router that does not renormalize its top-k: OLMoE, Qwen2-MoE) and, `router_exp`
+    "scalar", where that kernel computes the weights' exp unvectorized; {} where no such call was captured."""
     for graph in graphs:
         nodes = graph.node_map()
         for n in graph.nodes:
@@ -48,9 +49,20 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
                 continue
             router = next((k for k in graph.kernels if k.kind == "generated" and "logsumexp" in k.id), None)
             lanes = cpp_sum_lanes(router.code or "") if router is not None else 0
-            return {"op": "_C.cpu_fused_moe", "activation": str(args[9]), "isa": str(args[10]),
-                    "padded_intermediate": str(w13.shape[1] // 2), "router_lanes": str(lanes)}
+            found = {"op": "_C.cpu_fused_moe", "activation": str(args[9]), "isa": str(args[10]),
+                     "padded_intermediate": str(w13.shape[1] // 2), "router_lanes": str(lanes)}
+            if router is not None and router_exp_scalar(router.code or ""):
+                found["router_exp"] = "scalar"
+            return found
     return {}
+
+
+def router_exp_scalar(code: str) -> bool:
+    """Does a router kernel (C++) compute its last exp, the routing weights', in a loop Inductor did not vectorize
+    (`std::exp(tmp)`, the C library's; a two-wide top-k row) rather than with `.exp()` on a vector (SLEEF's)? The
+    two differ in the last bit on about 9% of weights."""
+    scalar, vector = code.rfind("std::exp("), code.rfind(".exp()")
+    return scalar > vector
 
 
 def experts_modules(graph: Graph) -> dict[str, dict[str, str]]:
