@@ -53,6 +53,33 @@ def input_names(placeholders: list[str], model: torch.nn.Module) -> tuple[dict[s
     return names, root
 
 
+def canonical_modules(graph: Graph, model: torch.nn.Module) -> None:
+    """Name each node's module as the model names it (`named_modules`) where Dynamo reached it another way: vLLM's
+    fused MoE calls the block's shared expert through a closure (`mlp.experts._shared_experts.…__closure__.0.
+    cell_contents._shared_experts._layer`), the module the block registers as `mlp.shared_expert`, which the
+    trainer's module of that name computes (matching anchors on the path). A path that does not resolve to a module
+    of the model keeps its name."""
+    names = {id(m): n for n, m in model.named_modules()}
+    resolved: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.module:
+            if node.module not in resolved:
+                resolved[node.module] = _canonical_module(model, node.module, names)
+            node.module = resolved[node.module]
+
+
+def _canonical_module(model: torch.nn.Module, path: str, names: dict[int, str]) -> str:
+    obj: object = model
+    for part in path.split("."):
+        if isinstance(obj, (tuple, list)) and part.isdigit():
+            obj = obj[int(part)] if int(part) < len(obj) else None
+        else:
+            obj = getattr(obj, part, None)
+        if obj is None:
+            return path
+    return names.get(id(obj), path) if isinstance(obj, torch.nn.Module) else path
+
+
 def unread_params(model: torch.nn.Module, graphs: list[Graph]) -> list[str]:
     """The engine model's parameters that its compiled graphs never read although they hold something (not all
     zeros): the engine computes something else there than the checkpoint describes, which no rounding alignment

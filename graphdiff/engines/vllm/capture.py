@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from graphdiff.capture.assemble import build_graph
-from graphdiff.capture.engine_model import input_names, is_model_graph, logits_weight, unique_kernel_ids, unread_params
+from graphdiff.capture.engine_model import (
+    canonical_modules,
+    input_names,
+    is_model_graph,
+    logits_weight,
+    unique_kernel_ids,
+    unread_params,
+)
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, weight_inputs
 from graphdiff.capture.shapes import prefill, with_prompts
@@ -53,6 +60,7 @@ def _model_graphs(llm: Any, hooks: Any) -> tuple[list[Graph], list[BufferRecorde
         if not is_model_graph(names):
             continue
         graph = build_graph(comp, names, root, len(graphs))
+        canonical_modules(graph, model)
         ids = unique_kernel_ids(graph, len(graphs))
         src = Path(comp.module.__file__).read_text()
         defs = parse_kernel_defs(src)

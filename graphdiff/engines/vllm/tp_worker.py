@@ -203,7 +203,7 @@ class GraphdiffWorkerExtension:
         """This rank's compiled model graphs (named and numbered for the rank) and a recorder on each."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        from graphdiff.capture.engine_model import input_names, is_model_graph, unique_kernel_ids
+        from graphdiff.capture.engine_model import canonical_modules, input_names, is_model_graph, unique_kernel_ids
 
         if HOOKS is None:
             raise RuntimeError(f"graphdiff's Inductor hooks are not installed in this worker ({WORKER_ENV} unset)")
@@ -216,6 +216,7 @@ class GraphdiffWorkerExtension:
             if not is_model_graph(names):
                 continue
             graph = build_graph(comp, names, root, len(graphs))
+            canonical_modules(graph, model)
             original = [k.id for k in graph.kernels]
             unique_kernel_ids(graph, len(graphs))
             rank_kernel_ids(graph, rank)
