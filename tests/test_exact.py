@@ -77,3 +77,20 @@ def test_the_routers_weights_exp_is_computed_as_the_engines_unvectorized_loop() 
     assert not torch.equal(inductor_math("exp", x), engine)  # the vector form differs on some weights
     assert "MOE_ROUTER_SCALAR_EXP = True" in moe_engine.moe_constants({"router_exp": "scalar"})
     assert "MOE_ROUTER_SCALAR_EXP = False" in moe_engine.moe_constants({})
+
+
+def test_qwen2_moes_gated_shared_expert_is_carried_and_its_router_exp_is_scalar(tmp_path: Path) -> None:
+    """The recorded tiny Qwen2-MoE scan (fixtures/scans/tiny-qwen2-moe-3): its block's
+    `sigmoid(shared_expert_gate(x)) * shared_expert(x)` site is generated (the carry holds the shared expert's output
+    in FP32, with the block's own add), its shared expert's SiLU is a site of its own, and the router computes the
+    weights' exp unvectorized."""
+    qwen2_moe = MIXTRAL.parent / "tiny-qwen2-moe-3"
+    scan = ScanDir(qwen2_moe).load_scan()
+    assert scan.engine_experts["router_exp"] == "scalar"
+    made = generate(qwen2_moe, tmp_path / "exact", exact=True)
+    assert all(r.generated for r in made.regions), [(r.name, r.reason) for r in made.regions if not r.generated]
+    carry = next(s for s in made.splices if s.key == "model.layers.*.mlp")
+    assert carry.target == "carry" and carry.fp32_outputs == ["shared_expert"]
+    assert set(carry.regions) == {"model.layers.*.mlp#other", "model.layers.*.mlp#residual_norm"}
+    assert any(r.name == "model.layers.*.mlp.shared_expert.act_fn#gated_act" for r in made.regions)
+    assert "MOE_ROUTER_SCALAR_EXP = True" in (tmp_path / "exact" / made.module_file).read_text()
