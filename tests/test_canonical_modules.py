@@ -44,10 +44,16 @@ def test_a_module_reached_through_a_closure_takes_the_name_the_model_registers_i
     def node(name: str, module: str | None) -> Node:
         return Node(name=name, op="call_function", target="aten.silu.default", inputs=[], module=module)
 
+    rotary = nn.Module()  # one rotary embedding registered in every layer, as vLLM's cached one is
+    model.model.layers.append(nn.Module())
+    for layer in model.model.layers:
+        layer.self_attn = nn.Module()
+        layer.self_attn.rotary_emb = rotary
+
     graph = Graph(name="g", nodes=[node("silu", f"{RECORDED}.act_fn"), node("sigmoid", RECORDED),
                                    node("add", "model.layers.0.mlp.experts"), node("lost", "model.layers.0.gone.x"),
-                                   node("none", None)])
+                                   node("none", None), node("rope", "model.layers.1.self_attn.rotary_emb")])
     canonical_modules(graph, model)
     assert [n.module for n in graph.nodes] == ["model.layers.0.mlp.shared_expert.act_fn",
                                                "model.layers.0.mlp.shared_expert", "model.layers.0.mlp.experts",
-                                               "model.layers.0.gone.x", None]
+                                               "model.layers.0.gone.x", None, "model.layers.1.self_attn.rotary_emb"]

@@ -57,8 +57,8 @@ def canonical_modules(graph: Graph, model: torch.nn.Module) -> None:
     """Name each node's module as the model names it (`named_modules`) where Dynamo reached it another way: vLLM's
     fused MoE calls the block's shared expert through a closure (`mlp.experts._shared_experts.…__closure__.0.
     cell_contents._shared_experts._layer`), the module the block registers as `mlp.shared_expert`, which the
-    trainer's module of that name computes (matching anchors on the path). A path that does not resolve to a module
-    of the model keeps its name."""
+    trainer's module of that name computes (matching anchors on the path). A path of registered submodules, or one
+    that does not resolve to a module of the model, keeps its name."""
     names = {id(m): n for n, m in model.named_modules()}
     resolved: dict[str, str] = {}
     for node in graph.nodes:
@@ -69,15 +69,22 @@ def canonical_modules(graph: Graph, model: torch.nn.Module) -> None:
 
 
 def _canonical_module(model: torch.nn.Module, path: str, names: dict[int, str]) -> str:
+    """`path` where every step is a registered submodule (also a module registered in several places: vLLM's one
+    rotary embedding in every layer keeps each layer's path); else the model's name of the module it reaches."""
     obj: object = model
+    registered = True
     for part in path.split("."):
-        if isinstance(obj, (tuple, list)) and part.isdigit():
+        child = obj._modules.get(part) if isinstance(obj, torch.nn.Module) else None
+        registered = registered and child is not None
+        if child is not None:
+            obj = child
+        elif isinstance(obj, (tuple, list)) and part.isdigit():
             obj = obj[int(part)] if int(part) < len(obj) else None
         else:
             obj = getattr(obj, part, None)
         if obj is None:
             return path
-    return names.get(id(obj), path) if isinstance(obj, torch.nn.Module) else path
+    return path if registered or not isinstance(obj, torch.nn.Module) else names.get(id(obj), path)
 
 
 def unread_params(model: torch.nn.Module, graphs: list[Graph]) -> list[str]:
