@@ -119,3 +119,43 @@ def test_a_routed_scaling_of_the_experts_sum_is_read_from_the_engines_graph() ->
     scaled = engine_experts_op([_fused_moe_graph([{"node": "out"}, 2.5])])
     assert scaled["output_scale"] == "2.5" and scaled["padded_intermediate"] == "128"
     assert "output_scale" not in engine_experts_op([_fused_moe_graph([{"node": "out"}, {"node": "x"}])])
+def test_the_routers_weights_exp_is_computed_as_the_engines_unvectorized_loop() -> None:
+    """Tiny Qwen2-MoE's router kernel (recorded: fixtures/scans/qwen2_moe_router_kernel.json; a top-2 router that does
+    not renormalize) computes its weights `exp(v - logsumexp)` in a two-wide loop Inductor did not vectorize:
+    `std::exp`, the C library's, which SLEEF's vector exp misses in the last bit on some weights. The scan reads that
+    from the kernel, and the patch's scalar form is the engine's weights bit for bit."""
+    import json
+
+    import torch
+
+    from graphdiff.analysis.moe import router_exp_scalar
+    from graphdiff.replay.inductor_math import inductor_math
+
+    rec = json.loads((MIXTRAL.parent / "qwen2_moe_router_kernel.json").read_text())
+    assert router_exp_scalar(rec["code"])
+    assert not router_exp_scalar(rec["code"].replace("std::exp(tmp4)", "tmp4.exp()"))  # a vectorized last exp
+    values = torch.tensor(rec["topk_logits_bf16_bits"], dtype=torch.int16).view(torch.bfloat16).reshape(-1, rec["k"])
+    log_z = torch.tensor(rec["log_z_bf16_bits"], dtype=torch.int16).view(torch.bfloat16).reshape(-1, 1)
+    engine = torch.tensor(rec["weights_fp32_bits"], dtype=torch.int32).view(torch.float32).reshape(values.shape)
+    x = values.float() - log_z.float()
+    assert torch.equal(inductor_math("exp", x, scalar=True), engine)
+    assert not torch.equal(inductor_math("exp", x), engine)  # the vector form differs on some weights
+    assert "MOE_ROUTER_SCALAR_EXP = True" in moe_engine.moe_constants({"router_exp": "scalar"})
+    assert "MOE_ROUTER_SCALAR_EXP = False" in moe_engine.moe_constants({})
+
+
+def test_qwen2_moes_gated_shared_expert_is_carried_and_its_router_exp_is_scalar(tmp_path: Path) -> None:
+    """The recorded tiny Qwen2-MoE scan (fixtures/scans/tiny-qwen2-moe-3): its block's
+    `sigmoid(shared_expert_gate(x)) * shared_expert(x)` site is generated (the carry holds the shared expert's output
+    in FP32, with the block's own add), its shared expert's SiLU is a site of its own, and the router computes the
+    weights' exp unvectorized."""
+    qwen2_moe = MIXTRAL.parent / "tiny-qwen2-moe-3"
+    scan = ScanDir(qwen2_moe).load_scan()
+    assert scan.engine_experts["router_exp"] == "scalar"
+    made = generate(qwen2_moe, tmp_path / "exact", exact=True)
+    assert all(r.generated for r in made.regions), [(r.name, r.reason) for r in made.regions if not r.generated]
+    carry = next(s for s in made.splices if s.key == "model.layers.*.mlp")
+    assert carry.target == "carry" and carry.fp32_outputs == ["shared_expert"]
+    assert set(carry.regions) == {"model.layers.*.mlp#other", "model.layers.*.mlp#residual_norm"}
+    assert any(r.name == "model.layers.*.mlp.shared_expert.act_fn#gated_act" for r in made.regions)
+    assert "MOE_ROUTER_SCALAR_EXP = True" in (tmp_path / "exact" / made.module_file).read_text()

@@ -181,3 +181,33 @@ def test_a_scaled_child_output_handed_to_a_child_is_carried_in_fp32():
     assert torch.equal(out, model.embed_tokens(ids).float() * 12.0)
     assert not torch.equal(out, (model.embed_tokens(ids) * 12.0).float())  # the trainer's rounding differs
     assert torch.overrides._get_current_function_mode_stack() == []  # the child called alone enters no mode
+
+
+def test_a_child_output_gated_by_an_activation_of_another_child_output_is_carried_in_fp32():
+    """`sigmoid(shared_expert_gate(x)) * shared_expert(x)` before the MoE block's own add (Qwen2-MoE): the trainer
+    rounds the product, the engine computes it in FP32 in the kernel that adds it. Both round the sigmoid (the engine
+    stores it as BF16), so only the gated child's output is held FP32; the gate's too where the sigmoid is a site."""
+    from graphdiff.codegen.fragment import _scaled_child_outputs
+    from graphdiff.records import Graph, Node
+
+    def node(name: str, target: str, module: str, *inputs: str) -> Node:
+        return Node(name=name, op="call_function", target=target, inputs=list(inputs), module=module)
+
+    block = "model.layers.0.mlp"
+    nodes = [Node(name="x", op="placeholder", target="x", module=block),
+             node("down", "aten.mm.default", f"{block}.shared_expert.down_proj", "x"),
+             node("gate", "aten.mm.default", f"{block}.shared_expert_gate", "x"),
+             node("sigmoid", "aten.sigmoid.default", block, "gate"),
+             node("experts", "aten.sum.dim_IntList", f"{block}.experts", "x"),
+             node("mul", "aten.mul.Tensor", block, "sigmoid", "down"),
+             node("add", "aten.add.Tensor", block, "experts", "mul")]
+    graph = Graph(name="g", nodes=nodes)
+    assert _scaled_child_outputs(graph, block, ["mul"]) == {"mul": ["shared_expert"]}
+    both = {"mul": ["shared_expert", "shared_expert_gate"], "sigmoid": ["shared_expert", "shared_expert_gate"]}
+    assert _scaled_child_outputs(graph, block, ["mul", "sigmoid"]) == both
+    gate_read = [*nodes, node("other", "aten.sum.default", block, "gate")]  # the gate's output read elsewhere
+    assert _scaled_child_outputs(Graph(name="g", nodes=gate_read), block, ["mul"]) == {}
+    not_act = [*nodes[:3], node("sigmoid", "aten.exp.default", block, "gate"), *nodes[4:]]  # no activation
+    assert _scaled_child_outputs(Graph(name="g", nodes=not_act), block, ["mul"]) == {}
+    own = [*nodes[:5], node("mul", "aten.mul.Tensor", block, "sigmoid", "x"), nodes[6]]  # no child output gated
+    assert _scaled_child_outputs(Graph(name="g", nodes=own), block, ["mul"]) == {}

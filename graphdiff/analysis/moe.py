@@ -36,11 +36,11 @@ class _Experts(torch.nn.Module):
 def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
     """How the engine ran its experts, from its first fused-MoE call (`_C.cpu_fused_moe`): the op, its activation
     and ISA, the intermediate size its packed gate/up weight is padded to, the lanes its router kernel sums a
-    logsumexp's exps in (a router that does not renormalize its top-k: OLMoE), and the engine's own GEMM op where
-    it computes the router logits from an FP32 input (`router_gemm`: vLLM's FP32 gate on oneDNN, whose sums run in
-    another order than ATen's), and the constant it scales the op's output by (`output_scale`: vLLM applies a routed
-    scaling factor to the experts' sum, where transformers scales the routing weights); {} where no such call was
-    captured."""
+    logsumexp's exps in (a router that does not renormalize its top-k: OLMoE, Qwen2-MoE) and, `router_exp`
+    "scalar", where that kernel computes the weights' exp unvectorized, the engine's own GEMM op where it computes
+    the router logits from an FP32 input (`router_gemm`: vLLM's FP32 gate on oneDNN, whose sums run in another order
+    than ATen's), and the constant it scales the op's output by (`output_scale`: vLLM applies a routed scaling factor
+    to the experts' sum, where transformers scales the routing weights); {} where no such call was captured."""
     for graph in graphs:
         nodes = graph.node_map()
         for n in graph.nodes:
@@ -61,6 +61,8 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
             scale = _output_scale(graph, n)
             if scale is not None:
                 found["output_scale"] = repr(scale)
+            if router is not None and router_exp_scalar(router.code or ""):
+                found["router_exp"] = "scalar"
             return found
     return {}
 
@@ -102,6 +104,14 @@ def _router_gemm(graph: Graph, weights: str) -> Node | None:
             return None
         frontier += nodes[name].inputs
     return None
+
+
+def router_exp_scalar(code: str) -> bool:
+    """Does a router kernel (C++) compute its last exp, the routing weights', in a loop Inductor did not vectorize
+    (`std::exp(tmp)`, the C library's; a two-wide top-k row) rather than with `.exp()` on a vector (SLEEF's)? The
+    two differ in the last bit on about 9% of weights."""
+    scalar, vector = code.rfind("std::exp("), code.rfind(".exp()")
+    return scalar > vector
 
 
 def experts_modules(graph: Graph) -> dict[str, dict[str, str]]:

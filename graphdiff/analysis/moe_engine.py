@@ -19,6 +19,8 @@ from graphdiff.replay.sum_order import ordered_sum
 MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE, MOE_ROUTER_LANES = "vec", "silu", 0, 0
 # The routed scaling factor the engine multiplies its experts' sum by (in FP32, unrounded), not the routing weights
 MOE_OUTPUT_SCALE = 1.0
+# The router's kernel computes the weights' exp unvectorized (std::exp, not SLEEF's: ScanResult.engine_experts)
+MOE_ROUTER_SCALAR_EXP = False
 
 
 def moe_constants(engine_experts: dict[str, str]) -> list[str]:
@@ -26,12 +28,14 @@ def moe_constants(engine_experts: dict[str, str]) -> list[str]:
     e = engine_experts
     return [f"MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE, MOE_ROUTER_LANES = {e.get('isa', 'vec')!r}, "
             f"{e.get('activation', 'silu')!r}, {int(e.get('padded_intermediate', 0))}, {int(e.get('router_lanes', 0))}",
-            f"MOE_OUTPUT_SCALE = {float(e.get('output_scale', 1.0))!r}"]
+            f"MOE_OUTPUT_SCALE = {float(e.get('output_scale', 1.0))!r}",
+            f"MOE_ROUTER_SCALAR_EXP = {e.get('router_exp') == 'scalar'}"]
 
 
 def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """vLLM CPU's routing: top-k of the BF16 router logits (the GEMM reads BF16 inputs), softmax over those k in FP32
-    (renormalized; else their share of all) with the exp of the engine's Inductor kernel, weights kept FP32. Returned
+    (renormalized; else their share of all) with the exp of the engine's Inductor kernel (vectorized or, where
+    MOE_ROUTER_SCALAR_EXP, not: the weights' exp in a two-wide loop), weights kept FP32. Returned
     in the order the module's own forward returns them (Qwen: logits, weights, indices; Granite: indices, weights,
     logits), told apart by dtype and width on the module's first call."""
     hidden_states = hidden_states.reshape(-1, module.weight.shape[1]).to(module.weight.dtype)
@@ -39,7 +43,7 @@ def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.T
     values, indices = torch.topk(logits, module.top_k, dim=-1)
     if getattr(module, "norm_topk_prob", True):  # exp(v - max) / sum, exp as the engine's Inductor kernel computes it
         shifted = values.float() - values.float().amax(-1, keepdim=True)
-        exps = inductor_math("exp", shifted)
+        exps = inductor_math("exp", shifted, MOE_ROUTER_SCALAR_EXP)
         weights = exps / exps.sum(-1, keepdim=True)
     else:  # exp(v - logsumexp(logits)), logsumexp as the engine's kernel: max, exps summed in its lanes, log, + max,
         x = logits.float()  # stored in the logits' dtype (BF16), as the engine's logsumexp of BF16 logits is
@@ -48,7 +52,7 @@ def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.T
         exps = inductor_math("exp", x - top)
         total = ordered_sum(exps, [-1], True, MOE_ROUTER_LANES) if MOE_ROUTER_LANES else exps.sum(-1, keepdim=True)
         log_z = (inductor_math("log", total) + top).to(logits.dtype).float()
-        weights = inductor_math("exp", values.float() - log_z)
+        weights = inductor_math("exp", values.float() - log_z, MOE_ROUTER_SCALAR_EXP)
     order = module.__dict__.get("_graphdiff_router_order")
     if order is None:  # the module's own forward, once per module: which output is which, and its dtype
         with torch.no_grad():

@@ -1,7 +1,7 @@
 """What a carry splice runs in the trainer: hooks on a layer that hold its incoming activation as the engine does.
 
 `carry_fp32` (every patch carries it) keeps the residual stream FP32 across layers, `carry_fp32_output` a child's
-output FP32 where the layer scales it before the residual add; `carry_fp32_rounded`,
+output FP32 where the layer scales, sums or gates it before its own add; `carry_fp32_rounded`,
 `carry_fp32_child` and `carry_done` (ROUNDED_PARTS, carried where a region needs them) hold it as a piecewise
 engine does at a graph boundary; `RoundedSums` and its hooks (SUM_PARTS) round the layer's own residual sums where
 the engine stores them in BF16; `ScaledOutputs` and its hooks (SCALED_PARTS) hand a child's output, scaled by the
@@ -26,8 +26,8 @@ def carry_fp32(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
 
 
 def carry_fp32_output(module: torch.nn.Module, args: tuple, output: object) -> object:
-    """Forward hook: the module's output (a tensor, or a tuple's first) in FP32, so its parent's own code scales it
-    and adds it to the residual stream in FP32, as the engine's fused kernel does."""
+    """Forward hook: the module's output (a tensor, or a tuple's first) in FP32, so its parent's own code scales (or
+    gates) it and adds it in FP32, as the engine's fused kernel does."""
     if isinstance(output, torch.Tensor) and output.is_floating_point():
         return output.float()
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):

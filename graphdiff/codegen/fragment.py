@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from graphdiff.codegen import norm_order
-from graphdiff.ops import CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
+from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site, layer_of
 from graphdiff.replay.inductor_math import INDUCTOR_MATH
 from graphdiff.replay.kernels import value_base
@@ -331,26 +331,38 @@ def _bind_params(frag: Fragment, nodes: dict[str, Node], path: str) -> None:
 
 
 def _scaled_child_outputs(graph: Graph, path: str, sites: list[str]) -> dict[str, list[str]]:
-    """The sites that combine child modules' outputs before a residual add of the module's own, each with those
-    children (paths relative to `path`): a child's output scaled by a constant (`residual + hidden_states *
-    residual_multiplier`), or two children's outputs summed (a parallel block's `attn_output + mlp_output +
-    residual`). The trainer rounds the product or sum, the engine computes it in FP32 inside the kernel that adds
-    the residual; with the children's outputs in FP32 the module's own code computes as the engine does. Only where
-    each child's output feeds nothing but such sites, and the site nothing but the module's own adds."""
+    """The sites that combine child modules' outputs before a residual add of the module's own, each with the
+    children (paths relative to `path`) whose outputs the patch holds in FP32: a child's output scaled by a constant
+    (`residual + hidden_states * residual_multiplier`), two children's outputs summed (a parallel block's
+    `attn_output + mlp_output + residual`), or a child's output gated by an activation of another child's output
+    (`sigmoid(gate(x)) * shared_expert(x)`, before the MoE block's own add). The trainer rounds the product or sum,
+    the engine computes it in FP32 inside the kernel that adds it; with the children's outputs in FP32 the module's
+    own code computes as the engine does. The gate's child is held in FP32 only where its activation is a site too
+    (else both sides round the activation, as eager does on the child's BF16 output). Only where each child's output
+    feeds nothing but such sites, and the site nothing but the module's own adds."""
     nodes, users = graph.node_map(), graph.users()
     prefix = path + "."
+
+    def child(name: str) -> str | None:  # the child module whose output `name` is, read by nothing but the sites
+        src = nodes[name]
+        only_sites = not set(users.get(name, [])) - set(sites)
+        return (src.module or "").removeprefix(prefix).split(".")[0] if (
+            (src.module or "").startswith(prefix) and only_sites) else None
+
     found: dict[str, list[str]] = {}
     for s in sites:
         n = nodes[s]
-        if not ((op_name(n.target) == "mul" and len(n.inputs) == 1)  # one activation times a constant
-                or (op_name(n.target) == "add" and len(n.inputs) == 2)):
+        if op_name(n.target) == "mul" and len(n.inputs) == 2:  # a child's output times an activation of another's
+            held = [child(i) or _gate_child(nodes, users, path, i, s, sites) for i in n.inputs]
+        elif (op_name(n.target) == "mul" and len(n.inputs) == 1) or (op_name(n.target) == "add" and len(n.inputs) == 2):
+            held = [child(i) for i in n.inputs]
+        else:
             continue
-        sources = [nodes[i] for i in n.inputs]
-        if not all((src.module or "").startswith(prefix) and not set(users.get(src.name, [])) - set(sites)
-                   for src in sources):
+        if not all(held) or not any(h and h != "-" for h in held):
             continue
         if all(op_name(nodes[u].target) == "add" and nodes[u].module == path for u in users.get(s, [])):
-            found[s] = sorted({(src.module or "").removeprefix(prefix).split(".")[0] for src in sources})
+            found[s] = sorted({h for h in held if h and h != "-"})
+            found.update({i: found[s] for i in n.inputs if i in sites and i not in found})  # the activation site
     return found
 
 
@@ -383,6 +395,22 @@ def scaled_handoffs(graph: Graph, path: str, sites: list[str]) -> dict[str, tupl
                 and any(m.module == prefix + reader for m in graph.nodes)):  # not a container of several readers
             found[s] = (source, reader)
     return found
+
+
+def _gate_child(nodes: dict[str, Node], users: dict[str, list[str]], path: str, name: str, site: str,
+                sites: list[str]) -> str | None:
+    """An operand of the gating product `site` computed by the module's own activation (ACTIVATIONS) of one child's
+    output, each read only on this way: that child where the trainer rounds the activation and the engine does not
+    (a site: the child's BF16 output held in FP32 is the same value, the activation then runs in FP32), "-" where
+    both round it (nothing held); None for anything else."""
+    act = nodes[name]
+    if (act.module != path or op_name(act.target) not in ACTIVATIONS or len(act.inputs) != 1
+            or users.get(name, []) != [site]):
+        return None
+    src = nodes[act.inputs[0]]
+    if not (src.module or "").startswith(path + ".") or users.get(src.name, []) != [name]:
+        return None
+    return (src.module or "").removeprefix(path + ".").split(".")[0] if name in sites else "-"
 
 
 def _carry_reads(scan: ScanResult, graph: Graph, region: Region, layers: list[int] | None = None
@@ -462,6 +490,7 @@ def merge(frags: list[Fragment]) -> list[Fragment]:
             g.sites.update(f.sites)
             g.engine_sites.update(f.engine_sites)
             g.regions += f.regions
+            g.fp32_outputs = sorted({*g.fp32_outputs, *f.fp32_outputs})  # a carry's children held FP32, any region's
             g.ordered.update({n: r for n, r in f.ordered.items() if n not in g.ordered})
             g.lanes.update({m: n for m, n in f.lanes.items() if m not in g.lanes})
             for source, readers in f.fp32_scaled.items():

@@ -16,13 +16,15 @@ import torch
 INDUCTOR_MATH = frozenset({"tanh", "exp", "log", "sin", "cos", "erf", "sqrt", "expm1"})
 
 
-def inductor_math(name: str, x: torch.Tensor) -> torch.Tensor:
+def inductor_math(name: str, x: torch.Tensor, scalar: bool = False) -> torch.Tensor:
     """`torch.<name>(x)` (FP32) as an Inductor-generated kernel computes it: through a one-op function Inductor
     compiles (once per op, for any shape; flattened, so the vectorized path with a masked tail runs, as in the
-    engine's kernels). Registered as one op, `graphdiff::inductor_<name>`, so a traced or compiled trainer keeps it
-    whole; its gradient is the eager op's, by recompute."""
+    engine's kernels). `scalar`: as a loop Inductor did not vectorize computes it (`std::exp`, the C library's, in a
+    router's two-wide top-k loop), compiled without vectors. Registered as one op, `graphdiff::inductor_<name>`
+    (`..._scalar`), so a traced or compiled trainer keeps it whole; its gradient is the eager op's, by recompute."""
+    op_id = f"inductor_{name}_scalar" if scalar else f"inductor_{name}"
     try:
-        return getattr(torch.ops.graphdiff, f"inductor_{name}")(x)
+        return getattr(torch.ops.graphdiff, op_id)(x)
     except AttributeError:
         pass
     eager = getattr(torch, name)
@@ -31,18 +33,18 @@ def inductor_math(name: str, x: torch.Tensor) -> torch.Tensor:
         return eager(t)
 
     # a code object per op: Dynamo keeps compiled code per code object, and a shared one recompiles for each op
-    one_op.__code__ = one_op.__code__.replace(co_name=f"inductor_{name}")
+    one_op.__code__ = one_op.__code__.replace(co_name=op_id)
     # Inductor's FX graph cache keys the generated code by graph and config, not by the vector ISA it was generated
     # for; this process compiles it for its own. An 8-lane (AVX2) kernel compiled with AVX-512's 16-lane vectors
     # stores past its buffer, so wherever a cache is shared by CPUs of another width (a patch in a cluster's shared
     # cache; posing processes keep their own, cpu_kind) the ISA's width, in the config, keys it.
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    bits = pick_vec_isa().bit_width()
+    bits = 1 if scalar else pick_vec_isa().bit_width()  # simdlen 1: Inductor emits no vectors
     compiled = torch.compile(one_op, backend="inductor", dynamic=True, fullgraph=True,
                              options={"cpp.simdlen": bits} if bits else None)
 
-    @torch.library.custom_op(f"graphdiff::inductor_{name}", mutates_args=())
+    @torch.library.custom_op(f"graphdiff::{op_id}", mutates_args=())
     def op(x: torch.Tensor) -> torch.Tensor:
         if torch.fx._symbolic_trace.is_fx_symbolic_tracing():  # a trace records the op; running the graph computes it
             return eager(x)
