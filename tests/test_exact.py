@@ -99,8 +99,9 @@ def test_exact_runs_the_engines_router_gemm_and_keeps_the_norm_product_fp32_for_
     assert "onednn_mm(" not in (tmp_path / "portable" / portable.module_file).read_text()
 
 
-def _fused_moe_graph(reader_args: list) -> Graph:
-    """An engine graph with a fused-MoE call writing `out`, and one reader of `out` (aten.mul with `reader_args`)."""
+def _fused_moe_graph(reader_args: list, topk_sorted: bool = True) -> Graph:
+    """An engine graph with a fused-MoE call writing `out`, its weights from a top-k (`topk_sorted`), and one reader
+    of `out` (aten.mul with `reader_args`)."""
     def node(name: str, target: str, inputs: list[str], call: list | None = None, **kw) -> Node:
         return Node(name=name, op="call_function", target=target, inputs=inputs, call=[call or [], {}], **kw)
 
@@ -109,7 +110,9 @@ def _fused_moe_graph(reader_args: list) -> Graph:
     return Graph(name="g", nodes=[
         Node(name="w13", op="placeholder", target="w13", dtype="bfloat16", shape=[8, 256, 64]),
         node("out", "aten.empty.memory_format", []), node("x", "aten.mul.Tensor", []),
-        node("weights", "aten.div.Tensor", []), node("ids", "aten.topk.default", []),
+        node("logits", "aten.mm.default", []),
+        node("ids", "aten.topk.default", ["logits"], [{"node": "logits"}, 4, -1, True, topk_sorted]),
+        node("weights", "aten.div.Tensor", ["ids"]),
         Node(name="w2", op="placeholder", target="w2"),
         node("moe", "_C.cpu_fused_moe.default", ["out", "x", "w13", "w2", "weights", "ids"], moe_args),
         node("scaled", "aten.mul.Tensor", ["out"], reader_args)])
@@ -119,6 +122,14 @@ def test_a_routed_scaling_of_the_experts_sum_is_read_from_the_engines_graph() ->
     scaled = engine_experts_op([_fused_moe_graph([{"node": "out"}, 2.5])])
     assert scaled["output_scale"] == "2.5" and scaled["padded_intermediate"] == "128"
     assert "output_scale" not in engine_experts_op([_fused_moe_graph([{"node": "out"}, {"node": "x"}])])
+
+
+def test_an_unsorted_router_top_k_is_read_from_the_engines_graph() -> None:
+    """vLLM CPU takes its router's top-k unsorted: the experts' order, which decides the order their weights and
+    outputs are summed in, is the CPU top-k's own, and the router splice takes it so too."""
+    assert engine_experts_op([_fused_moe_graph([{"node": "out"}, 2.5], topk_sorted=False)])["router_topk"] == "unsorted"
+    assert "router_topk" not in engine_experts_op([_fused_moe_graph([{"node": "out"}, 2.5])])
+    assert "MOE_ROUTER_TOPK_SORTED = False" in moe_engine.moe_constants({"router_topk": "unsorted"})
 def test_the_routers_weights_exp_is_computed_as_the_engines_unvectorized_loop() -> None:
     """Tiny Qwen2-MoE's router kernel (recorded: fixtures/scans/qwen2_moe_router_kernel.json; a top-2 router that does
     not renormalize) computes its weights `exp(v - logsumexp)` in a two-wide loop Inductor did not vectorize:

@@ -14,6 +14,7 @@ Routing agreement: per layer, the fraction of tokens whose set of chosen experts
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,7 +41,8 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
     "scalar", where that kernel computes the weights' exp unvectorized, the engine's own GEMM op where it computes
     the router logits from an FP32 input (`router_gemm`: vLLM's FP32 gate on oneDNN, whose sums run in another order
     than ATen's), and the constant it scales the op's output by (`output_scale`: vLLM applies a routed scaling factor
-    to the experts' sum, where transformers scales the routing weights); {} where no such call was captured."""
+    to the experts' sum, where transformers scales the routing weights), and `router_topk` "unsorted" where its router
+    takes the top-k unsorted; {} where no such call was captured."""
     for graph in graphs:
         nodes = graph.node_map()
         for n in graph.nodes:
@@ -58,6 +60,8 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
             gemm = _router_gemm(graph, weights) if weights else None
             if gemm is not None:
                 found["router_gemm"] = gemm.target.removesuffix(".default")
+            if weights and _router_topk_unsorted(graph, weights):
+                found["router_topk"] = "unsorted"
             scale = _output_scale(graph, n)
             if scale is not None:
                 found["output_scale"] = repr(scale)
@@ -89,17 +93,38 @@ def _router_gemm(graph: Graph, weights: str) -> Node | None:
     an FP32 activation (the first GEMM met walking back from the weights); None where the logits come from ATen's
     GEMM or a BF16 input."""
     nodes, users = graph.node_map(), graph.users()
-    seen, frontier = set(), [weights]
+
+    def writer(name: str) -> Node | None:
+        return next((nodes[u] for u in users.get(name, []) if nodes[u].target in ENGINE_GEMMS
+                     and nodes[u].inputs[:1] == [name]), None)
+
+    gemm = _walk_back(graph, weights, lambda n: writer(n.name) is not None)
+    found = writer(gemm.name) if gemm is not None else None
+    x = nodes.get(found.inputs[1]) if found is not None and len(found.inputs) > 1 else None
+    return found if x is not None and x.dtype == "float32" else None
+
+
+def _router_topk_unsorted(graph: Graph, weights: str) -> bool:
+    """Does the engine take the router's top-k unsorted (`torch.topk(..., sorted=False)`, vLLM CPU's router): the
+    experts then come in the order the CPU's top-k leaves them, which decides the order the weights and the experts'
+    outputs are summed in."""
+    topk = _walk_back(graph, weights, lambda n: op_name(n.target) == "topk")
+    args = topk.call[0] if topk is not None and topk.call else []
+    return len(args) > 4 and args[4] is False
+
+
+def _walk_back(graph: Graph, start: str, match: Callable[[Node], bool]) -> Node | None:
+    """The first node, walking back from `start` breadth first over inputs, that `match`es; None where a matmul
+    or the graph's inputs come first."""
+    nodes = graph.node_map()
+    seen, frontier = set(), [start]
     while frontier:
         name = frontier.pop(0)
         if name in seen or name not in nodes:
             continue
         seen.add(name)
-        writer = next((nodes[u] for u in users.get(name, []) if nodes[u].target in ENGINE_GEMMS
-                       and nodes[u].inputs[:1] == [name]), None)
-        if writer is not None:
-            x = nodes.get(writer.inputs[1]) if len(writer.inputs) > 1 else None
-            return writer if x is not None and x.dtype == "float32" else None
+        if match(nodes[name]):
+            return nodes[name]
         if is_heavy(nodes[name].target):
             return None
         frontier += nodes[name].inputs

@@ -21,6 +21,8 @@ MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE, MOE_ROUTER_LANES = "vec", "sil
 MOE_OUTPUT_SCALE = 1.0
 # The router's kernel computes the weights' exp unvectorized (std::exp, not SLEEF's: ScanResult.engine_experts)
 MOE_ROUTER_SCALAR_EXP = False
+# The engine takes the router's top-k unsorted: the experts' order decides the order their weights are summed in
+MOE_ROUTER_TOPK_SORTED = True
 
 
 def moe_constants(engine_experts: dict[str, str]) -> list[str]:
@@ -29,22 +31,28 @@ def moe_constants(engine_experts: dict[str, str]) -> list[str]:
     return [f"MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE, MOE_ROUTER_LANES = {e.get('isa', 'vec')!r}, "
             f"{e.get('activation', 'silu')!r}, {int(e.get('padded_intermediate', 0))}, {int(e.get('router_lanes', 0))}",
             f"MOE_OUTPUT_SCALE = {float(e.get('output_scale', 1.0))!r}",
-            f"MOE_ROUTER_SCALAR_EXP = {e.get('router_exp') == 'scalar'}"]
+            f"MOE_ROUTER_SCALAR_EXP = {e.get('router_exp') == 'scalar'}",
+            f"MOE_ROUTER_TOPK_SORTED = {e.get('router_topk') != 'unsorted'}"]
 
 
 def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """vLLM CPU's routing: top-k of the BF16 router logits (the GEMM reads BF16 inputs), softmax over those k in FP32
-    (renormalized; else their share of all) with the exp of the engine's Inductor kernel (vectorized or, where
-    MOE_ROUTER_SCALAR_EXP, not: the weights' exp in a two-wide loop), weights kept FP32. Returned
-    in the order the module's own forward returns them (Qwen: logits, weights, indices; Granite: indices, weights,
-    logits), told apart by dtype and width on the module's first call."""
+    """vLLM CPU's routing: top-k of the BF16 router logits (the GEMM reads BF16 inputs; unsorted, where the engine's is:
+    MOE_ROUTER_TOPK_SORTED), softmax over those k in FP32
+    (renormalized: their exps summed left to right, as the engine's kernel unrolls the row; else their share of all)
+    with the exp of the engine's Inductor kernel (vectorized or, where MOE_ROUTER_SCALAR_EXP, not: the weights' exp
+    in a two-wide loop), weights kept FP32. Returned in the order the module's own forward returns them (Qwen:
+    logits, weights, indices; Granite: indices, weights, logits), told apart by dtype and width on the module's
+    first call."""
     hidden_states = hidden_states.reshape(-1, module.weight.shape[1]).to(module.weight.dtype)
     logits = torch.nn.functional.linear(hidden_states, module.weight)
-    values, indices = torch.topk(logits, module.top_k, dim=-1)
+    values, indices = torch.topk(logits, module.top_k, dim=-1, sorted=MOE_ROUTER_TOPK_SORTED)
     if getattr(module, "norm_topk_prob", True):  # exp(v - max) / sum, exp as the engine's Inductor kernel computes it
         shifted = values.float() - values.float().amax(-1, keepdim=True)
         exps = inductor_math("exp", shifted, MOE_ROUTER_SCALAR_EXP)
-        weights = exps / exps.sum(-1, keepdim=True)
+        total = exps[..., :1]  # summed left to right, as the engine's kernel unrolls a top-k row's sum
+        for i in range(1, exps.shape[-1]):
+            total = total + exps[..., i:i + 1]
+        weights = exps / total
     else:  # exp(v - logsumexp(logits)), logsumexp as the engine's kernel: max, exps summed in its lanes, log, + max,
         x = logits.float()  # stored in the logits' dtype (BF16), as the engine's logsumexp of BF16 logits is
         top = x.amax(-1, keepdim=True)
