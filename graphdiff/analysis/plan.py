@@ -14,6 +14,7 @@ model names, see `classify`); `graphdiff.analysis.regions` groups the sites into
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -510,6 +511,16 @@ def _read_beside_store(t: Decision, graphs: dict[str, Graph]) -> bool:
         graph.computed_in().get(u, set()) & stored[1] for u in graph.users().get(stored[0].name, []))
 
 
+def _matched_consumers(train: Graph, plan: list[Decision]) -> tuple[dict[str, Decision], Callable[[str], list[str]]]:
+    """The matched decisions by trainer node, and a trainer node's consumers looking through views."""
+    nodes, users = train.node_map(), train.users()
+
+    def consumers(name: str) -> list[str]:
+        return [c for u in users.get(name, []) for c in (consumers(u) if is_view(nodes[u]) else [u])]
+
+    return {d.node: d for d in plan if d.rule == "matched"}, consumers
+
+
 def mark_rounded_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
     """Values the engine holds in FP32 but feeds some consumers as a low-precision copy: the consumers are listed
     in `evidence.read_rounded_by`. Where the trainer holds such a value in FP32 (a patch made it so) the copy is a
@@ -517,12 +528,7 @@ def mark_rounded_reads(train: Graph, plan: list[Decision], engine_graphs: list[G
     kernel storing it also reads it in FP32 (the norm beside a layer's last residual sum, whose store the final
     norm's kernel loads)."""
     graphs = {g.name: g for g in engine_graphs}
-    nodes, users = train.node_map(), train.users()
-    by_node = {d.node: d for d in plan if d.rule == "matched"}
-
-    def consumers(name: str) -> list[str]:
-        return [c for u in users.get(name, []) for c in (consumers(u) if is_view(nodes[u]) else [u])]
-
+    by_node, consumers = _matched_consumers(train, plan)
     for t in plan:
         if t.rule != "matched" or t.engine is None:
             continue
@@ -543,12 +549,8 @@ def mark_fp32_reads(train: Graph, plan: list[Decision], engine_graphs: list[Grap
     rounds the value and its own consumer upcasts it to FP32, the engine holds it in FP32: a site on the trainer's
     side (the other consumers read it rounded, `read_rounded_by`, as the engine's GEMMs and fused-MoE op load it)."""
     graphs = {g.name: g for g in engine_graphs}
-    nodes, users = train.node_map(), train.users()
-    by_node = {d.node: d for d in plan if d.rule == "matched"}
-
-    def consumers(name: str) -> list[str]:
-        return [c for u in users.get(name, []) for c in (consumers(u) if is_view(nodes[u]) else [u])]
-
+    by_node, consumers = _matched_consumers(train, plan)
+    nodes = train.node_map()
     for t in plan:
         if t.rule != "matched" or t.engine is None or not t.engine.rounds or not t.train.rounds:
             continue
