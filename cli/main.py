@@ -128,7 +128,8 @@ def make_tiny_cmd(
 @app.command()
 def capture(
     model: str = typer.Argument(..., help="checkpoint dir, tiny:ARCH, or a TORCH_COMPILE_DEBUG dir (--engine dump)"),
-    engine: str = typer.Option("vllm", help="vllm (compiled engine), hf (eager trainer) or dump (import a dump)"),
+    engine: str = typer.Option("vllm", help="vllm (compiled engine), inductor (the HF model under torch.compile), "
+                               "hf (eager trainer) or dump (import a dump)"),
     out_dir: Path = typer.Option(..., "--out", help="directory for capture.json (and buffers.pt for vllm)"),
     layers: int | None = typer.Option(None, help="override num_hidden_layers (identical layers need not all run)"),
     tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="length of the seeded test prompt"),
@@ -145,8 +146,8 @@ def capture(
     from graphdiff.artifacts import check_out, check_replaceable, staged
 
     with user_errors():
-        if engine not in ("vllm", "hf", "dump"):
-            raise GraphdiffError(f"unknown engine {engine!r}; choose vllm, hf or dump")
+        if engine not in ("vllm", "inductor", "hf", "dump"):
+            raise GraphdiffError(f"unknown engine {engine!r}; choose vllm, inductor, hf or dump")
         check_out(out_dir)
         check_replaceable(out_dir, "capture")
         at_least(layers, "--layers", 1)
@@ -235,7 +236,8 @@ def prompt_tokens(model_dir: Path, n: int, seed: int = 0) -> list[int]:
 @app.command("scan")
 def scan_cmd(
     model: str = typer.Argument(..., help="HF id (bundled config or local HF cache), checkpoint dir, or tiny:ARCH"),
-    engine: str = typer.Option("vllm", help="the inference engine (vllm)"),
+    engine: str = typer.Option("vllm", help="the inference engine: vllm, or inductor (the HF model under "
+                               "torch.compile on the CPU; prefill shapes, no --patch/--kl yet)"),
     layers: int | None = typer.Option(None, help="decoder layers to scan for an HF id (default 2: layers repeat)"),
     tokens: int = typer.Option(16, help="length of the seeded prompt both sides run (the first shape)"),
     shapes: str | None = typer.Option(None, "--shapes", help="engine forwards to record and replay: N (a prefill of N "
@@ -269,13 +271,15 @@ def scan_cmd(
         target = out_dir or Path("scans") / model.replace("/", "--").replace(":", "-")
         wanted, config = check_scan_args(engine, tokens, layers, target, shapes, compilation_config,
                                          optimization_level, manifest, engine_dump, tensor_parallel_size)
+        check_engine_scan(engine, patch, kl, wanted, compilation_config, optimization_level, tensor_parallel_size)
         gap_tokens, sample = sample_ask(patch, kl, engine_dump)
         with staged(target, "scan") as tmp:  # a failure or Ctrl-C leaves `target` as it was
             with progress("scanning") as update:
                 outcome = scan(model, layers=layers, tokens=tokens, shapes=wanted, out=ScanDir(tmp), progress=update,
                                argv=sys.argv[1:], engine_dump=engine_dump, manifest=manifest,
                                compilation_config=config, optimization_level=optimization_level, sample=sample,
-                               tensor_parallel_size=tensor_parallel_size, random_weights=random_weights)
+                               tensor_parallel_size=tensor_parallel_size, random_weights=random_weights,
+                               engine=engine)
             extras = Extras(patch=patch, kl=kl, report=report, attention=form, exact=exact, gap_tokens=gap_tokens,
                             tensor_parallel_size=tensor_parallel_size,
                             reproduce="graphdiff " + shlex.join(sys.argv[1:]))
@@ -304,8 +308,8 @@ def check_scan_args(engine: str, tokens: int, layers: int | None, target: Path, 
     from graphdiff.capture.shapes import parse_shapes
     from graphdiff.engines.vllm.cpu import check_options
 
-    if engine != "vllm":
-        raise GraphdiffError(f"unknown engine {engine!r}; graphdiff scans vllm")
+    if engine not in ("vllm", "inductor"):
+        raise GraphdiffError(f"unknown engine {engine!r}; graphdiff scans vllm or inductor")
     if tokens < 2:
         raise GraphdiffError("--tokens must be at least 2")
     at_least(layers, "--layers", 1)
@@ -314,13 +318,29 @@ def check_scan_args(engine: str, tokens: int, layers: int | None, target: Path, 
     check_replaceable(target, "scan")
     wanted = parse_shapes(shapes, tokens) if shapes else None
     config = compile_option(compilation_config, optimization_level) if compilation_config else None
-    if engine_dump is None:
+    if engine_dump is None and engine == "vllm":
         check_options(config or {}, optimization_level)
     if manifest is not None:
         if not manifest.exists():
             raise GraphdiffError(f"--manifest {manifest}: no such file")
         check_patch(manifest)
     return wanted, config
+
+
+def check_engine_scan(engine: str, patch: bool, kl: bool, wanted: list | None, compilation_config: str | None,
+                      optimization_level: int | None, tensor_parallel_size: int) -> None:
+    """`--engine inductor`: what it does not run yet (the gap, decode steps), refused before anything starts."""
+    if engine != "inductor":
+        return
+    from graphdiff.engines import inductor
+    from graphdiff.engines.base import EngineOptions
+
+    if patch or kl:
+        raise GraphdiffError(inductor.NO_GAP)
+    inductor.check_options(EngineOptions(compilation_config={"given": True} if compilation_config else {},
+                                         optimization_level=optimization_level,
+                                         tensor_parallel_size=tensor_parallel_size))
+    inductor.check_shapes(wanted or [])
 
 
 def print_patch_notes(manifest, where: Path) -> None:  # noqa: ANN001 - Manifest
