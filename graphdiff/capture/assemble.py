@@ -81,6 +81,7 @@ def assemble_graph(name: str, nodes: list, src: str, origins: dict[str, list[str
     for k in kernels:
         if k.kind == "generated":
             k.nodes = [n for n in origins.get(k.id, []) if n not in extern_owned and n in targets]
+    computable(kernels, nodes)
     owner: dict[str, str] = {}
     for k in kernels:
         for n in k.nodes:
@@ -88,3 +89,41 @@ def assemble_graph(name: str, nodes: list, src: str, origins: dict[str, list[str
     for node in nodes:
         node.kernel = owner.get(node.name)
     return Graph(name=name, nodes=nodes, kernels=kernels, inputs=inputs)
+
+
+def computable(kernels: list[Kernel], nodes: list) -> None:
+    """Each generated kernel's nodes trimmed to what it can compute: a node that reads, directly or through views
+    and other kernel-less nodes, a value only a later kernel call computes is not this kernel's. (Inductor lists
+    the FX nodes lowered with a buffer as its origins: the copy of a causal mask it makes for one attention call
+    (`torch.compile` of an HF model) carries that call's query chain, norm and RoPE of the next layer, into the kernel
+    computing the first layer's mask and the second's in one loop.) Nor is a node that reads a graph input the kernel
+    is not passed (the next layer's norm epsilon). Kernels in call order."""
+    by_name = {n.name: n for n in nodes}
+    claimed = {n for k in kernels for n in k.nodes}
+    done: set[str] = set()
+    ready_memo: dict[str, bool] = {}
+
+    def ready(name: str) -> bool:
+        if name in done:
+            return True
+        if name in claimed or name not in by_name:
+            return False
+        if name not in ready_memo:
+            ready_memo[name] = all(ready(i) for i in by_name[name].inputs)
+        return ready_memo[name]
+
+    def readable(i: str, args: set[str]) -> bool:  # a tensor input of the graph is read only where passed
+        node = by_name.get(i)
+        return node is None or node.op != "placeholder" or node.sym is not None or i in args
+
+    order = {n.name: i for i, n in enumerate(nodes)}
+    for k in kernels:
+        if k.kind == "generated":
+            kept: set[str] = set()
+            args = {a.name for a in k.args}
+            for n in sorted(k.nodes, key=lambda x: order[x]):
+                if all(i in kept or (ready(i) and readable(i, args)) for i in by_name[n].inputs):
+                    kept.add(n)
+            k.nodes = [n for n in k.nodes if n in kept]
+        done.update(k.nodes)
+        ready_memo = {n: v for n, v in ready_memo.items() if v}  # a later kernel's values are ready for later calls
