@@ -237,7 +237,7 @@ def prompt_tokens(model_dir: Path, n: int, seed: int = 0) -> list[int]:
 def scan_cmd(
     model: str = typer.Argument(..., help="HF id (bundled config or local HF cache), checkpoint dir, or tiny:ARCH"),
     engine: str = typer.Option("vllm", help="the inference engine: vllm, or inductor (the HF model under "
-                               "torch.compile on the CPU; prefill shapes, no --patch/--kl yet)"),
+                               "torch.compile on the CPU: prefill shapes; its gap on teacher-forced sequences)"),
     layers: int | None = typer.Option(None, help="decoder layers to scan for an HF id (default 2: layers repeat)"),
     tokens: int = typer.Option(16, help="length of the seeded prompt both sides run (the first shape)"),
     shapes: str | None = typer.Option(None, "--shapes", help="engine forwards to record and replay: N (a prefill of N "
@@ -271,7 +271,7 @@ def scan_cmd(
         target = out_dir or Path("scans") / model.replace("/", "--").replace(":", "-")
         wanted, config = check_scan_args(engine, tokens, layers, target, shapes, compilation_config,
                                          optimization_level, manifest, engine_dump, tensor_parallel_size)
-        check_engine_scan(engine, patch, kl, wanted, compilation_config, optimization_level, tensor_parallel_size)
+        check_engine_scan(engine, wanted, compilation_config, optimization_level, tensor_parallel_size)
         gap_tokens, sample = sample_ask(patch, kl, engine_dump)
         with staged(target, "scan") as tmp:  # a failure or Ctrl-C leaves `target` as it was
             with progress("scanning") as update:
@@ -327,16 +327,14 @@ def check_scan_args(engine: str, tokens: int, layers: int | None, target: Path, 
     return wanted, config
 
 
-def check_engine_scan(engine: str, patch: bool, kl: bool, wanted: list | None, compilation_config: str | None,
+def check_engine_scan(engine: str, wanted: list | None, compilation_config: str | None,
                       optimization_level: int | None, tensor_parallel_size: int) -> None:
-    """`--engine inductor`: what it does not run yet (the gap, decode steps), refused before anything starts."""
+    """`--engine inductor`: what it does not run (vLLM's options, decode steps), refused before anything starts."""
     if engine != "inductor":
         return
     from graphdiff.engines import inductor
     from graphdiff.engines.base import EngineOptions
 
-    if patch or kl:
-        raise GraphdiffError(inductor.NO_GAP)
     inductor.check_options(EngineOptions(compilation_config={"given": True} if compilation_config else {},
                                          optimization_level=optimization_level,
                                          tensor_parallel_size=tensor_parallel_size))

@@ -114,7 +114,7 @@ def _engine_run(resolved: ResolvedModel, shapes: list[Shape] | None, tokens: int
                 optimization_level: int | None, tensor_parallel_size: int,
                 engine: str = "vllm") -> tuple[Capture, Buffers, float]:
     """The engine side run now, in a child process, into `out`'s engine dir (else a temporary one): vLLM, or the
-    HF model under torch.compile (`engine` "inductor": prefill shapes only, nothing sampled)."""
+    HF model under torch.compile (`engine` "inductor": prefill shapes only; teacher-forced scores for the gap)."""
     import tempfile
 
     from graphdiff.engines.vllm.process import capture_isolated
@@ -126,25 +126,29 @@ def _engine_run(resolved: ResolvedModel, shapes: list[Shape] | None, tokens: int
     shapes = with_prompts(shapes, config)
     directory = out.engine_dir if out is not None else Path(tempfile.mkdtemp(prefix="graphdiff-engine-"))
     progress("starting the engine in its own process (compile)")
+    request = _sample_request(config, sample, out.root if out is not None else directory)
     if engine == "inductor":
         from graphdiff.engines import inductor
 
-        if sample is not None:
-            raise GraphdiffError(inductor.NO_GAP)
         return inductor.capture_isolated(resolved.path, shapes, directory, progress=progress,
-                                         config_sha256=config_sha256(config))
-    if sample is not None:
-        from graphdiff.engines.vllm.session import random_prompts
-        from graphdiff.measure.kl import check_request
-
-        prompts = random_prompts(config, sample.count, sample.prompt_tokens, sample.seed)
-        check_request(config, prompts, sample.max_tokens, "k3", False, None)
-        request = SampleRequest(prompts=prompts, max_tokens=sample.max_tokens, seed=sample.seed,
-                                temperature=sample.temperature, out_dir=str(out.root if out is not None else directory))
+                                         config_sha256=config_sha256(config), sample=request)
     return capture_isolated(resolved.path, shapes, directory, progress=progress,
                             compilation_config=compilation_config, optimization_level=optimization_level,
-                            config_sha256=config_sha256(config), sample=request if sample is not None else None,
+                            config_sha256=config_sha256(config), sample=request,
                             tensor_parallel_size=tensor_parallel_size)
+
+
+def _sample_request(config: dict, sample: SampleAsk | None, out_dir: Path) -> SampleRequest | None:
+    """The seeded prompts the engine's child samples (or scores, teacher-forced) after its capture, into out_dir."""
+    if sample is None:
+        return None
+    from graphdiff.engines.vllm.session import random_prompts
+    from graphdiff.measure.kl import check_request
+
+    prompts = random_prompts(config, sample.count, sample.prompt_tokens, sample.seed)
+    check_request(config, prompts, sample.max_tokens, "k3", False, None)
+    return SampleRequest(prompts=prompts, max_tokens=sample.max_tokens, seed=sample.seed,
+                         temperature=sample.temperature, out_dir=str(out_dir))
 
 
 def capture_side(engine: str, resolved: ResolvedModel, shapes: list[Shape], out_dir: Path, options: EngineOptions,
@@ -324,7 +328,7 @@ def _gap(d: ScanDir, outcome: ScanOutcome, extras: Extras, progress: Progress) -
     result = measure(outcome.model_dir, random_prompts(outcome.config, GATE_PROMPTS, 16, 0),
                      max_tokens=extras.gap_tokens, manifest=manifest, out_dir=d.root, progress=progress,
                      reproduce=extras.reproduce, compilation_config=outcome.result.compilation_config,
-                     tensor_parallel_size=extras.tensor_parallel_size)
+                     tensor_parallel_size=extras.tensor_parallel_size, engine=outcome.engine.engine)
     result.scan_id, result.fingerprint = outcome.result.scan_id, outcome.result.fingerprint
     if manifest is not None:
         # relative to the scan directory: `d` is the staging directory, renamed when the scan succeeds

@@ -54,12 +54,20 @@ def test_decode_shapes_and_vllm_options_are_refused():
         inductor.check_options(EngineOptions(optimization_level=3))
 
 
-def test_scan_refuses_the_gap_in_one_line(tmp_path):
-    line = one_error_line(run_cli("scan", "tiny:qwen3", "--engine", "inductor", "--kl", "--out", str(tmp_path / "o")))
-    assert "does not measure the gap yet" in line
+def test_scan_refuses_decode_shapes_and_vllm_options_in_one_line(tmp_path):
     line = one_error_line(run_cli("scan", "tiny:qwen3", "--engine", "inductor", "--shapes", "16,decode:8x64",
                                   "--out", str(tmp_path / "o")))
     assert "prefills only" in line
+    line = one_error_line(run_cli("scan", "tiny:qwen3", "--engine", "inductor", "-O", "3", "--out", str(tmp_path / "o")))
+    assert "vLLM's options" in line
+
+
+def test_teacher_forced_sequences_are_seeded_and_within_the_vocabulary():
+    a = inductor.teacher_forced({"vocab_size": 50}, [[1, 2], [3, 4]], 20, seed=0)
+    b = inductor.teacher_forced({"vocab_size": 50}, [[1, 2], [3, 4]], 20, seed=0)
+    assert [s.tokens for s in a] == [s.tokens for s in b] and a[0].tokens != a[1].tokens
+    assert all(len(s.tokens) == 20 and all(1 <= t < 50 for t in s.tokens) for s in a)
+    assert a[1].prompt == [3, 4] and not a[0].logprobs
 
 
 @pytest.fixture(scope="module")

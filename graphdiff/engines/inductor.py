@@ -28,11 +28,9 @@ from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_def
 from graphdiff.capture.inductor_hooks import BufferRecorder, Compiled, inductor_hooks, weight_inputs
 from graphdiff.engines.base import EngineOptions
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import Buffers, Capture, EngineSample, Graph, KernelRecord, Progress, Shape
+from graphdiff.records import Buffers, Capture, EngineSample, Graph, KernelRecord, Progress, SampleRequest, Shape
 
 NAME = "inductor"
-NO_GAP = ("--engine inductor does not measure the gap yet (--patch's gate, --kl): scan without them, then "
-          "`graphdiff patch OUT --no-measure`")
 
 
 def check_shapes(shapes: Sequence[Shape]) -> None:
@@ -126,6 +124,31 @@ def _record_shape(comp: Compilation, shape: Shape, progress: Progress) -> tuple[
     return records, notes
 
 
+def teacher_forced(config: dict, prompts: Sequence[list[int]], max_tokens: int, seed: int = 0) -> list[EngineSample]:
+    """The sequences the gap is measured on without a sampler: each prompt continued by `max_tokens` seeded random
+    token ids within the vocabulary (sequence i seeded with seed + i), their log-probs still to score."""
+    vocab = int(config.get("vocab_size", 1000))
+    out = []
+    for i, p in enumerate(prompts):
+        gen = torch.Generator().manual_seed(seed + i)
+        out.append(EngineSample(prompt=list(p), tokens=torch.randint(1, vocab, (max_tokens,), generator=gen).tolist(),
+                                logprobs=[]))
+    return out
+
+
+def score_compiled(compiled: Any, samples: Sequence[EngineSample]) -> None:
+    """The compiled model's FP32 log-softmax of its BF16 logits (as vLLM's raw log-probs) at each continuation token,
+    all in one forward of prompt + continuation, into `prefill_logprobs` and `logprobs`."""
+    with fresh_state():
+        for s in samples:
+            seq = list(s.prompt) + list(s.tokens)
+            logp = torch.log_softmax(_logits(compiled, seq).float(), dim=-1)
+            at = torch.arange(len(s.prompt) - 1, len(seq) - 1)
+            got = logp[at, torch.tensor(s.tokens, dtype=torch.long)].tolist()
+            s.prefill_logprobs = list(got)
+            s.logprobs = list(got)
+
+
 @dataclass
 class InductorEngine:
     """The compiled HF model with its capture (the `Engine` interface)."""
@@ -145,14 +168,7 @@ class InductorEngine:
     def score(self, samples: Sequence[EngineSample]) -> None:
         """Each sample's continuation tokens scored by the compiled model in one forward of prompt + tokens, into
         `prefill_logprobs` (and `logprobs`, which teacher forcing makes the same)."""
-        with fresh_state():
-            for s in samples:
-                seq = list(s.prompt) + list(s.tokens)
-                logp = torch.log_softmax(_logits(self.compiled, seq).float(), dim=-1)
-                at = torch.arange(len(s.prompt) - 1, len(seq) - 1)
-                got = logp[at, torch.tensor(s.tokens, dtype=torch.long)].tolist()
-                s.prefill_logprobs = list(got)
-                s.logprobs = list(got)
+        score_compiled(self.compiled, samples)
 
     def record_routing(self, samples: Sequence[EngineSample], progress: Progress = lambda m: None) -> None:
         return None  # MoE routing is read from a vLLM engine's router kernels; not recorded here yet
@@ -201,37 +217,96 @@ def start(model_dir: Path, shapes: list[Shape], options: EngineOptions, progress
             notes += more
     cap = Capture(side="engine", engine=NAME, model=str(model_dir), architecture=architecture(config),
                   versions=versions(), graphs=comp.graphs, prompt_tokens=list(shapes[0].prompts[0]), shapes=shapes,
-                  engine_config={"backend": "inductor", "mode": "default", "dynamic": True, "device": "cpu"},
+                  engine_config={"engine": NAME, "backend": "inductor", "mode": "default", "dynamic": True,
+                                 "device": "cpu"},
                   notes=notes, logits_weight=logits_weight(model))
     return InductorEngine(cap, buffers, startup, compiled, comp.recorders)
 
 
 def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *, progress: Progress = lambda m: None,
-                     config_sha256: str = "") -> tuple[Capture, Buffers, float]:
+                     config_sha256: str = "", sample: SampleRequest | None = None) -> tuple[Capture, Buffers, float]:
     """The compiled model's capture made in a child process (`python -m graphdiff.engines.inductor`), written into
     `directory` as `graphdiff capture --engine inductor` writes it, and read back: Dynamo's and Inductor's state
-    stays in the child, and the trainer runs in a process no compile touched. Returns the capture, its buffers and
-    the compile time."""
+    stays in the child, and the trainer runs in a process no compile touched. `sample`: the same compiled model then
+    scores teacher-forced sequences of those prompts into out_dir/engine_samples.json (what the gate and the gap read).
+    Returns the capture, its buffers and the compile time."""
     from graphdiff.engines.vllm.process import load_engine_capture
 
     check_shapes(shapes)
     child.run("graphdiff.engines.inductor", dict(model_dir=str(model_dir), shapes=[s.model_dump() for s in shapes],
-                                                 out=str(directory), config_sha256=config_sha256), progress)
+                                                 out=str(directory), config_sha256=config_sha256,
+                                                 sample=sample.model_dump() if sample is not None else None), progress)
     cap, buffers = load_engine_capture(directory, model_dir)
     return cap, buffers, cap.startup_s or 0.0
 
 
+def scored_isolated(model_dir: Path, prompts: Sequence[list[int]], max_tokens: int, seed: int,
+                    progress: Progress = lambda m: None) -> list[EngineSample]:
+    """Teacher-forced sequences of `prompts` scored by the compiled model in a child process (no capture)."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="graphdiff-inductor-") as tmp:
+        result = Path(tmp) / "samples.json"
+        child.run("graphdiff.engines.inductor", dict(model_dir=str(model_dir), prompts=[list(p) for p in prompts],
+                                                     max_tokens=max_tokens, seed=seed, result=str(result)), progress)
+        return [EngineSample.model_validate(s) for s in json.loads(result.read_text())]
+
+
 def _serve(req: dict, progress: Progress) -> None:
-    """The child's side of `capture_isolated`."""
+    """The child's side of `capture_isolated` (a capture, then maybe teacher-forced scores) and `scored_isolated`."""
+    import json
+
     from graphdiff.engines.vllm.process import save_engine_capture
 
-    engine = start(Path(req["model_dir"]), [Shape.model_validate(s) for s in req["shapes"]], EngineOptions(), progress)
+    model_dir = Path(req["model_dir"])
+    if "result" in req:  # scores only
+        samples = _score_fresh(model_dir, req["prompts"], req["max_tokens"], req["seed"], progress)
+        Path(req["result"]).write_text(json.dumps([s.model_dump() for s in samples]))
+        return
+    engine = start(model_dir, [Shape.model_validate(s) for s in req["shapes"]], EngineOptions(), progress)
     try:
         engine.capture.config_sha256 = req["config_sha256"]
         engine.capture.startup_s = round(engine.startup_s, 3)
         save_engine_capture(engine.capture, engine.buffers, Path(req["out"]))
+        if req.get("sample"):
+            s = SampleRequest.model_validate(req["sample"])
+            _store(model_dir, s, _scored(engine.compiled, model_dir, s.prompts, s.max_tokens, s.seed, progress))
     finally:
         engine.stop()
+
+
+def _scored(compiled: Any, model_dir: Path, prompts: Sequence[list[int]], max_tokens: int, seed: int,
+            progress: Progress) -> list[EngineSample]:
+    from graphdiff.models.resolve import read_config
+
+    progress(f"scoring {len(prompts)} teacher-forced sequences of {max_tokens} tokens on the compiled model (the gap)")
+    samples = teacher_forced(read_config(model_dir), prompts, max_tokens, seed)
+    score_compiled(compiled, samples)
+    return samples
+
+
+def _score_fresh(model_dir: Path, prompts: Sequence[list[int]], max_tokens: int, seed: int,
+                 progress: Progress) -> list[EngineSample]:
+    """The model compiled afresh (no hooks) and its teacher-forced scores."""
+    from graphdiff.capture.hf import load_hf_model
+
+    progress(f"loading {model_dir.name} and compiling it with Inductor (torch.compile, dynamic shapes)")
+    torch._dynamo.reset()
+    with fresh_state():
+        compiled = torch.compile(load_hf_model(model_dir), backend="inductor", dynamic=True)
+        samples = _scored(compiled, model_dir, prompts, max_tokens, seed, progress)
+    torch._dynamo.reset()
+    return samples
+
+
+def _store(model_dir: Path, s: SampleRequest, samples: list[EngineSample]) -> None:
+    """The scores into out_dir/engine_samples.json, keyed as `sample_engine` looks them up for this engine."""
+    from graphdiff.engines.vllm.session import samples_run, store_samples
+
+    store_samples(Path(s.out_dir), samples_run(model_dir, "compiled", s.prompts, max_tokens=s.max_tokens, seed=s.seed,
+                                               temperature=s.temperature, compilation_config={}, versions=versions(),
+                                               samples=samples, engine=NAME))
 
 
 if __name__ == "__main__":
