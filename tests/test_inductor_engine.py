@@ -58,7 +58,8 @@ def test_scan_refuses_decode_shapes_and_vllm_options_in_one_line(tmp_path):
     line = one_error_line(run_cli("scan", "tiny:qwen3", "--engine", "inductor", "--shapes", "16,decode:8x64",
                                   "--out", str(tmp_path / "o")))
     assert "prefills only" in line
-    line = one_error_line(run_cli("scan", "tiny:qwen3", "--engine", "inductor", "-O", "3", "--out", str(tmp_path / "o")))
+    line = one_error_line(run_cli("scan", "tiny:qwen3", "--engine", "inductor", "-O", "3",
+                                  "--out", str(tmp_path / "o")))
     assert "vLLM's options" in line
 
 
@@ -117,3 +118,24 @@ def test_score_is_the_compiled_models_teacher_forced_log_probs(compiled):
         logits = engine.compiled(input_ids=torch.tensor([PROMPT + [5, 77, 901]]), use_cache=False).logits[0].float()
     want = torch.log_softmax(logits, -1)[torch.arange(len(PROMPT) - 1, len(PROMPT) + 2), torch.tensor([5, 77, 901])]
     assert sample.prefill_logprobs == want.tolist()
+
+
+@pytest.mark.engine
+def test_the_gate_and_the_gap_read_teacher_forced_scores_cached_or_scored_in_a_child(tiny_models, tmp_path):
+    from graphdiff.engines.vllm.session import SAMPLES_FILE
+    from graphdiff.measure.logprobs import engine_runs
+
+    model_dir = tiny_models["qwen3"]
+    runs = engine_runs("inductor", model_dir, [PROMPT, PROMPT[:5]], ["compiled"], max_tokens=6, out_dir=tmp_path,
+                       progress=lambda m: None)
+    run = runs["compiled"]
+    assert run.engine == "inductor" and (tmp_path / SAMPLES_FILE).is_file()
+    assert [len(s.logprobs) for s in run.samples] == [6, 6]
+    assert all(lp <= 0 for s in run.samples for lp in s.logprobs)
+    said: list[str] = []
+    again = engine_runs("inductor", model_dir, [PROMPT, PROMPT[:5]], ["compiled"], max_tokens=6, out_dir=tmp_path,
+                        progress=said.append)["compiled"]  # from the cache: no compile
+    assert again.samples == run.samples and any("cached" in m for m in said)
+    with pytest.raises(GraphdiffError, match="one mode"):
+        engine_runs("inductor", model_dir, [PROMPT], ["compiled", "eager"], max_tokens=6, out_dir=tmp_path,
+                    progress=lambda m: None)

@@ -28,7 +28,17 @@ from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_def
 from graphdiff.capture.inductor_hooks import BufferRecorder, Compiled, inductor_hooks, weight_inputs
 from graphdiff.engines.base import EngineOptions
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import Buffers, Capture, EngineSample, Graph, KernelRecord, Progress, SampleRequest, Shape
+from graphdiff.records import (
+    Buffers,
+    Capture,
+    EngineSample,
+    EngineSamples,
+    Graph,
+    KernelRecord,
+    Progress,
+    SampleRequest,
+    Shape,
+)
 
 NAME = "inductor"
 
@@ -298,6 +308,26 @@ def _score_fresh(model_dir: Path, prompts: Sequence[list[int]], max_tokens: int,
         samples = _scored(compiled, model_dir, prompts, max_tokens, seed, progress)
     torch._dynamo.reset()
     return samples
+
+
+def engine_samples(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int, seed: int = 0,
+                   temperature: float = 1.0, out_dir: Path | None = None,
+                   progress: Progress = lambda m: None) -> EngineSamples:
+    """The compiled model's teacher-forced scores of `prompts` continued by `max_tokens` seeded tokens, as the gate
+    and the gap read them: from OUT/engine_samples.json when there (the scan's capture scored them), else scored in a
+    child process and stored there."""
+    from graphdiff.engines.vllm.session import cached_run, samples_run, store_samples
+
+    want = samples_run(model_dir, "compiled", prompts, max_tokens=max_tokens, seed=seed, temperature=temperature,
+                       compilation_config={}, versions=versions(), engine=NAME)
+    hit = cached_run(out_dir, want)
+    if hit is not None:
+        progress(f"engine inductor: {len(hit.samples)} cached teacher-forced sequences from {out_dir}")
+        return hit
+    want.samples = scored_isolated(model_dir, prompts, max_tokens, seed, progress)
+    if out_dir is not None:
+        store_samples(out_dir, want)
+    return want
 
 
 def _store(model_dir: Path, s: SampleRequest, samples: list[EngineSample]) -> None:

@@ -120,17 +120,13 @@ def engine_versions() -> dict[str, str]:
 def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *, max_tokens: int,
                   seed: int = 0, temperature: float = 1.0, out_dir: Path | None = None, isolate: bool = True,
                   progress: Progress = lambda m: None, compilation_config: dict | None = None,
-                  tensor_parallel_size: int = 1, engine: str = "vllm") -> dict[EngineMode, EngineSamples]:
+                  tensor_parallel_size: int = 1) -> dict[EngineMode, EngineSamples]:
     """Samples of each engine mode: from OUT/engine_samples.json when the key matches, else from the engine.
 
     isolate=True runs the engine(s) in a child process. An in-process engine can be torn down and another
     started (checked: compiled, eager, compiled again give the first compiled run's numbers), but vLLM's CPU
     worker binds OpenMP threads and NUMA memory for the whole process; the trainer should not inherit that.
-    `engine` "inductor": the HF model under torch.compile scores teacher-forced sequences instead (it has no sampler).
     """
-    if engine != "vllm":
-        return {"compiled": _teacher_forced(model_dir, prompts, modes, max_tokens=max_tokens, seed=seed,
-                                            temperature=temperature, out_dir=out_dir, progress=progress)}
     cache = _read_cache(out_dir)
     found: dict[EngineMode, EngineSamples] = {}
     try:
@@ -167,25 +163,6 @@ def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence
     return found
 
 
-def _teacher_forced(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *, max_tokens: int,
-                    seed: int, temperature: float, out_dir: Path | None, progress: Progress) -> EngineSamples:
-    """The torch.compile'd HF model's teacher-forced scores (engines/inductor.py): cached, else scored in a child."""
-    from graphdiff.engines import inductor
-
-    if list(modes) != ["compiled"]:
-        raise GraphdiffError("--engine inductor has one mode, compiled: --modes is vLLM's")
-    want = samples_run(model_dir, "compiled", prompts, max_tokens=max_tokens, seed=seed, temperature=temperature,
-                       compilation_config={}, versions=inductor.versions(), engine=inductor.NAME)
-    hit = next((r for r in _read_cache(out_dir).runs if r.key() == want.key()), None)
-    if hit is not None:
-        progress(f"engine inductor: {len(hit.samples)} cached teacher-forced sequences from {out_dir}/{SAMPLES_FILE}")
-        return hit
-    want.samples = inductor.scored_isolated(model_dir, prompts, max_tokens, seed, progress)
-    if out_dir is not None:
-        store_samples(out_dir, want)
-    return want
-
-
 def samples_run(model_dir: Path, mode: EngineMode, prompts: Sequence[list[int]], *, max_tokens: int, seed: int,
                 temperature: float, compilation_config: dict | None, versions: dict[str, str],
                 samples: Sequence[EngineSample] | None = None, tensor_parallel_size: int = 1,
@@ -198,6 +175,11 @@ def samples_run(model_dir: Path, mode: EngineMode, prompts: Sequence[list[int]],
                          tensor_parallel_size=tensor_parallel_size,
                          samples=list(samples) if samples is not None else
                          [EngineSample(prompt=list(p), tokens=[], logprobs=[]) for p in prompts])
+
+
+def cached_run(out_dir: Path | None, want: EngineSamples) -> EngineSamples | None:
+    """The run in OUT/engine_samples.json with `want`'s key, if one is there."""
+    return next((r for r in _read_cache(out_dir).runs if r.key() == want.key()), None)
 
 
 def store_samples(out_dir: Path, run: EngineSamples) -> Path:
