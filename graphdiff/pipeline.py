@@ -103,8 +103,8 @@ def _engine_from_dump(engine_dump: Path, resolved: ResolvedModel, spec: str, com
     if cap.fingerprint and cap.fingerprint != model_fingerprint(resolved.path):
         raise GraphdiffError(f"{engine_dump} was captured from another checkpoint than {spec} (fingerprint "
                              f"{cap.fingerprint}, this one {model_fingerprint(resolved.path)}): capture this one")
-    notes.append(f"engine side from {engine_dump} (captured with {cap.versions.get('vllm', '?')}); "
-                 "the engine was not started")
+    made_by = cap.versions.get("vllm") or f"{cap.engine}, torch {cap.versions.get('torch', '?')}"
+    notes.append(f"engine side from {engine_dump} (captured with {made_by}); the engine was not started")
     compilation_config, optimization_level = _dump_config(engine_dump, cap, compilation_config, optimization_level)
     return cap, buffers, compilation_config, optimization_level
 
