@@ -7,6 +7,8 @@ from the scheduler (in-process) or from the provenance JSON Inductor writes (dum
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from graphdiff.capture.inductor_code import KernelCall, kernel_args, parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import Compiled
 from graphdiff.errors import GraphdiffError
@@ -100,30 +102,35 @@ def computable(kernels: list[Kernel], nodes: list) -> None:
     is not passed (the next layer's norm epsilon). Kernels in call order."""
     by_name = {n.name: n for n in nodes}
     claimed = {n for k in kernels for n in k.nodes}
-    done: set[str] = set()
-    ready_memo: dict[str, bool] = {}
-
-    def ready(name: str) -> bool:
-        if name in done:
-            return True
-        if name in claimed or name not in by_name:
-            return False
-        if name not in ready_memo:
-            ready_memo[name] = all(ready(i) for i in by_name[name].inputs)
-        return ready_memo[name]
-
-    def readable(i: str, args: set[str]) -> bool:  # a tensor input of the graph is read only where passed
-        node = by_name.get(i)
-        return node is None or node.op != "placeholder" or node.sym is not None or i in args
-
     order = {n.name: i for i, n in enumerate(nodes)}
+    done: set[str] = set()
     for k in kernels:
         if k.kind == "generated":
             kept: set[str] = set()
-            args = {a.name for a in k.args}
-            for n in sorted(k.nodes, key=lambda x: order[x]):
-                if all(i in kept or (ready(i) and readable(i, args)) for i in by_name[n].inputs):
+            ready = _readiness(by_name, claimed, done, kept, {a.name for a in k.args})
+            for n in sorted(k.nodes, key=lambda x: order[x]):  # graph order: what a node reads is decided before it
+                if all(i in kept or ready(i) for i in by_name[n].inputs):
                     kept.add(n)
             k.nodes = [n for n in k.nodes if n in kept]
         done.update(k.nodes)
-        ready_memo = {n: v for n, v in ready_memo.items() if v}  # a later kernel's values are ready for later calls
+
+
+def _readiness(by_name: dict, claimed: set[str], done: set[str], kept: set[str],
+               args: set[str]) -> Callable[[str], bool]:
+    """Whether a kernel can read a value: computed by an earlier kernel call or by itself (`kept`), a graph input it
+    is passed (a size always), or a node no kernel computes whose own inputs it can read (views, getitems)."""
+    memo: dict[str, bool] = {}
+
+    def ready(name: str) -> bool:
+        if name in done or name in kept:
+            return True
+        node = by_name.get(name)
+        if name in claimed or node is None:
+            return False
+        if node.op == "placeholder":
+            return node.sym is not None or name in args
+        if name not in memo:
+            memo[name] = all(ready(i) for i in node.inputs)
+        return memo[name]
+
+    return ready
