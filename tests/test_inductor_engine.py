@@ -45,6 +45,15 @@ def test_a_kernel_does_not_compute_what_reads_a_later_value_or_an_input_it_is_no
     assert second.nodes == ["b", "c"]
 
 
+def test_a_kernel_reads_its_own_values_through_nodes_no_kernel_computes():
+    # vLLM CPU's q/k norm kernel: it splits the QKV buffer itself, and its norm reads a getitem of that split
+    nodes = [_node("s", [], "placeholder", "s0"), _node("qkv", ["s"]), _node("split", ["qkv"]),
+             _node("getitem", ["split"]), _node("norm", ["getitem"])]
+    kernel = Kernel(id="k0:1", name="k0", kind="generated", nodes=["qkv", "split", "norm"], args=[])
+    computable([kernel], nodes)
+    assert kernel.nodes == ["qkv", "split", "norm"]
+
+
 def test_decode_shapes_and_vllm_options_are_refused():
     from graphdiff.capture.shapes import decode, prefill
 
