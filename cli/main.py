@@ -329,7 +329,8 @@ def check_scan_args(engine: str, tokens: int, layers: int | None, target: Path, 
 
 def check_engine_scan(engine: str, wanted: list | None, compilation_config: str | None,
                       optimization_level: int | None, tensor_parallel_size: int) -> None:
-    """`--engine inductor`: what it does not run (vLLM's options, decode steps), refused before anything starts."""
+    """`--engine inductor` (scan, kl): what it does not run (vLLM's options, decode steps), refused before anything
+    starts."""
     if engine != "inductor":
         return
     from graphdiff.engines import inductor
@@ -661,7 +662,8 @@ def verify_patch(scan_dir: Path, out_dir: Path, device: str) -> None:
 @app.command("kl")
 def kl_cmd(
     model: str = typer.Argument(..., help="checkpoint dir, tiny:ARCH[:LAYERS], or an HF id (local cache)"),
-    engine: str = typer.Option("vllm", help="the inference engine (vllm)"),
+    engine: str = typer.Option("vllm", help="the inference engine: vllm, or inductor (the HF model under "
+                               "torch.compile; teacher-forced sequences, not samples)"),
     manifest: Path | None = typer.Option(None, help="patch manifest: also measure the trainer with it applied"),
     regions: str | None = typer.Option(None, help="comma-separated manifest regions to apply (default all)"),
     attribute: bool = typer.Option(False, "--attribute", help="Shapley attribution of the gap over the regions"),
@@ -690,6 +692,8 @@ def kl_cmd(
         target = out_dir or Path("kl") / model.replace("/", "--").replace(":", "-")
         config = check_kl_args(engine, prompts_file, random, prompt_len, max_tokens, temperature, bootstrap, metric,
                                manifest, compilation_config, optimization_level, tensor_parallel_size, target)
+        if engine == "inductor" and modes:
+            raise GraphdiffError("--modes is vLLM's (compiled/eager engine): --engine inductor has one mode")
         # Same resolution as scan (layer cut, seeded weights), so a scan's patch manifest matches.
         resolved, _ = prepare_model(model, None, None, lambda m: console.log(m), random_weights)
         vocab = int(resolved.config.get("vocab_size", 0))
@@ -701,7 +705,7 @@ def kl_cmd(
                              modes=modes, manifest=manifest, regions=names, attribute=attribute, metric=metric,
                              bootstrap=bootstrap, out_dir=tmp, progress=update,
                              reproduce="graphdiff " + shlex.join(sys.argv[1:]), compilation_config=config,
-                             tensor_parallel_size=tensor_parallel_size)
+                             tensor_parallel_size=tensor_parallel_size, engine=engine)
             result.fingerprint = model_fingerprint(resolved.path)
             save_json(result, tmp / "kl.json")
     print_kl(result)
@@ -715,8 +719,9 @@ def check_kl_args(engine: str, prompts_file: Path | None, random: int | None, pr
     """Every check of `kl`'s options that needs no model; the engine's compilation config."""
     from graphdiff.artifacts import check_out, check_patch, check_replaceable
 
-    if engine != "vllm":
-        raise GraphdiffError(f"unknown engine {engine!r}; graphdiff kl measures vllm")
+    if engine not in ("vllm", "inductor"):
+        raise GraphdiffError(f"unknown engine {engine!r}; graphdiff kl measures vllm or inductor")
+    check_engine_scan(engine, None, compilation_config, optimization_level, tp_size)
     if prompts_file is not None and random is not None:
         raise GraphdiffError("give --prompts or --random, not both")
     for value, option in ((random, "--random"), (prompt_len, "--prompt-tokens"), (max_tokens, "--max-tokens"),
