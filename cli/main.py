@@ -418,7 +418,7 @@ def replay_cmd(
 @app.command("check")
 def check_cmd(
     manifest: Path = typer.Argument(..., help="the checked-in patch: manifest.json or its directory"),
-    engine: str = typer.Option("vllm", help="the inference engine (vllm)"),
+    engine: str = typer.Option("vllm", help="the inference engine the patch was made against: vllm or inductor"),
     model: str | None = typer.Option(None, help="the checkpoint to check (default: the model the patch was made for)"),
     compilation_config: CompilationConfig = None,
     optimization_level: OptimizationLevel = None,
@@ -433,8 +433,9 @@ def check_cmd(
     from graphdiff.check import check, render
 
     with user_errors():
-        if engine != "vllm":
-            raise GraphdiffError(f"unknown engine {engine!r}; graphdiff checks against vllm")
+        if engine not in ("vllm", "inductor"):
+            raise GraphdiffError(f"unknown engine {engine!r}; graphdiff checks against vllm or inductor")
+        check_engine_scan(engine, None, compilation_config, optimization_level, 1)
         if fmt not in ("text", "json", "markdown"):
             raise GraphdiffError(f"unknown format {fmt!r}; choose text, json or markdown")
         config = compile_option(compilation_config, optimization_level) if compilation_config else None
@@ -446,7 +447,8 @@ def check_cmd(
             check_replaceable(out_dir, "scan")
         with progress("re-scanning the patched trainer") as update:
             result = check(manifest, model=model, compilation_config=config, optimization_level=optimization_level,
-                           shapes=shapes, out=out_dir, progress=update, random_weights=random_weights)
+                           shapes=shapes, out=out_dir, progress=update, random_weights=random_weights,
+                           engine=engine)
     print(render(result, fmt))
     raise typer.Exit(0 if result.ok else 1)
 

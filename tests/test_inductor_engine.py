@@ -72,6 +72,8 @@ def test_scan_refuses_decode_shapes_and_vllm_options_in_one_line(tmp_path):
     assert "vLLM's options" in line
     line = one_error_line(run_cli("kl", "tiny:qwen3", "--engine", "inductor", "--modes", "--out", str(tmp_path / "k")))
     assert "one mode" in line
+    line = one_error_line(run_cli("check", str(tmp_path / "none"), "--engine", "inductor", "-O", "3"))
+    assert "vLLM's options" in line
 
 
 def test_teacher_forced_sequences_are_seeded_and_within_the_vocabulary():
