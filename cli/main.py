@@ -128,7 +128,8 @@ def make_tiny_cmd(
 @app.command()
 def capture(
     model: str = typer.Argument(..., help="checkpoint dir, tiny:ARCH, or a TORCH_COMPILE_DEBUG dir (--engine dump)"),
-    engine: str = typer.Option("vllm", help="vllm (compiled engine), hf (eager trainer) or dump (import a dump)"),
+    engine: str = typer.Option("vllm", help="vllm (compiled engine), inductor (the HF model under torch.compile), "
+                               "hf (eager trainer) or dump (import a dump)"),
     out_dir: Path = typer.Option(..., "--out", help="directory for capture.json (and buffers.pt for vllm)"),
     layers: int | None = typer.Option(None, help="override num_hidden_layers (identical layers need not all run)"),
     tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="length of the seeded test prompt"),
@@ -145,8 +146,8 @@ def capture(
     from graphdiff.artifacts import check_out, check_replaceable, staged
 
     with user_errors():
-        if engine not in ("vllm", "hf", "dump"):
-            raise GraphdiffError(f"unknown engine {engine!r}; choose vllm, hf or dump")
+        if engine not in ("vllm", "inductor", "hf", "dump"):
+            raise GraphdiffError(f"unknown engine {engine!r}; choose vllm, inductor, hf or dump")
         check_out(out_dir)
         check_replaceable(out_dir, "capture")
         at_least(layers, "--layers", 1)
@@ -235,7 +236,8 @@ def prompt_tokens(model_dir: Path, n: int, seed: int = 0) -> list[int]:
 @app.command("scan")
 def scan_cmd(
     model: str = typer.Argument(..., help="HF id (bundled config or local HF cache), checkpoint dir, or tiny:ARCH"),
-    engine: str = typer.Option("vllm", help="the inference engine (vllm)"),
+    engine: str = typer.Option("vllm", help="the inference engine: vllm, or inductor (the HF model under "
+                               "torch.compile on the CPU: prefill shapes; its gap on teacher-forced sequences)"),
     layers: int | None = typer.Option(None, help="decoder layers to scan for an HF id (default 2: layers repeat)"),
     tokens: int = typer.Option(16, help="length of the seeded prompt both sides run (the first shape)"),
     shapes: str | None = typer.Option(None, "--shapes", help="engine forwards to record and replay: N (a prefill of N "
@@ -269,13 +271,15 @@ def scan_cmd(
         target = out_dir or Path("scans") / model.replace("/", "--").replace(":", "-")
         wanted, config = check_scan_args(engine, tokens, layers, target, shapes, compilation_config,
                                          optimization_level, manifest, engine_dump, tensor_parallel_size)
+        check_engine_scan(engine, wanted, compilation_config, optimization_level, tensor_parallel_size)
         gap_tokens, sample = sample_ask(patch, kl, engine_dump)
         with staged(target, "scan") as tmp:  # a failure or Ctrl-C leaves `target` as it was
             with progress("scanning") as update:
                 outcome = scan(model, layers=layers, tokens=tokens, shapes=wanted, out=ScanDir(tmp), progress=update,
                                argv=sys.argv[1:], engine_dump=engine_dump, manifest=manifest,
                                compilation_config=config, optimization_level=optimization_level, sample=sample,
-                               tensor_parallel_size=tensor_parallel_size, random_weights=random_weights)
+                               tensor_parallel_size=tensor_parallel_size, random_weights=random_weights,
+                               engine=engine)
             extras = Extras(patch=patch, kl=kl, report=report, attention=form, exact=exact, gap_tokens=gap_tokens,
                             tensor_parallel_size=tensor_parallel_size,
                             reproduce="graphdiff " + shlex.join(sys.argv[1:]))
@@ -304,8 +308,8 @@ def check_scan_args(engine: str, tokens: int, layers: int | None, target: Path, 
     from graphdiff.capture.shapes import parse_shapes
     from graphdiff.engines.vllm.cpu import check_options
 
-    if engine != "vllm":
-        raise GraphdiffError(f"unknown engine {engine!r}; graphdiff scans vllm")
+    if engine not in ("vllm", "inductor"):
+        raise GraphdiffError(f"unknown engine {engine!r}; graphdiff scans vllm or inductor")
     if tokens < 2:
         raise GraphdiffError("--tokens must be at least 2")
     at_least(layers, "--layers", 1)
@@ -314,13 +318,28 @@ def check_scan_args(engine: str, tokens: int, layers: int | None, target: Path, 
     check_replaceable(target, "scan")
     wanted = parse_shapes(shapes, tokens) if shapes else None
     config = compile_option(compilation_config, optimization_level) if compilation_config else None
-    if engine_dump is None:
+    if engine_dump is None and engine == "vllm":
         check_options(config or {}, optimization_level)
     if manifest is not None:
         if not manifest.exists():
             raise GraphdiffError(f"--manifest {manifest}: no such file")
         check_patch(manifest)
     return wanted, config
+
+
+def check_engine_scan(engine: str, wanted: list | None, compilation_config: str | None,
+                      optimization_level: int | None, tensor_parallel_size: int) -> None:
+    """`--engine inductor` (scan, kl): what it does not run (vLLM's options, decode steps), refused before anything
+    starts."""
+    if engine != "inductor":
+        return
+    from graphdiff.engines import inductor
+    from graphdiff.engines.base import EngineOptions
+
+    inductor.check_options(EngineOptions(compilation_config={"given": True} if compilation_config else {},
+                                         optimization_level=optimization_level,
+                                         tensor_parallel_size=tensor_parallel_size))
+    inductor.check_shapes(wanted or [])
 
 
 def print_patch_notes(manifest, where: Path) -> None:  # noqa: ANN001 - Manifest
@@ -399,7 +418,7 @@ def replay_cmd(
 @app.command("check")
 def check_cmd(
     manifest: Path = typer.Argument(..., help="the checked-in patch: manifest.json or its directory"),
-    engine: str = typer.Option("vllm", help="the inference engine (vllm)"),
+    engine: str = typer.Option("vllm", help="the inference engine the patch was made against: vllm or inductor"),
     model: str | None = typer.Option(None, help="the checkpoint to check (default: the model the patch was made for)"),
     compilation_config: CompilationConfig = None,
     optimization_level: OptimizationLevel = None,
@@ -414,8 +433,9 @@ def check_cmd(
     from graphdiff.check import check, render
 
     with user_errors():
-        if engine != "vllm":
-            raise GraphdiffError(f"unknown engine {engine!r}; graphdiff checks against vllm")
+        if engine not in ("vllm", "inductor"):
+            raise GraphdiffError(f"unknown engine {engine!r}; graphdiff checks against vllm or inductor")
+        check_engine_scan(engine, None, compilation_config, optimization_level, 1)
         if fmt not in ("text", "json", "markdown"):
             raise GraphdiffError(f"unknown format {fmt!r}; choose text, json or markdown")
         config = compile_option(compilation_config, optimization_level) if compilation_config else None
@@ -427,7 +447,8 @@ def check_cmd(
             check_replaceable(out_dir, "scan")
         with progress("re-scanning the patched trainer") as update:
             result = check(manifest, model=model, compilation_config=config, optimization_level=optimization_level,
-                           shapes=shapes, out=out_dir, progress=update, random_weights=random_weights)
+                           shapes=shapes, out=out_dir, progress=update, random_weights=random_weights,
+                           engine=engine)
     print(render(result, fmt))
     raise typer.Exit(0 if result.ok else 1)
 
@@ -643,7 +664,8 @@ def verify_patch(scan_dir: Path, out_dir: Path, device: str) -> None:
 @app.command("kl")
 def kl_cmd(
     model: str = typer.Argument(..., help="checkpoint dir, tiny:ARCH[:LAYERS], or an HF id (local cache)"),
-    engine: str = typer.Option("vllm", help="the inference engine (vllm)"),
+    engine: str = typer.Option("vllm", help="the inference engine: vllm, or inductor (the HF model under "
+                               "torch.compile; teacher-forced sequences, not samples)"),
     manifest: Path | None = typer.Option(None, help="patch manifest: also measure the trainer with it applied"),
     regions: str | None = typer.Option(None, help="comma-separated manifest regions to apply (default all)"),
     attribute: bool = typer.Option(False, "--attribute", help="Shapley attribution of the gap over the regions"),
@@ -672,6 +694,8 @@ def kl_cmd(
         target = out_dir or Path("kl") / model.replace("/", "--").replace(":", "-")
         config = check_kl_args(engine, prompts_file, random, prompt_len, max_tokens, temperature, bootstrap, metric,
                                manifest, compilation_config, optimization_level, tensor_parallel_size, target)
+        if engine == "inductor" and modes:
+            raise GraphdiffError("--modes is vLLM's (compiled/eager engine): --engine inductor has one mode")
         # Same resolution as scan (layer cut, seeded weights), so a scan's patch manifest matches.
         resolved, _ = prepare_model(model, None, None, lambda m: console.log(m), random_weights)
         vocab = int(resolved.config.get("vocab_size", 0))
@@ -683,7 +707,7 @@ def kl_cmd(
                              modes=modes, manifest=manifest, regions=names, attribute=attribute, metric=metric,
                              bootstrap=bootstrap, out_dir=tmp, progress=update,
                              reproduce="graphdiff " + shlex.join(sys.argv[1:]), compilation_config=config,
-                             tensor_parallel_size=tensor_parallel_size)
+                             tensor_parallel_size=tensor_parallel_size, engine=engine)
             result.fingerprint = model_fingerprint(resolved.path)
             save_json(result, tmp / "kl.json")
     print_kl(result)
@@ -697,8 +721,9 @@ def check_kl_args(engine: str, prompts_file: Path | None, random: int | None, pr
     """Every check of `kl`'s options that needs no model; the engine's compilation config."""
     from graphdiff.artifacts import check_out, check_patch, check_replaceable
 
-    if engine != "vllm":
-        raise GraphdiffError(f"unknown engine {engine!r}; graphdiff kl measures vllm")
+    if engine not in ("vllm", "inductor"):
+        raise GraphdiffError(f"unknown engine {engine!r}; graphdiff kl measures vllm or inductor")
+    check_engine_scan(engine, None, compilation_config, optimization_level, tp_size)
     if prompts_file is not None and random is not None:
         raise GraphdiffError("give --prompts or --random, not both")
     for value, option in ((random, "--random"), (prompt_len, "--prompt-tokens"), (max_tokens, "--max-tokens"),

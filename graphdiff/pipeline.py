@@ -103,38 +103,52 @@ def _engine_from_dump(engine_dump: Path, resolved: ResolvedModel, spec: str, com
     if cap.fingerprint and cap.fingerprint != model_fingerprint(resolved.path):
         raise GraphdiffError(f"{engine_dump} was captured from another checkpoint than {spec} (fingerprint "
                              f"{cap.fingerprint}, this one {model_fingerprint(resolved.path)}): capture this one")
-    notes.append(f"engine side from {engine_dump} (captured with {cap.versions.get('vllm', '?')}); "
-                 "the engine was not started")
+    made_by = cap.versions.get("vllm") or f"{cap.engine}, torch {cap.versions.get('torch', '?')}"
+    notes.append(f"engine side from {engine_dump} (captured with {made_by}); the engine was not started")
     compilation_config, optimization_level = _dump_config(engine_dump, cap, compilation_config, optimization_level)
     return cap, buffers, compilation_config, optimization_level
 
 
 def _engine_run(resolved: ResolvedModel, shapes: list[Shape] | None, tokens: int, out: ScanDir | None,
                 progress: Progress, sample: SampleAsk | None, compilation_config: dict | None,
-                optimization_level: int | None, tensor_parallel_size: int) -> tuple[Capture, Buffers, float]:
-    """The engine side run now, in a child process, into `out`'s engine dir (else a temporary one)."""
+                optimization_level: int | None, tensor_parallel_size: int,
+                engine: str = "vllm") -> tuple[Capture, Buffers, float]:
+    """The engine side run now, in a child process, into `out`'s engine dir (else a temporary one): vLLM, or the
+    HF model under torch.compile (`engine` "inductor": prefill shapes only; teacher-forced scores for the gap)."""
     import tempfile
 
     from graphdiff.engines.vllm.process import capture_isolated
 
     config = resolved.config
-    shapes = shapes or default_shapes(tokens, config)
+    if shapes is None:  # a compiled HF model has no KV cache: its default shapes are the prefills
+        shapes = [s for s in default_shapes(tokens, config) if engine != "inductor" or s.phase == "prefill"]
     check_shapes(shapes, config)
     shapes = with_prompts(shapes, config)
     directory = out.engine_dir if out is not None else Path(tempfile.mkdtemp(prefix="graphdiff-engine-"))
     progress("starting the engine in its own process (compile)")
-    if sample is not None:
-        from graphdiff.engines.vllm.session import random_prompts
-        from graphdiff.measure.kl import check_request
+    request = _sample_request(config, sample, out.root if out is not None else directory)
+    if engine == "inductor":
+        from graphdiff.engines import inductor
 
-        prompts = random_prompts(config, sample.count, sample.prompt_tokens, sample.seed)
-        check_request(config, prompts, sample.max_tokens, "k3", False, None)
-        request = SampleRequest(prompts=prompts, max_tokens=sample.max_tokens, seed=sample.seed,
-                                temperature=sample.temperature, out_dir=str(out.root if out is not None else directory))
+        return inductor.capture_isolated(resolved.path, shapes, directory, progress=progress,
+                                         config_sha256=config_sha256(config), sample=request)
     return capture_isolated(resolved.path, shapes, directory, progress=progress,
                             compilation_config=compilation_config, optimization_level=optimization_level,
-                            config_sha256=config_sha256(config), sample=request if sample is not None else None,
+                            config_sha256=config_sha256(config), sample=request,
                             tensor_parallel_size=tensor_parallel_size)
+
+
+def _sample_request(config: dict, sample: SampleAsk | None, out_dir: Path) -> SampleRequest | None:
+    """The seeded prompts the engine's child samples (or scores, teacher-forced) after its capture, into out_dir."""
+    if sample is None:
+        return None
+    from graphdiff.engines.vllm.session import random_prompts
+    from graphdiff.measure.kl import check_request
+
+    prompts = random_prompts(config, sample.count, sample.prompt_tokens, sample.seed)
+    check_request(config, prompts, sample.max_tokens, "k3", False, None)
+    return SampleRequest(prompts=prompts, max_tokens=sample.max_tokens, seed=sample.seed,
+                         temperature=sample.temperature, out_dir=str(out_dir))
 
 
 def capture_side(engine: str, resolved: ResolvedModel, shapes: list[Shape], out_dir: Path, options: EngineOptions,
@@ -181,12 +195,12 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
          argv: list[str] | None = None, engine_dump: Path | None = None, manifest: Path | None = None,
          compilation_config: dict | None = None, optimization_level: int | None = None,
          allow_version_mismatch: bool = False, sample: SampleAsk | None = None,
-         tensor_parallel_size: int = 1, random_weights: bool = False) -> ScanOutcome:
+         tensor_parallel_size: int = 1, random_weights: bool = False, engine: str = "vllm") -> ScanOutcome:
     """Resolve `spec`, run the real engine (in a child process; or take its capture from `engine_dump`) and the
     HF trainer on the same weights and tokens, analyze. The engine capture is written to `out`'s engine dir.
     `sample`: the same engine then samples those seeded prompts into `out`/engine_samples.json (the patch's
     measurement and `kl` read them: one engine start). Every capture and the result record the scan id and the
-    model fingerprint."""
+    model fingerprint. `engine`: "vllm", or "inductor" (the HF model under torch.compile, engines/inductor.py)."""
     from graphdiff.models.resolve import model_fingerprint
 
     t_start = time.perf_counter()
@@ -197,9 +211,10 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
             engine_dump, resolved, spec, compilation_config, optimization_level, notes)
         startup = 0.0
     else:
-        check_options(compilation_config or {}, optimization_level)
+        if engine == "vllm":
+            check_options(compilation_config or {}, optimization_level)
         cap, buffers, startup = _engine_run(resolved, shapes, tokens, out, progress, sample, compilation_config,
-                                            optimization_level, tensor_parallel_size)
+                                            optimization_level, tensor_parallel_size, engine)
     t_engine = time.perf_counter()
     progress("tracing the trainer's eager forward")
     train = run_train_side(resolved.path, cap.prompt_tokens, manifest, allow_version_mismatch)
@@ -209,7 +224,7 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
         check_same_weights(cap, buffers, train)
     t_train = time.perf_counter()
     progress(f"replaying kernels at {len(cap.shapes) or 1} shape(s), matching values, deciding the plan")
-    reproduce = "graphdiff " + shlex.join(argv) if argv else f"graphdiff scan {shlex.quote(spec)} --engine vllm"
+    reproduce = "graphdiff " + shlex.join(argv) if argv else f"graphdiff scan {shlex.quote(spec)} --engine {engine}"
     result = analyze(cap, buffers, train, model=spec, layers_total=_published_layers(spec, total_layers(resolved)),
                      config=resolved.config, reproduce=reproduce, notes=notes)
     _finish(result, manifest, compilation_config, optimization_level)
@@ -313,7 +328,7 @@ def _gap(d: ScanDir, outcome: ScanOutcome, extras: Extras, progress: Progress) -
     result = measure(outcome.model_dir, random_prompts(outcome.config, GATE_PROMPTS, 16, 0),
                      max_tokens=extras.gap_tokens, manifest=manifest, out_dir=d.root, progress=progress,
                      reproduce=extras.reproduce, compilation_config=outcome.result.compilation_config,
-                     tensor_parallel_size=extras.tensor_parallel_size)
+                     tensor_parallel_size=extras.tensor_parallel_size, engine=outcome.engine.engine)
     result.scan_id, result.fingerprint = outcome.result.scan_id, outcome.result.fingerprint
     if manifest is not None:
         # relative to the scan directory: `d` is the staging directory, renamed when the scan succeeds

@@ -7,6 +7,8 @@ from the scheduler (in-process) or from the provenance JSON Inductor writes (dum
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from graphdiff.capture.inductor_code import KernelCall, kernel_args, parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import Compiled
 from graphdiff.errors import GraphdiffError
@@ -81,6 +83,7 @@ def assemble_graph(name: str, nodes: list, src: str, origins: dict[str, list[str
     for k in kernels:
         if k.kind == "generated":
             k.nodes = [n for n in origins.get(k.id, []) if n not in extern_owned and n in targets]
+    computable(kernels, nodes)
     owner: dict[str, str] = {}
     for k in kernels:
         for n in k.nodes:
@@ -88,3 +91,46 @@ def assemble_graph(name: str, nodes: list, src: str, origins: dict[str, list[str
     for node in nodes:
         node.kernel = owner.get(node.name)
     return Graph(name=name, nodes=nodes, kernels=kernels, inputs=inputs)
+
+
+def computable(kernels: list[Kernel], nodes: list) -> None:
+    """Each generated kernel's nodes trimmed to what it can compute: a node that reads, directly or through views
+    and other kernel-less nodes, a value only a later kernel call computes is not this kernel's. (Inductor lists
+    the FX nodes lowered with a buffer as its origins: the copy of a causal mask it makes for one attention call
+    (`torch.compile` of an HF model) carries that call's query chain, norm and RoPE of the next layer, into the kernel
+    computing the first layer's mask and the second's in one loop.) Nor is a node that reads a graph input the kernel
+    is not passed (the next layer's norm epsilon). Kernels in call order."""
+    by_name = {n.name: n for n in nodes}
+    claimed = {n for k in kernels for n in k.nodes}
+    order = {n.name: i for i, n in enumerate(nodes)}
+    done: set[str] = set()
+    for k in kernels:
+        if k.kind == "generated":
+            kept: set[str] = set()
+            ready = _readiness(by_name, claimed, done, kept, {a.name for a in k.args})
+            for n in sorted(k.nodes, key=lambda x: order[x]):  # graph order: what a node reads is decided before it
+                if all(i in kept or ready(i) for i in by_name[n].inputs):
+                    kept.add(n)
+            k.nodes = [n for n in k.nodes if n in kept]
+        done.update(k.nodes)
+
+
+def _readiness(by_name: dict, claimed: set[str], done: set[str], kept: set[str],
+               args: set[str]) -> Callable[[str], bool]:
+    """Whether a kernel can read a value: computed by an earlier kernel call or by itself (`kept`), a graph input it
+    is passed (a size always), or a node no kernel computes whose own inputs it can read (views, getitems)."""
+    memo: dict[str, bool] = {}
+
+    def ready(name: str) -> bool:
+        if name in done or name in kept:
+            return True
+        node = by_name.get(name)
+        if name in claimed or node is None:
+            return False
+        if node.op == "placeholder":
+            return node.sym is not None or name in args
+        if name not in memo:
+            memo[name] = all(ready(i) for i in node.inputs)
+        return memo[name]
+
+    return ready

@@ -10,7 +10,9 @@ from graphdiff.engines.base import Engine, EngineOptions
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import Progress, Shape
 
-ENGINES = {"vllm": "graphdiff.engines.vllm.engine", "dump": "graphdiff.engines.dump"}  # name -> module with start()
+ENGINES = {  # name -> module with start()
+    "vllm": "graphdiff.engines.vllm.engine", "dump": "graphdiff.engines.dump", "inductor": "graphdiff.engines.inductor",
+}
 
 
 def start(name: str, model_dir: Path, shapes: list[Shape], options: EngineOptions | None = None,

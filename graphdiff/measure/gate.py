@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphdiff.measure.logprobs import engine_logprobs, per_token, train_logprobs, trainer
+from graphdiff.measure.logprobs import engine_logprobs, engine_runs, per_token, train_logprobs, trainer
 from graphdiff.records import EngineSample, Manifest, Progress, RegionEffect, ScanResult, save_json
 
 BOOTSTRAP = 400
@@ -118,17 +118,19 @@ GATE_PROMPTS = 8
 def gate(scan: ScanResult, patch_dir: Path, samples_dir: Path, *, max_tokens: int = GATE_TOKENS,
          prompts: int = GATE_PROMPTS, model_dir: Path | None = None, progress: Progress = lambda m: None) -> Manifest:
     """Measure the patch in `patch_dir`, generated from `scan`, on the engine's samples (those cached in `samples_dir`,
-    else from the engine, started as the scan configured it) and leave out the regions that widen the gap."""
+    else from the engine, started as the scan configured it; `--engine inductor`: its teacher-forced scores) and leave
+    out the regions that widen the gap."""
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.engines.vllm.session import random_prompts, sample_engine
+    from graphdiff.engines.vllm.session import random_prompts
     from graphdiff.models.prepare import scanned_model
     from graphdiff.models.resolve import read_config
 
     if model_dir is None:
         model_dir = scanned_model(scan, progress)
     asked = random_prompts(read_config(model_dir), prompts, 16, 0)
-    samples = sample_engine(model_dir, asked, ["compiled"], max_tokens=max_tokens, out_dir=samples_dir,
-                            progress=progress, compilation_config=scan.compilation_config)["compiled"].samples
+    samples = engine_runs(str(scan.engine_config.get("engine", "vllm")), model_dir, asked, ["compiled"],
+                          max_tokens=max_tokens, out_dir=samples_dir, progress=progress,
+                          compilation_config=scan.compilation_config)["compiled"].samples
     return select_regions(load_hf_model(model_dir), patch_dir / "manifest.json", samples, progress)
 
 

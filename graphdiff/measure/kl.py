@@ -23,7 +23,7 @@ from graphdiff import runtime
 from graphdiff.engines.vllm.session import SAMPLES_FILE, random_prompts, read_prompts, sample_engine
 from graphdiff.errors import GraphdiffError
 from graphdiff.measure import routing
-from graphdiff.measure.logprobs import engine_logprobs, per_token, train_logprobs, trainer
+from graphdiff.measure.logprobs import engine_logprobs, engine_runs, per_token, train_logprobs, trainer
 from graphdiff.records import (
     Attribution,
     EngineMode,
@@ -52,6 +52,12 @@ METHOD = (
     "'compiled' = torch.compile(model) (inductor, default mode); engine 'eager' = enforce_eager=True; "
     "diff = logp_engine - logp_train in float64 of the FP32 values; floor: the engine's decode log-probs vs its "
     "prompt_logprobs scoring of the same prompt+continuation in one prefill"
+)
+TEACHER_FORCED = (  # --engine inductor: no sampler
+    "engine: the HF model under torch.compile (Inductor, default mode, dynamic shapes, CPU) scores seeded random "
+    "continuations (seed {seed}+i per prompt) teacher-forced, one forward per sequence over prompt+continuation, "
+    "log_softmax(BF16 logits, dtype=float32) at each continuation token; trainer: the same model eager, the same "
+    "forward; diff = logp_engine - logp_train in float64 of the FP32 values; floor: none (no decode: 0 by definition)"
 )
 
 
@@ -142,6 +148,11 @@ def manifest_regions(manifest: Path) -> list[str]:
 
 
 # --- the whole measurement ---------------------------------------------------------------------------------
+
+def method(engine: str, temperature: float, seed: int) -> str:
+    """How the gap was measured: on vLLM's samples, or (`--engine inductor`) on teacher-forced sequences."""
+    return (METHOD if engine == "vllm" else TEACHER_FORCED).format(temperature=temperature, seed=seed)
+
 
 def check_request(config: dict, prompts: Sequence[list[int]], max_tokens: int, metric: str, attribute: bool,
                   manifest: Path | None) -> None:
@@ -301,10 +312,10 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
             regions: Sequence[str] | None = None, attribute: bool = False, metric: str = "k3", bootstrap: int = 1000,
             out_dir: Path | None = None, isolate: bool = True, progress: Progress = lambda m: None,
             reproduce: str = "", compilation_config: dict | None = None,
-            tensor_parallel_size: int = 1) -> KLResult:
+            tensor_parallel_size: int = 1, engine: str = "vllm") -> KLResult:
     """Engine samples (compiled; with `modes` also eager) x trainer (eager; with `modes` also compiled),
     each trainer also patched by `manifest` when given; the engine's own floor; with `attribute`, Shapley over
-    the regions.
+    the regions. `engine` "inductor": the torch.compile'd model's teacher-forced scores stand for the samples.
 
     The attribution's `metric` defaults to k3: k1 and k3 estimate the same KL without bias, but k1's
     per-token terms have both signs and are ~rms in size, so at thousands of tokens its noise (see
@@ -327,10 +338,10 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
         patched = list(regions) if regions is not None else manifest_regions(manifest)
     engine_modes: list[EngineMode] = ["compiled", "eager"] if modes else ["compiled"]
     trainer_modes: list[TrainerMode] = ["eager", "compiled"] if modes else ["eager"]
-    samples = sample_engine(model_dir, prompts, engine_modes, max_tokens=max_tokens, seed=seed,
-                            temperature=temperature, out_dir=out_dir, isolate=isolate, progress=progress,
-                            compilation_config=compilation_config,
-                            **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}))
+    samples = engine_runs(engine, model_dir, prompts, engine_modes, max_tokens=max_tokens, seed=seed,
+                          temperature=temperature, out_dir=out_dir, isolate=isolate, progress=progress,
+                          compilation_config=compilation_config,
+                          **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}))
     t_engine = time.perf_counter()
     measurements, agree = _trainer_measurements(base, samples, trainer_modes, manifest, regions, patched, progress)
     attribution = None
@@ -347,7 +358,7 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
     first = samples[engine_modes[0]]
     return KLResult(
         model=str(model_dir), architecture=architecture(config), seed=seed, temperature=temperature,
-        max_tokens=max_tokens, prompts=len(prompts), method=METHOD.format(temperature=temperature, seed=seed),
+        max_tokens=max_tokens, prompts=len(prompts), method=method(engine, temperature, seed),
         versions={**first.versions, "transformers": transformers.__version__, "graphdiff": graphdiff.__version__},
         measurements=measurements, floor=floor_m, bucket=BUCKET, engine_attention=substituted, sources=sources,
         sources_note=sources_note, left_out=left_out(manifest) if manifest is not None else [],

@@ -12,7 +12,10 @@ in registers are searched for, one at a time.
 
 from __future__ import annotations
 
+import ast
 import itertools
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,15 +56,49 @@ class Declared:
         return node.dtype if node is not None else default
 
 
+_SYM_OPS: dict[type, Callable[[int, int], int]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
+
+
+def sym_value(expr: str, syms: dict[str, int]) -> int | None:
+    """A symbolic size's value: a symbol (`s27`) or an integer expression of symbols as Dynamo prints it (`s27 + 1`,
+    a SymInt node's result or a dimension); None where a symbol is unknown or the expression is of another form."""
+    if expr in syms:
+        return syms[expr]
+
+    def value(e: ast.expr) -> int | None:
+        if isinstance(e, ast.Constant) and isinstance(e.value, int):
+            return e.value
+        if isinstance(e, ast.Name):
+            return syms.get(e.id)
+        if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
+            v = value(e.operand)
+            return -v if v is not None else None
+        if isinstance(e, ast.BinOp) and type(e.op) in _SYM_OPS:
+            a, b = value(e.left), value(e.right)
+            if a is None or b is None or (b == 0 and isinstance(e.op, ast.Mod | ast.FloorDiv)):
+                return None
+            return _SYM_OPS[type(e.op)](a, b)
+        return None
+
+    try:
+        return value(ast.parse(expr, mode="eval").body)
+    except SyntaxError:
+        return None
+
+
 def numel(shape: list[int | str] | None, syms: dict[str, int]) -> int | None:
     if shape is None:
         return None
     total = 1
     for d in shape:
         if isinstance(d, str):
-            if d not in syms:
+            v = sym_value(d, syms)
+            if v is None:
                 return None
-            d = syms[d]
+            d = v
         total *= int(d)
     return total
 
@@ -122,6 +159,20 @@ def kernel_fragment(graph: Graph, k: Kernel, owned: set[str]) -> tuple[list[Node
     frag = [nodes[m] for m in sorted(members, key=graph.position)]
     external = list(dict.fromkeys(i for n in frag for i in n.inputs if i not in members))
     return frag, external
+
+
+def as_node_value(t: Any, node: Node, syms: dict[str, int]) -> Any:
+    """A recorded buffer as the value of the node it holds: where their shapes differ (a buffer Inductor reuses
+    through `reinterpret_tensor`, e.g. a query projection's output read back as the [1, heads, tokens, dim] view an
+    in-place RoPE kernel writes), the buffer's elements in memory order, which is the node's contiguous layout."""
+    if not isinstance(t, torch.Tensor) or node.shape is None:
+        return t
+    shape = [d if isinstance(d, int) else sym_value(d, syms) for d in node.shape]
+    if list(t.shape) == shape or any(d is None for d in shape) or t.numel() != numel(node.shape, syms):
+        return t
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: -strides[d] if t.shape[d] > 1 else 0)
+    return t.permute(order).contiguous().reshape([int(d) for d in shape if d is not None])
 
 
 def bind_symbols(graph: Graph, record: KernelRecord) -> dict[str, int]:
@@ -209,12 +260,12 @@ def _bind(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str, str], 
     loose: list[str] = []
     for e in external:
         n = nodes[e]
-        if n.sym is not None and n.sym in syms:
-            inputs[e] = syms[n.sym]
+        if n.sym is not None and (v := sym_value(n.sym, syms)) is not None:
+            inputs[e] = v  # a size, or a SymInt expression of sizes (`s27 + 1`) computed outside the kernel
             continue
         buf = node_buf.get(e)
         if buf is not None and buf in record["in"]:
-            inputs[e] = record["in"][buf]
+            inputs[e] = as_node_value(record["in"][buf], n, syms)
         else:
             loose.append(e)
     taken = {node_buf.get(e) for e in inputs}
@@ -286,6 +337,35 @@ class _WithAdded:
         return self.extra[name] if name in self.extra else self.base.get(name, default)
 
 
+def _candidates(node: Node, b: _Binding, record: KernelRecord, syms: dict[str, int]) -> list[str]:
+    """The recorded input buffers no named input took that can hold `node`'s value (its size and dtype)."""
+    want, dt = numel(node.shape, syms), to_dtype(node.dtype)
+    return [x for x in b.free if isinstance(record["in"][x], torch.Tensor) and record["in"][x].numel() == want
+            and (dt is None or record["in"][x].dtype == dt)]
+
+
+def readable_fragment(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str, str], frag: list[Node],
+                      external: list[str], syms: dict[str, int]) -> tuple[list[Node], list[str], int]:
+    """The fragment without the nodes that read, directly or through other fragment nodes, a value no buffer the
+    kernel was passed can hold: the kernel does not compute them (Inductor names the FX nodes lowered with a buffer
+    as its origins: an attention mask an HF model builds once, copied for each layer's attention call, lists the
+    mask's chain under every layer's copy kernel, though only the first computes it). Returns the fragment, its
+    inputs and how many nodes it lost."""
+    b = _bind(graph, k, record, known, frag, external, syms)
+    nodes = graph.node_map()
+    gone = {e for e in b.loose if not _candidates(nodes[e], b, record, syms)}
+    if not gone:
+        return frag, external, 0
+    kept = []
+    for n in frag:  # graph order: a node's inputs come before it
+        if any(i in gone for i in n.inputs):
+            gone.add(n.name)
+        else:
+            kept.append(n)
+    members = {n.name for n in kept}
+    return kept, list(dict.fromkeys(i for n in kept for i in n.inputs if i not in members)), len(frag) - len(kept)
+
+
 def _best_assignment(graph: Graph, b: _Binding, plan: _Plan, external: list[str],
                      record: KernelRecord) -> tuple[tuple | None, str, dict[str, str]]:
     """Try each placement of the unnamed inputs (by element count and dtype); keep the one that replays best.
@@ -295,18 +375,13 @@ def _best_assignment(graph: Graph, b: _Binding, plan: _Plan, external: list[str]
     a kernel re-summing the residual from the embedding on, its o_proj outputs placed in any order); a later
     kernel reading the same buffers then binds them by name."""
     nodes, sinks, syms = graph.node_map(), _sinks(graph, plan.frag), plan.syms
-
-    def candidates(e: str) -> list[str]:
-        want, dt = numel(nodes[e].shape, syms), to_dtype(nodes[e].dtype)
-        return [x for x in b.free if isinstance(record["in"][x], torch.Tensor) and record["in"][x].numel() == want
-                and (dt is None or record["in"][x].dtype == dt)]
-
     best, error, ties, tried = None, "inputs could not be resolved", 0, 0
-    for ins in itertools.islice(itertools.product(*(candidates(e) for e in b.loose)), MAX_PERMUTATIONS + 1):
+    options = [_candidates(nodes[e], b, record, syms) for e in b.loose]
+    for ins in itertools.islice(itertools.product(*options), MAX_PERMUTATIONS + 1):
         tried += 1
         if len(set(ins)) != len(ins) or tried > MAX_PERMUTATIONS:
             continue
-        trial = {**b.inputs, **{e: record["in"][x] for e, x in zip(b.loose, ins)}}
+        trial = {**b.inputs, **{e: as_node_value(record["in"][x], nodes[e], syms) for e, x in zip(b.loose, ins)}}
         run = plan.run({e: trial[e] for e in external if e in trial})
         if not run.ok:
             error = run.error
@@ -417,6 +492,7 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
         return copied, {}, {}
     frag, external = kernel_fragment(graph, k, owned)
     syms = bind_symbols(graph, record)
+    frag, external, unread = readable_fragment(graph, k, record, known, frag, external, syms)
     cpp = 'extern "C"' in (k.code or "")
     if cpp and "welford" not in k.code:
         frag = two_step_variance(frag, graph.node_map())
@@ -433,7 +509,7 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
     placed = {buf: node for buf, node in placed.items() if buf in read_only}
     ext_inputs = {e: inputs[e] for e in external if e in inputs}
     predicted, elements = score(values, outputs, record)
-    note = ""
+    note = f"{unread} listed nodes read values the kernel is not passed: not computed here" if unread else ""
     if predicted < 1.0 and (found := _reloaded(k, plan, ext_inputs, outputs, record, predicted)) is not None:
         plan, predicted, values = found
         note = "a store re-loaded by the kernel's later loop nest is read rounded there"

@@ -165,14 +165,21 @@ def sample_engine(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence
 
 def samples_run(model_dir: Path, mode: EngineMode, prompts: Sequence[list[int]], *, max_tokens: int, seed: int,
                 temperature: float, compilation_config: dict | None, versions: dict[str, str],
-                samples: Sequence[EngineSample] | None = None, tensor_parallel_size: int = 1) -> EngineSamples:
+                samples: Sequence[EngineSample] | None = None, tensor_parallel_size: int = 1,
+                engine: str = "vllm") -> EngineSamples:
     """One engine configuration's samples, keyed by everything that decides them (empty samples: what to look up)."""
-    return EngineSamples(mode=mode, model=str(model_dir.resolve()), weights=weights_fingerprint(model_dir), seed=seed,
+    return EngineSamples(engine=engine, mode=mode, model=str(model_dir.resolve()),
+                         weights=weights_fingerprint(model_dir), seed=seed,
                          temperature=temperature, max_tokens=max_tokens, versions=versions,
                          compilation_config=compilation_config or {} if mode == "compiled" else {},
                          tensor_parallel_size=tensor_parallel_size,
                          samples=list(samples) if samples is not None else
                          [EngineSample(prompt=list(p), tokens=[], logprobs=[]) for p in prompts])
+
+
+def cached_run(out_dir: Path | None, want: EngineSamples) -> EngineSamples | None:
+    """The run in OUT/engine_samples.json with `want`'s key, if one is there."""
+    return next((r for r in _read_cache(out_dir).runs if r.key() == want.key()), None)
 
 
 def store_samples(out_dir: Path, run: EngineSamples) -> Path:
