@@ -10,6 +10,7 @@ from graphdiff.analysis.moe import engine_experts_op
 from graphdiff.analysis.plan import mark_fp32_reads
 from graphdiff.artifacts import ScanDir
 from graphdiff.codegen import generate
+from graphdiff.codegen.generate import make_patch
 from graphdiff.codegen.moe_order import router_regions
 from graphdiff.records import Graph, Node
 
@@ -170,3 +171,19 @@ def test_qwen2_moes_gated_shared_expert_is_carried_and_its_router_exp_is_scalar(
     assert set(carry.regions) == {"model.layers.*.mlp#other", "model.layers.*.mlp#residual_norm"}
     assert any(r.name == "model.layers.*.mlp.shared_expert.act_fn#gated_act" for r in made.regions)
     assert "MOE_ROUTER_SCALAR_EXP = True" in (tmp_path / "exact" / made.module_file).read_text()
+
+
+QWEN2_MOE = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-qwen2-moe-3"
+
+
+def test_exact_runs_the_blocks_one_output_linears_as_the_engines_gemm(tmp_path: Path) -> None:
+    """Where the engine runs a one-output linear (Qwen2-MoE's shared expert gate) as its own GEMM, the experts
+    splice's module carries that GEMM and says so; a scan that records none leaves the linear to ATen."""
+    scan, train = ScanDir(QWEN2_MOE).load_scan(), ScanDir(QWEN2_MOE).load_train()
+    for recorded, want in (("_C.onednn_mm", True), (None, False)):
+        scan.engine_experts.pop("one_output_gemm", None)
+        if recorded:
+            scan.engine_experts["one_output_gemm"] = recorded
+        module = make_patch(scan, train, exact=True).module
+        assert f"MOE_ONE_OUTPUT_GEMM = {want}" in module and "def linear_engine_op(" in module
+    assert "linear_engine_op" not in make_patch(scan, train).module  # portable: no engine GEMM

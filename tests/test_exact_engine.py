@@ -122,7 +122,7 @@ def test_the_engine_router_gemm_runs_the_modules_routing_with_the_linears_gradie
     logits, ids = moe_engine.moe_router_engine_gemm(module, x)
     want, want_ids = Router.forward(module, x)
     assert logits.dtype == torch.float32 and torch.allclose(logits, want, rtol=1e-5, atol=1e-5)
-    assert "_graphdiff_router_gemm" in module.__dict__  # the engine's op ran, not F.linear
+    assert "_graphdiff_engine_gemm" in module.__dict__  # the engine's op ran, not F.linear
     grad = torch.randn_like(logits)
     got = torch.autograd.grad(logits, [x, module.weight], grad)
     expect = torch.autograd.grad(want, [x, module.weight], grad)
@@ -131,3 +131,22 @@ def test_the_engine_router_gemm_runs_the_modules_routing_with_the_linears_gradie
         module.weight.mul_(2)
     again, _ = moe_engine.moe_router_engine_gemm(module, x)
     assert torch.allclose(again, 2 * logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_one_output_linear_runs_as_the_engines_gemm_with_the_linears_gradient():
+    """ATen computes a linear of one output as a matrix-vector product, which sums in another order than the
+    engine's oneDNN GEMM on some rows; `linear_engine_op` is that GEMM, with the linear's gradient backward."""
+    pytest.importorskip("vllm")
+    import vllm._custom_ops as ops
+
+    torch.manual_seed(0)
+    gate = torch.nn.Linear(256, 1, bias=False).bfloat16()
+    x = torch.randn(8192, 256).bfloat16().requires_grad_()
+    got = moe_engine.linear_engine_op(gate, x)
+    engine = ops.onednn_mm(ops.create_onednn_mm(gate.weight.detach().t(), 32), x.detach(), None)
+    aten = torch.nn.functional.linear(x, gate.weight)
+    assert torch.equal(got, engine) and not torch.equal(aten, engine)  # ATen's one-output path differs somewhere
+    grad = torch.randn_like(got)
+    mine = torch.autograd.grad(got, [x, gate.weight], grad)
+    want = torch.autograd.grad(aten, [x, gate.weight], grad)
+    assert all(torch.equal(a, b) for a, b in zip(mine, want))

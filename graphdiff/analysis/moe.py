@@ -41,8 +41,9 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
     "scalar", where that kernel computes the weights' exp unvectorized, the engine's own GEMM op where it computes
     the router logits from an FP32 input (`router_gemm`: vLLM's FP32 gate on oneDNN, whose sums run in another order
     than ATen's), and the constant it scales the op's output by (`output_scale`: vLLM applies a routed scaling factor
-    to the experts' sum, where transformers scales the routing weights), and `router_topk` "unsorted" where its router
-    takes the top-k unsorted; {} where no such call was captured."""
+    to the experts' sum, where transformers scales the routing weights), `router_topk` "unsorted" where its router
+    takes the top-k unsorted, and `one_output_gemm` where it runs a one-output linear (a shared expert's gate) as its
+    own GEMM op; {} where no such call was captured."""
     for graph in graphs:
         nodes = graph.node_map()
         for n in graph.nodes:
@@ -60,6 +61,8 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
             gemm = _router_gemm(graph, weights) if weights else None
             if gemm is not None:
                 found["router_gemm"] = gemm.target.removesuffix(".default")
+            if any(_one_output(graph, g) for g in graph.nodes if g.target in ENGINE_GEMMS):
+                found["one_output_gemm"] = "_C.onednn_mm"
             if weights and _router_topk_unsorted(graph, weights):
                 found["router_topk"] = "unsorted"
             scale = _output_scale(graph, n)
@@ -102,6 +105,12 @@ def _router_gemm(graph: Graph, weights: str) -> Node | None:
     found = writer(gemm.name) if gemm is not None else None
     x = nodes.get(found.inputs[1]) if found is not None and len(found.inputs) > 1 else None
     return found if x is not None and x.dtype == "float32" else None
+
+
+def _one_output(graph: Graph, gemm: Node) -> bool:
+    """Does the engine's GEMM op `gemm` write one output column per token (a shared expert's gate)?"""
+    out = graph.node_map().get(gemm.inputs[0]) if gemm.inputs else None
+    return out is not None and out.shape is not None and len(out.shape) > 0 and out.shape[-1] == 1
 
 
 def _router_topk_unsorted(graph: Graph, weights: str) -> bool:

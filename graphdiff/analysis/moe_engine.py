@@ -23,6 +23,8 @@ MOE_OUTPUT_SCALE = 1.0
 MOE_ROUTER_SCALAR_EXP = False
 # The engine takes the router's top-k unsorted: the experts' order decides the order their weights are summed in
 MOE_ROUTER_TOPK_SORTED = True
+# The engine runs the MoE block's one-output linears (a shared expert's gate) as a GEMM of its own (oneDNN)
+MOE_ONE_OUTPUT_GEMM = False
 
 
 def moe_constants(engine_experts: dict[str, str]) -> list[str]:
@@ -32,7 +34,8 @@ def moe_constants(engine_experts: dict[str, str]) -> list[str]:
             f"{e.get('activation', 'silu')!r}, {int(e.get('padded_intermediate', 0))}, {int(e.get('router_lanes', 0))}",
             f"MOE_OUTPUT_SCALE = {float(e.get('output_scale', 1.0))!r}",
             f"MOE_ROUTER_SCALAR_EXP = {e.get('router_exp') == 'scalar'}",
-            f"MOE_ROUTER_TOPK_SORTED = {e.get('router_topk') != 'unsorted'}"]
+            f"MOE_ROUTER_TOPK_SORTED = {e.get('router_topk') != 'unsorted'}",
+            f"MOE_ONE_OUTPUT_GEMM = {bool(e.get('one_output_gemm'))}"]
 
 
 def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -167,41 +170,51 @@ def moe_experts_engine_op(module, hidden_states: torch.Tensor, top_k_index: torc
 ENGINE_PARTS = (_packed_experts, _EngineExperts, moe_experts_engine_op)
 ENGINE_EXPERTS_FN = moe_experts_engine_op.__name__
 
-def _router_gemm(module, weight: torch.Tensor):  # noqa: ANN202 - vLLM's handle object
-    """The engine's FP32 GEMM of the router weight (vLLM CPU's oneDNN matmul handle, made as its linear layer makes
-    it), kept on the module until the weight changes; dropped at exit while the op library that frees it is still
-    loaded."""
+def _engine_gemm(module, weight: torch.Tensor):  # noqa: ANN202 - vLLM's handle object
+    """The engine's GEMM of `weight` (the module's, in the dtype the computation reads it in) as vLLM CPU's linear
+    layer makes it (a oneDNN matmul handle), kept on the module until its weight changes; dropped at exit while the
+    op library that frees it is still loaded."""
     import atexit
 
     import vllm._custom_ops as ops
 
-    key = (module.weight.data_ptr(), module.weight._version)
-    cached = module.__dict__.get("_graphdiff_router_gemm")
+    key = (module.weight.data_ptr(), module.weight._version, weight.dtype)
+    cached = module.__dict__.get("_graphdiff_engine_gemm")
     if cached is not None and cached[0] == key:
         return cached[1]
     if cached is None:
-        atexit.register(module.__dict__.pop, "_graphdiff_router_gemm", None)
-    handle = ops.create_onednn_mm(weight.detach().float().t(), 32)
-    module.__dict__["_graphdiff_router_gemm"] = (key, handle)
+        atexit.register(module.__dict__.pop, "_graphdiff_engine_gemm", None)
+    handle = ops.create_onednn_mm(weight.detach().t(), 32)
+    module.__dict__["_graphdiff_engine_gemm"] = (key, handle)
     return handle
 
 
-class _EngineRouterGemm(torch.autograd.Function):
-    """Forward: the router logits by the engine's FP32 GEMM op. Backward: the FP32 linear's exact gradient."""
+class _EngineGemm(torch.autograd.Function):
+    """Forward: `x @ weight.T` by the engine's GEMM op, in the weight's dtype. Backward: the linear's exact
+    gradient."""
 
     @staticmethod
     def forward(ctx, x, weight, module):  # noqa: ANN001, ANN205
         ctx.save_for_backward(x, weight)
         import vllm._custom_ops as ops
 
-        return ops.onednn_mm(_router_gemm(module, weight), x.float().contiguous(), None)
+        return ops.onednn_mm(_engine_gemm(module, weight), x.to(weight.dtype).contiguous(), None)
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205
         x, weight = ctx.saved_tensors
-        grad_x = grad_output @ weight.float() if ctx.needs_input_grad[0] else None
-        grad_w = grad_output.t() @ x.float() if ctx.needs_input_grad[1] else None
+        grad = grad_output.to(weight.dtype)
+        grad_x = (grad @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = grad.t() @ x.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
+
+
+def linear_engine_op(module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """An `nn.Linear` with one output and no bias (a shared expert's gate) by the engine's GEMM: ATen computes a
+    one-output linear on another path than a GEMM (a matrix-vector product), whose sums differ from the engine's
+    oneDNN matmul on about 0.01% of rows; the engine's input is what it stores (BF16)."""
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    return _EngineGemm.apply(x, module.weight, module).reshape(*hidden_states.shape[:-1], 1)
 
 
 class _EngineLinear(torch.overrides.TorchFunctionMode):
@@ -217,7 +230,7 @@ class _EngineLinear(torch.overrides.TorchFunctionMode):
         if func is torch.nn.functional.linear and len(args) >= 2 and args[2:] in ((), (None,)) \
                 and kwargs.get("bias") is None and args[0].dtype == args[1].dtype == torch.float32:
             x, weight = args[0], args[1]
-            logits = _EngineRouterGemm.apply(x.reshape(-1, x.shape[-1]), weight, self.module)
+            logits = _EngineGemm.apply(x.reshape(-1, x.shape[-1]), weight, self.module)
             return logits.reshape(*x.shape[:-1], weight.shape[0])
         return func(*args, **kwargs)
 
@@ -247,5 +260,7 @@ def moe_router_engine_gemm(module, hidden_states: torch.Tensor) -> tuple[torch.T
     return outs
 
 
-ROUTER_GEMM_PARTS = (_router_gemm, _EngineRouterGemm, _EngineLinear, moe_router_engine_gemm)
+GEMM_PARTS = (_engine_gemm, _EngineGemm)
+ROUTER_GEMM_PARTS = (_EngineLinear, moe_router_engine_gemm)
+LINEAR_PARTS = (linear_engine_op,)
 ENGINE_ROUTER_FN = moe_router_engine_gemm.__name__

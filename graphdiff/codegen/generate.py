@@ -424,12 +424,18 @@ def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Regi
         parts.body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.analysis.moe_engine)",
                        *moe_engine.moe_constants(scan.engine_experts), "", "",
                        *prelude.source(moe_engine.PATCH_PARTS)]
-    if any(s.torch_fn == moe_engine.ENGINE_EXPERTS_FN and not s.problems for s in moe):
+    engine_experts = any(s.torch_fn == moe_engine.ENGINE_EXPERTS_FN and not s.problems for s in moe)
+    engine_router = any(s.torch_fn == moe_engine.ENGINE_ROUTER_FN and not s.problems for s in moe)
+    if engine_experts:
         parts.body += ["", "", "# the engine's own fused-MoE op forward, the same computation's gradient backward",
                        *prelude.source(moe_engine.ENGINE_PARTS)]
-    if any(s.torch_fn == moe_engine.ENGINE_ROUTER_FN and not s.problems for s in moe):
-        parts.body += ["", "", "# the router's logits by the engine's own GEMM op, the linear's gradient backward",
-                       *prelude.source(moe_engine.ROUTER_GEMM_PARTS)]
+    if engine_router or engine_experts:
+        parts.body += ["", "", "# the engine's own GEMM op forward (a router's FP32 logits, the block's one-output "
+                       "linears), the linear's gradient backward", *prelude.source(moe_engine.GEMM_PARTS)]
+    if engine_router:
+        parts.body += ["", "", *prelude.source(moe_engine.ROUTER_GEMM_PARTS)]
+    if engine_experts:
+        parts.body += ["", "", *prelude.source(moe_engine.LINEAR_PARTS)]
     for r in (r for r in wanted if r.kind == "allreduce"):
         splice, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),
                                                    scan.engine_attention.get("build", ""))

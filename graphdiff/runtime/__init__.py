@@ -437,10 +437,23 @@ def _patch_moe(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
             mod.forward = functools.partial(getattr(p.gen, splice.torch_fn), mod)
             p.state.undo.append(functools.partial(_drop_attributes, mod, ("forward", "_graphdiff_router_order",
                                                                            "_graphdiff_packed_experts",
-                                                                           "_graphdiff_router_gemm")))
+                                                                           "_graphdiff_engine_gemm")))
+            if splice.target == "experts" and getattr(p.gen, "MOE_ONE_OUTPUT_GEMM", False):
+                _one_output_linears(p, name)
     elif splice.target == "router":  # left as it is, it still gets the other regions' FP32 stream: its
         for _, mod in targets:  # own F.linear (not an nn.Linear) reads it rounded, as the engine's GEMM
             p.state.undo.append(mod.register_forward_pre_hook(_round_linear_input).remove)
+
+
+def _one_output_linears(p: _Patching, experts: str) -> None:
+    """The MoE block's one-output linears without bias (a shared expert's gate), beside its experts module, by the
+    engine's GEMM (the generated `linear_engine_op`): the engine runs them as a GEMM, ATen as a matrix-vector
+    product that sums in another order."""
+    block = p.model.get_submodule(experts.rpartition(".")[0]) if "." in experts else p.model
+    for child in block.children():
+        if isinstance(child, torch.nn.Linear) and child.out_features == 1 and child.bias is None:
+            child.forward = functools.partial(p.gen.linear_engine_op, child)
+            p.state.undo.append(functools.partial(_drop_attributes, child, ("forward", "_graphdiff_engine_gemm")))
 
 
 def _patch_linear(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
