@@ -96,17 +96,29 @@ def compiled(tiny_models):
     engine.stop()
 
 
+@pytest.fixture(scope="module")
+def isolated(tiny_models, tmp_path_factory):
+    """The compiled model captured as `scan --engine inductor` captures it: in a child process, whose Dynamo state
+    no earlier test of this session touched."""
+    from graphdiff.capture.shapes import prefill, with_prompts
+    from graphdiff.models.resolve import read_config
+
+    model_dir = tiny_models["qwen3"]
+    shapes = with_prompts([prefill(len(PROMPT)), prefill(40)], read_config(model_dir), first=PROMPT)
+    cap, buffers, _ = inductor.capture_isolated(model_dir, shapes, tmp_path_factory.mktemp("inductor-capture"))
+    return model_dir, cap, buffers
+
+
 @pytest.mark.engine
-def test_the_compiled_model_replays_at_every_shape_and_rounds_where_eager_does_not(compiled):
+def test_the_compiled_model_replays_at_every_shape_and_rounds_where_eager_does_not(isolated):
     from graphdiff.analysis.scan import analyze, run_train_side
     from graphdiff.models.resolve import read_config
 
-    model_dir, engine = compiled
-    cap = engine.capture
+    model_dir, cap, buffers = isolated
     assert cap.engine == "inductor" and len(cap.graphs) == 1
-    assert cap.graphs[0].shapes == [s.label for s in cap.shapes] and set(engine.buffers) == set(cap.graphs[0].shapes)
+    assert cap.graphs[0].shapes == [s.label for s in cap.shapes] and set(buffers) == set(cap.graphs[0].shapes)
     train = run_train_side(model_dir, cap.prompt_tokens)
-    result = analyze(cap, engine.buffers, train, model="tiny:qwen3", layers_total=2, config=read_config(model_dir))
+    result = analyze(cap, buffers, train, model="tiny:qwen3", layers_total=2, config=read_config(model_dir))
     generated = {k.id for k in cap.graphs[0].kernels if k.kind == "generated"}
     for label in cap.graphs[0].shapes:
         at = {r.kernel: r for r in result.replay if r.shape == label}
