@@ -275,16 +275,35 @@ def ordered_sums(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]]
     nodes = tgraph.node_map()
     kernel_of = {(g.name, n.name): n.kernel or "" for g in engine_graphs for n in g.nodes}
     each = _reduction_lanes(engine_graphs)
+    own = _kernel_reduction(engine_graphs)
     found: dict[str, set[int]] = {}
     for g, (ms, _) in matched.items():
         for m in ms:
             n = nodes.get(m.train)
             if n is not None and n.module and is_row_reduction(n, nodes):
                 kernel = kernel_of.get((g, m.engine), "")
-                found.setdefault(n.module, set()).add(lanes.get(kernel) or each.get((g, m.engine), 0))
+                engine = m.engine if (g, m.engine) in each else own.get((g, m.engine), m.engine)
+                found.setdefault(n.module, set()).add(lanes.get(kernel) or each.get((g, engine), 0))
     for module, count in _layer_norm_lanes(tgraph, engine_graphs, lanes).items():
         found.setdefault(module, set()).add(count)
     return {m: next(iter(v)) for m, v in sorted(found.items()) if len(v) == 1 and next(iter(v)) > 0}
+
+
+def _kernel_reduction(engine_graphs: list[Graph]) -> dict[tuple[str, str], str]:
+    """(engine graph, node) -> the one row mean/sum its kernel computes for the node's module. A trainer mean may be
+    matched to the value beside the engine's (`mean + eps`: the same values within the matcher's tolerance); its
+    lanes are that reduction's."""
+    found: dict[tuple[str, str], str] = {}
+    for g in engine_graphs:
+        reductions: dict[tuple[str, str], list[str]] = {}
+        for n in g.nodes:
+            if n.kernel and n.target.endswith((".mean.dim", ".sum.dim_IntList")):
+                reductions.setdefault((n.kernel, n.module or ""), []).append(n.name)
+        for n in g.nodes:
+            same = reductions.get((n.kernel or "", n.module or ""), [])
+            if n.kernel and len(same) == 1:
+                found[(g.name, n.name)] = same[0]
+    return found
 
 
 def _reduction_lanes(engine_graphs: list[Graph]) -> dict[tuple[str, str], int]:
