@@ -39,18 +39,33 @@ def order_regions(scan: ScanResult, graph: Graph) -> list[Region]:
 
 
 def layer_groups(scan: ScanResult, region: Region) -> list[list[int]]:
-    """The region's layers split by whether their norm kernel reads its input back from its BF16 store
-    (`ScanResult.norm_rereads`); [[]] when they all do alike."""
+    """The region's layers split by how their norm kernel reads its input: back from its BF16 store after the mean
+    (`ScanResult.norm_rereads`), from the store in every pass (`norm_reads_stored`), or not; [[]] when they all do
+    alike."""
     layers = [ly for ly in region.layers if ly is not None]
-    rereads = {layer_of(m) for m in scan.norm_rereads if module_regex(region.module).match(m)}
-    groups = [[ly for ly in layers if ly in rereads], [ly for ly in layers if ly not in rereads]]
-    return [g for g in groups if g] if all(groups) else [[]]
+    rx = module_regex(region.module)
+    rereads = {layer_of(m) for m in scan.norm_rereads if rx.match(m)}
+    stored = {layer_of(m) for m in scan.norm_reads_stored if rx.match(m)}
+    groups = [[ly for ly in layers if ly in rereads], [ly for ly in layers if ly in stored],
+              [ly for ly in layers if ly not in rereads | stored]]
+    groups = [g for g in groups if g]
+    return groups if len(groups) > 1 else [[]]
+
+
+def _any_module(modules: list[str], region: Region, layers: list[int] | None) -> bool:
+    rx = module_regex(region.module)
+    return any(rx.match(m) and (not layers or layer_of(m) in layers) for m in modules)
 
 
 def reads_store(scan: ScanResult, region: Region, layers: list[int] | None) -> bool:
     """Do the region's modules (of `layers`, default all) read their input back from the engine's BF16 store?"""
-    rx = module_regex(region.module)
-    return any(rx.match(m) and (not layers or layer_of(m) in layers) for m in scan.norm_rereads)
+    return _any_module(scan.norm_rereads, region, layers)
+
+
+def reads_stored_input(scan: ScanResult, region: Region, layers: list[int] | None) -> bool:
+    """Do the region's modules (of `layers`, default all) read their input from the engine's BF16 store in every
+    pass, the mean too?"""
+    return _any_module(scan.norm_reads_stored, region, layers)
 
 
 def with_order_regions(scan: ScanResult, graph: Graph) -> ScanResult:
