@@ -522,7 +522,6 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         reproduce=reproduce, notes=notes, nonuniformity=uniformity, routing=sorted(routing, key=lambda a: a.layer),
         departure=departure, ordered_sums=ordered_sums(tgraph, matched, engine_cap.graphs, kernel_lanes(replay)),
         norm_rereads=norm_rereads(tgraph, engine_cap.graphs, matched),
-        norm_reads_stored=norm_reads_stored(tgraph, engine_cap.graphs),
-        rounded_sums=sums[0], stored_sums=sums[1],
+        norm_reads_stored=norm_reads_stored(tgraph, engine_cap.graphs), rounded_sums=sums[0], stored_sums=sums[1],
     )
 

@@ -299,8 +299,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     if region.reduction_lanes and frag.target != "carry":
         frag.ordered = {n.name: region.name for n in frag.nodes if is_row_op(n, nodes)}
         frag.lanes = dict(region.reduction_lanes) if frag.ordered else {}
-        frag.reads_store = norm_order.reads_store(scan, region, layers)
-        frag.stored_input = norm_order.reads_stored_input(scan, region, layers)
+        frag.reads_store, frag.stored_input = norm_order.store_reads(scan, region, layers)
     if frag.target == "module":
         _bind_params(frag, nodes, path)
     frag.problems += problems

@@ -52,20 +52,15 @@ def layer_groups(scan: ScanResult, region: Region) -> list[list[int]]:
     return groups if len(groups) > 1 else [[]]
 
 
-def _any_module(modules: list[str], region: Region, layers: list[int] | None) -> bool:
+def store_reads(scan: ScanResult, region: Region, layers: list[int] | None) -> tuple[bool, bool]:
+    """Do the region's modules (of `layers`, default all) read their input back from the engine's BF16 store after
+    the mean (`norm_rereads`), and do they read it from the store in every pass, the mean too (`norm_reads_stored`)?"""
     rx = module_regex(region.module)
-    return any(rx.match(m) and (not layers or layer_of(m) in layers) for m in modules)
 
+    def reads(modules: list[str]) -> bool:
+        return any(rx.match(m) and (not layers or layer_of(m) in layers) for m in modules)
 
-def reads_store(scan: ScanResult, region: Region, layers: list[int] | None) -> bool:
-    """Do the region's modules (of `layers`, default all) read their input back from the engine's BF16 store?"""
-    return _any_module(scan.norm_rereads, region, layers)
-
-
-def reads_stored_input(scan: ScanResult, region: Region, layers: list[int] | None) -> bool:
-    """Do the region's modules (of `layers`, default all) read their input from the engine's BF16 store in every
-    pass, the mean too?"""
-    return _any_module(scan.norm_reads_stored, region, layers)
+    return reads(scan.norm_rereads), reads(scan.norm_reads_stored)
 
 
 def with_order_regions(scan: ScanResult, graph: Graph) -> ScanResult:
