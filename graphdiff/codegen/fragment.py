@@ -401,16 +401,10 @@ def scaled_handoffs(graph: Graph, path: str, sites: list[str]) -> dict[str, tupl
         if op_name(n.target) != "mul" or len(n.inputs) != 1:  # one activation times a constant
             continue
         src = nodes[n.inputs[0]]
-        readers = [nodes[u].module or "" for u in users.get(s, [])]
-        if (not (src.module or "").startswith(prefix) or set(users.get(src.name, [])) != {s} or not readers
-                or not all(m.startswith(prefix) for m in readers)):
+        if not (src.module or "").startswith(prefix) or set(users.get(src.name, [])) != {s}:
             continue
-        parts = [m.removeprefix(prefix).split(".") for m in readers]
-        common = [p[0] for p in takewhile(lambda p: len(set(p)) == 1, zip(*parts))]
-        source = (src.module or "").removeprefix(prefix)
-        reader = ".".join(common)
-        if (common and not _within(source, reader) and not _within(reader, source)  # a module that runs code,
-                and any(m.module == prefix + reader for m in graph.nodes)):  # not a container of several readers
+        source, reader = (src.module or "").removeprefix(prefix), _one_reader(graph, path, users.get(s, []))
+        if reader and not _within(source, reader) and not _within(reader, source):
             found[s] = (source, reader)
     return found
 
