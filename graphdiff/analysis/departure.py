@@ -49,10 +49,11 @@ def activation_values(graph: Graph) -> set[str]:
 
 def _writers(graph: Graph) -> dict[str, str]:
     """Allocations (`aten.empty`) -> the kernel of the extern op that writes into it, its first argument (vLLM
-    CPU's `_C.onednn_mm(out, x, weight, bias)`): the engine value a matched GEMM output is."""
+    CPU's `_C.onednn_mm(out, x, weight, bias)`): the engine value a matched GEMM output is, whatever generated kernel
+    Inductor lists the allocation under."""
     nodes = graph.node_map()
     return {n.inputs[0]: n.kernel for n in graph.nodes if n.kernel and n.inputs and n.inputs[0] in nodes
-            and nodes[n.inputs[0]].target.startswith("aten.empty") and not nodes[n.inputs[0]].kernel}
+            and nodes[n.inputs[0]].target.startswith("aten.empty")}
 
 
 def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[list[Match], list[str]]],
