@@ -53,6 +53,7 @@ from graphdiff.records import (
     Site,
 )
 from graphdiff.replay.kernels import value_base
+from graphdiff.replay.reload import stored_alone
 from graphdiff.replay.sum_order import cpp_rereads_store, cpp_sum_lanes_each, is_row_norm, is_row_reduction
 
 PROVEN = 0.999  # a kernel whose predicted replay is below this is unexplained: its sites are unproven
@@ -377,6 +378,14 @@ def norm_rereads(tgraph: Graph, engine_graphs: list[Graph],
     return [*layer_norms, *(m for m in _rms_rereads(tgraph, engine_graphs, matched or {}) if m not in layer_norms)]
 
 
+def norm_reads_stored(tgraph: Graph, engine_graphs: list[Graph]) -> list[str]:
+    """The trainer layer norms (HF modules) whose engine kernel stores its input in BF16 in a loop nest that computes
+    nothing else and reads it back in every pass (`reload.stored_alone`): the norm, its mean too, reads the rounded
+    input."""
+    kernels = {k.id: k for g in engine_graphs for k in g.kernels if k.kind == "generated"}
+    return [m for m, k in _layer_norm_pairs(tgraph, engine_graphs) if k in kernels and stored_alone(kernels[k])]
+
+
 def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, tuple[list[Match], list[str]]]
                  ) -> list[str]:
     """HF modules whose first row mean (an RMS norm's `x.pow(2).mean(-1)`, a written-out layer norm's `x.mean(-1)`)
@@ -534,6 +543,6 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         reproduce=reproduce, notes=notes, nonuniformity=uniformity, routing=sorted(routing, key=lambda a: a.layer),
         departure=departure, ordered_sums=ordered_sums(tgraph, matched, engine_cap.graphs, kernel_lanes(replay)),
         norm_rereads=norm_rereads(tgraph, engine_cap.graphs, matched),
-        rounded_sums=sums[0], stored_sums=sums[1],
+        norm_reads_stored=norm_reads_stored(tgraph, engine_cap.graphs), rounded_sums=sums[0], stored_sums=sums[1],
     )
 
