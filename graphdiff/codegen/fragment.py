@@ -16,6 +16,7 @@ only its own sites (what ablations need).
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,6 +105,21 @@ def dotted_module(file: str) -> str | None:
         return None
     i = len(parts) - 1 - parts[::-1].index("transformers")
     return ".".join(parts[i:])
+
+
+def _module_method(file: str, function: str, module_class: str) -> bool:
+    """Is `function` a method of the module's class (xIELU's `_xielu_python`, called by its forward) rather than a
+    module-level function of its file? Its ops are then the module's own: the splice re-emits the module's forward."""
+    dotted = dotted_module(file)
+    if dotted is None or not module_class:
+        return False
+    try:
+        owner = importlib.import_module(dotted)
+    except ImportError:
+        return False
+    cls = getattr(owner, module_class, None)
+    return not callable(getattr(owner, function, None)) and isinstance(cls, type) and callable(
+        getattr(cls, function, None))
 
 
 def _layer_nodes(graph: Graph, module: str) -> list[Node]:
@@ -262,7 +278,8 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     src = first.source
     path = first.module or ""
     module_class = first.module_type or ""
-    if src is not None and src.function != "forward" and seed is None:
+    if src is not None and src.function != "forward" and seed is None and not _module_method(src.file, src.function,
+                                                                                                 module_class):
         dotted = dotted_module(src.file)
         frag = Fragment(key=f"{dotted}.{src.function}", target="function", module=region.module,
                         module_class=module_class, function=f"{dotted}.{src.function}")
