@@ -481,6 +481,9 @@ class ScanResult(BaseModel):
     # the engine's fused-MoE op as its graph calls it (analysis.moe.engine_experts_op): op, activation, isa,
     # padded_intermediate; what `patch --exact` runs in the trainer
     engine_experts: dict[str, str] = Field(default_factory=dict)
+    # the dtype of the table the engine's rotary embedding gathers cos/sin from by position (vLLM's `cos_sin_cache`)
+    # where it is low precision (analysis.scan.rope_table_dtype); "" where the engine computes them in its graph
+    engine_rope_table: str = ""
     compilation_config: dict[str, object] = Field(default_factory=dict)  # as asked (-O as "optimization_level")
     plan: list[Decision] = Field(default_factory=list)  # every trainer value decided on; codegen reads it
     sites: list[Site]

@@ -290,6 +290,20 @@ def ordered_sums(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]]
     return {m: next(iter(v)) for m, v in sorted(found.items()) if len(v) == 1 and next(iter(v)) > 0}
 
 
+def rope_table_dtype(engine_graphs: list[Graph]) -> str:
+    """The dtype of a low-precision parameter the engine's rotary embedding gathers rows of by position (vLLM's
+    `cos_sin_cache`, stored in the model's dtype), or "". A trainer whose rotary module returns cos/sin in FP32
+    (HF's ERNIE 4.5: "full precision") then differs by that rounding, which no trainer op marks."""
+    for g in engine_graphs:
+        nodes = g.node_map()
+        for n in g.nodes:
+            table = nodes.get(n.inputs[0]) if n.inputs else None
+            if (op_name(n.target) in ("index_select", "index") and "rotary" in (n.module or "") and table is not None
+                    and table.op == "placeholder" and table.param and is_low(table.dtype)):
+                return table.dtype or ""
+    return ""
+
+
 def _kernel_reduction(engine_graphs: list[Graph]) -> dict[tuple[str, str], str]:
     """(engine graph, node) -> the one row mean/sum its kernel computes for the node's module. A trainer mean may be
     matched to the value beside the engine's (`mean + eps`: the same values within the matcher's tolerance); its
@@ -531,7 +545,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
                                       len({s.layer for s in sites if s.layer is not None}) or layers_total)),
         layers_total=layers_total, prompt_tokens=engine_cap.prompt_tokens, shapes=engine_cap.shapes,
         engine_config=engine_cap.engine_config, engine_attention=engine_cap.attention, plan=plan, sites=sites,
-        engine_experts=engine_experts_op(engine_cap.graphs),
+        engine_experts=engine_experts_op(engine_cap.graphs), engine_rope_table=rope_table_dtype(engine_cap.graphs),
         regions=regions, replay=replay,
         matched=sum(len(ms) for ms, _ in matched.values()),
         unmatched_train=[n.name for n in tgraph.nodes if n.name in unmatched_all and n.op == "call_function"][:500],

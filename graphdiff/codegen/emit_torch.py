@@ -166,6 +166,12 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
         sites = [names[n.name] for n in frag.nodes if frag.sites.get(n.name) == region]
         lines.append(f"    a{i} = {region!r} in align  # aligned: {', '.join(sites)} stay FP32")
     for name in frag.inputs:
+        if name in frag.table_inputs:  # the engine gathers it from a low-precision table
+            flags = " or ".join(flag(index, r) for r in frag.regions)
+            dtype = DTYPES.get(frag.table_inputs[name], "torch.bfloat16")
+            lines.append(f"    {names[name]} = _round(_f32({names[name]}), {dtype}) if {flags} else _f32({names[name]})"
+                         f"  # float32; the engine reads a {frag.table_inputs[name]} table")
+            continue
         lines.append(f"    {names[name]} = _f32({names[name]})  # {nodes_by_name[name].dtype}")
     rereads = store_readers(frag, nodes_by_name)
     for n in frag.nodes:

@@ -134,6 +134,8 @@ def emit(frag: Fragment, slug: str, nodes: dict[str, Node], names: dict[str, str
 
 
 def _emit(frag: Fragment, slug: str, nodes: dict[str, Node], names: dict[str, str]) -> list[str]:
+    if frag.table_inputs:
+        raise Unsupported("an input the engine gathers from a low-precision table (PyTorch path only)")
     prologue, core = split(frag)
     core_names = {n.name for n in core}
     if not all(o in core_names for o in frag.outputs):

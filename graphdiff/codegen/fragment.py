@@ -90,6 +90,9 @@ class Fragment:
     stored_input: bool = False
     # nodes of INDUCTOR_MATH the engine computes in a kernel Inductor generated: computed by Inductor when aligned
     inductor_math: list[str] = field(default_factory=list)
+    # FP32 inputs (cos/sin) the engine gathers from a low-precision table instead (ScanResult.engine_rope_table):
+    # input -> that dtype, rounded to it when the fragment's regions are aligned
+    table_inputs: dict[str, str] = field(default_factory=dict)
     # the scanned decoder layers this splice serves (a group of layers sharing one rounding plan); [] = every layer
     layers: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -105,6 +108,23 @@ def dotted_module(file: str) -> str | None:
         return None
     i = len(parts) - 1 - parts[::-1].index("transformers")
     return ".".join(parts[i:])
+
+
+def _table_inputs(scan: ScanResult, graph: Graph, region: Region, inputs: list[str]) -> dict[str, str]:
+    """The RoPE fragment's FP32 inputs computed by a trainer `cos` or `sin` (scaled or not), where the engine gathers
+    cos/sin from a low-precision table (`engine_rope_table`)."""
+    if region.kind != "rope" or not scan.engine_rope_table:
+        return {}
+    nodes = graph.node_map()
+
+    def trig(name: str, depth: int = 0) -> bool:
+        n = nodes.get(name)
+        if n is None or depth > 3 or n.op != "call_function":
+            return False
+        return op_name(n.target) in ("cos", "sin") or any(trig(i, depth + 1) for i in n.inputs)
+
+    return {i: scan.engine_rope_table for i in inputs
+            if i in nodes and nodes[i].dtype == "float32" and nodes[i].param is None and trig(i)}
 
 
 def _module_method(file: str, function: str, module_class: str) -> bool:
@@ -308,6 +328,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     names = [n.name for n in frag.nodes]
     frag.inputs, frag.outputs = _boundary(graph, names)
     frag.inductor_math = _inductor_math(scan, frag.nodes)
+    frag.table_inputs = _table_inputs(scan, graph, region, frag.inputs)
     frag.sites = {s: region.name for s in site_nodes if sides[s] == "train"}
     frag.engine_sites = {s: region.name for s in site_nodes if sides[s] == "engine"}
     trainer_rounds = {d.node for d in scan.plan if d.train.rounds}
@@ -520,6 +541,7 @@ def merge(frags: list[Fragment]) -> list[Fragment]:
             g.engine_sites.update(f.engine_sites)
             g.regions += f.regions
             g.fp32_outputs = sorted({*g.fp32_outputs, *f.fp32_outputs})  # a carry's children held FP32, any region's
+            g.table_inputs.update(f.table_inputs)
             g.ordered.update({n: r for n, r in f.ordered.items() if n not in g.ordered})
             g.lanes.update({m: n for m, n in f.lanes.items() if m not in g.lanes})
             for source, readers in f.fp32_scaled.items():
