@@ -529,17 +529,19 @@ def mark_rounded_reads(train: Graph, plan: list[Decision], engine_graphs: list[G
     norm's kernel loads)."""
     graphs = {g.name: g for g in engine_graphs}
     by_node, consumers = _matched_consumers(train, plan)
+    nodes = train.node_map()
     for t in plan:
         if t.rule != "matched" or t.engine is None:
             continue
         if t.engine.on_grid and not _read_beside_store(t, graphs):
             continue
-        readers = [by_node[u].id for u in consumers(t.node)
-                   if u in by_node and _reads_rounded(t, by_node[u], graphs)]
+        readers = [u for u in consumers(t.node) if u in by_node and _reads_rounded(t, by_node[u], graphs)]
         if readers:
-            t.evidence.read_rounded_by = readers
-            t.engine.how += f"; read through a low-precision copy by {', '.join(readers[:3])}"
-            t.site = t.site or not t.train.on_grid
+            t.evidence.read_rounded_by = [by_node[u].id for u in readers]
+            t.engine.how += f"; read through a low-precision copy by {', '.join(t.evidence.read_rounded_by[:3])}"
+            # a reader that is the trainer's own downcast reads it rounded as the engine does (a patch's rounded read)
+            unrounded = [u for u in readers if not (op_name(nodes[u].target) in CASTS and is_low(nodes[u].dtype))]
+            t.site = t.site or (not t.train.on_grid and bool(unrounded))
 
 
 def mark_fp32_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
@@ -571,6 +573,51 @@ def mark_fp32_reads(train: Graph, plan: list[Decision], engine_graphs: list[Grap
                 dtype="float32", rounds=False, on_grid=False,
                 how=f"FP32 for {', '.join(readers[:3])} in {kernel} (a BF16 copy is stored for the other readers)"))
             t.site = True
+
+
+def mark_recomputed_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
+    """Values the engine stores in low precision (or stores only what exact ops make of them) while a kernel that
+    recomputes them reads them in FP32: Inductor inlines a pointwise value into every kernel consuming it, so the
+    RoPE kernel's `q * cos` reads a q/k norm's output unrounded while the kernel storing the rotate-half copy rounds
+    it. Where the trainer rounds the value, those consumers read it in FP32 in the engine: a site on the trainer's
+    side; the consumers reading the stored copy (or an exact op of it that is stored) are `read_rounded_by`."""
+    graphs = {g.name: g for g in engine_graphs}
+    by_node, consumers = _matched_consumers(train, plan)
+    for t in plan:
+        if t.rule != "matched" or t.engine is None or not t.engine.rounds or not t.train.rounds:
+            continue
+        graph = graphs.get(t.evidence.engine_graph)
+        base = value_base(graph.node_map(), t.evidence.engine_node) if graph is not None else None
+        if graph is None or base is None or not is_low(base.dtype) or len(graph.computed_in().get(base.name, ())) < 2:
+            continue
+        fp32, rounded = _recomputed_readers(graph, base, [by_node[u] for u in consumers(t.node) if u in by_node])
+        if fp32:
+            computed = graph.computed_in()
+            kernels = sorted({k.split(":")[0] for d in fp32 for k in computed.get(d.evidence.engine_node, ())})
+            t.engine = t.engine.model_copy(update=dict(
+                dtype="float32", rounds=False, on_grid=False,
+                how=f"FP32 for {', '.join(d.id for d in fp32[:3])}, recomputed in {', '.join(kernels)} (a BF16 copy "
+                    "is stored for the other readers)"))
+            t.evidence.read_rounded_by = [d.id for d in rounded]
+            t.site = True
+
+
+def _recomputed_readers(graph: Graph, base: Node, readers: list[Decision]) -> tuple[list[Decision], list[Decision]]:
+    """The matched consumers of `base`'s value split: those whose engine op computes (not an exact op) in a kernel
+    that recomputes `base` and reads it there directly, unrounded; and the others (they read a stored copy)."""
+    enodes, computed = graph.node_map(), graph.computed_in()
+    own = computed.get(base.name, set())
+    fp32, rounded = [], []
+    for d in readers:
+        e = enodes.get(d.evidence.engine_node) if d.evidence.engine_graph == graph.name else None
+        direct = e is not None and any((b := value_base(enodes, i)) is not None and b.name == base.name
+                                       for i in e.inputs)
+        if (direct and d.engine is not None and not d.engine.on_grid and computed.get(e.name, set()) & own
+                and op_name(e.target) not in EXACT | CASTS):
+            fp32.append(d)
+        else:
+            rounded.append(d)
+    return fp32, rounded
 
 
 def find_sites(train: Graph, train_values: dict[str, object], changed: dict[str, float], engine: Graph,

@@ -30,6 +30,7 @@ from graphdiff.analysis.plan import (
     classify,
     decide,
     mark_fp32_reads,
+    mark_recomputed_reads,
     mark_rounded_reads,
     merge_decisions,
     sites_of,
@@ -380,7 +381,7 @@ def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, t
             square = enodes.get(e.inputs[0])
             base = value_base(enodes, square.inputs[0]) if square is not None and square.inputs else None
             kernel = kernels[e.kernel]
-            stored = {a.node for a in kernel.args if a.role == "out" and is_low(a.dtype)}
+            stored = {a.node for a in kernel.args if a.role in ("out", "inout") and is_low(a.dtype)}
             if (square is not None and op_name(square.target) == "pow" and base is not None and base.name in stored
                     and cpp_rereads_store(kernel.code)):
                 found.append(n.module)
@@ -477,6 +478,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     plan = _merge_shapes(merge_decisions(tgraph, [*per_graph, attn]), others, labels[0])
     mark_rounded_reads(tgraph, plan, engine_cap.graphs)
     mark_fp32_reads(tgraph, plan, engine_cap.graphs)
+    mark_recomputed_reads(tgraph, plan, engine_cap.graphs)
     tp_replay, tp_notes = tp.after_merge(plan, per_graph, engine_cap, buffers, tgraph, train.values, labels[0])
     replay, notes = replay + tp_replay, notes + tp_notes
     timings["shapes_s"] = time.perf_counter() - t
