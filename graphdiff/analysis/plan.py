@@ -502,6 +502,22 @@ def _reads_rounded(t: Decision, u: Decision, graphs: dict[str, Graph]) -> bool:
     return bool(acts) and all(is_low(n.dtype) for n in acts)
 
 
+def _loads_store(t: Decision, u: Decision, graphs: dict[str, Graph]) -> bool:
+    """Does the kernel computing the unmatched consumer `u` inside it ("inside-kernel") load the low-precision copy
+    of `t`'s value that another kernel stored? (vLLM's Cohere sums `residual + (attn + mlp)`: the next layer's
+    kernel adds the block's two outputs to the residual its previous kernel stored in BF16, so the trainer's
+    `residual + attn` has no engine value of its own.)"""
+    graph = graphs.get(u.evidence.engine_graph)
+    if graph is None or t.evidence.engine_graph != graph.name or not u.evidence.kernel:
+        return False
+    stored = _one_kernel_store(t, graph)
+    kernel = next((k for k in graph.kernels if k.id == u.evidence.kernel), None)
+    if stored is None or kernel is None or kernel.id in stored[1]:
+        return False
+    nodes = graph.node_map()
+    return any(stored[0].name in nodes[n].inputs for n in kernel.nodes if n in nodes)
+
+
 def _read_beside_store(t: Decision, graphs: dict[str, Graph]) -> bool:
     """Is `t`'s engine value, stored in low precision by the one kernel computing it, also read inside that kernel
     (in FP32, before the store)?"""
@@ -530,14 +546,17 @@ def mark_rounded_reads(train: Graph, plan: list[Decision], engine_graphs: list[G
     graphs = {g.name: g for g in engine_graphs}
     by_node, consumers = _matched_consumers(train, plan)
     nodes = train.node_map()
+    inside = {d.node: d for d in plan if d.rule == "inside-kernel"}
     for t in plan:
         if t.rule != "matched" or t.engine is None:
             continue
         if t.engine.on_grid and not _read_beside_store(t, graphs):
             continue
-        readers = [u for u in consumers(t.node) if u in by_node and _reads_rounded(t, by_node[u], graphs)]
+        matched = [u for u in consumers(t.node) if u in by_node and _reads_rounded(t, by_node[u], graphs)]
+        loads = [u for u in consumers(t.node) if u in inside and _loads_store(t, inside[u], graphs)]
+        readers = matched + loads
         if readers:
-            t.evidence.read_rounded_by = [by_node[u].id for u in readers]
+            t.evidence.read_rounded_by = [by_node[u].id for u in matched] + [inside[u].id for u in loads]
             t.engine.how += f"; read through a low-precision copy by {', '.join(t.evidence.read_rounded_by[:3])}"
             # a reader that is the trainer's own downcast reads it rounded as the engine does (a patch's rounded read)
             unrounded = [u for u in readers if not (op_name(nodes[u].target) in CASTS and is_low(nodes[u].dtype))]

@@ -361,9 +361,10 @@ def norm_rereads(tgraph: Graph, engine_graphs: list[Graph],
 
 def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, tuple[list[Match], list[str]]]
                  ) -> list[str]:
-    """HF modules whose row mean (an RMS norm's `x.pow(2).mean(-1)`) is matched to an engine mean of the square of a
-    value that the same kernel stores in BF16 and reads back in a later loop (a residual sum Inductor realizes in the
-    norm's kernel, Granite's second layer): the mean reads the FP32 sum, the normalization the rounded copy."""
+    """HF modules whose first row mean (an RMS norm's `x.pow(2).mean(-1)`, a written-out layer norm's `x.mean(-1)`)
+    is matched to an engine mean of a value (or its square) that the same kernel stores in BF16 and reads back in its
+    later loops (a residual sum Inductor realizes in the norm's kernel: Granite's second layer, Cohere's last): that
+    mean reads the FP32 sum, the rest of the norm the rounded copy."""
     nodes = tgraph.node_map()
     graphs = {g.name: g for g in engine_graphs}
     found: list[str] = []
@@ -378,12 +379,13 @@ def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, t
             if (n is None or e is None or not n.module or n.module in found or op_name(n.target) != "mean"
                     or not is_row_reduction(n, nodes) or e.kernel not in kernels or not e.inputs):
                 continue
-            square = enodes.get(e.inputs[0])
-            base = value_base(enodes, square.inputs[0]) if square is not None and square.inputs else None
+            operand = enodes.get(e.inputs[0])
+            if operand is not None and op_name(operand.target) == "pow" and operand.inputs:
+                operand = enodes.get(operand.inputs[0])
+            base = value_base(enodes, operand.name) if operand is not None else None
             kernel = kernels[e.kernel]
             stored = {a.node for a in kernel.args if a.role in ("out", "inout") and is_low(a.dtype)}
-            if (square is not None and op_name(square.target) == "pow" and base is not None and base.name in stored
-                    and cpp_rereads_store(kernel.code)):
+            if base is not None and base.name in stored and cpp_rereads_store(kernel.code):
                 found.append(n.module)
     return found
 

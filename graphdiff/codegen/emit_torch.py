@@ -122,14 +122,16 @@ def ordered_expression(n: Node, flag_var: str, nodes: dict[str, Node], names: di
 
 def store_readers(frag: Fragment, nodes: dict[str, Node]) -> dict[str, tuple[str, str]]:
     """Where the engine's norm kernel reads its input back from its store (`frag.reads_store`), an RMS norm's ops
-    after the row mean read it rounded: node -> (the FP32 copy of the activation input it reads, HF's input dtype).
-    The mean's own operands (the square) read the FP32 value, in the kernel's first loop. Layer norms: the ordered
-    layer norm itself (ordered_expression)."""
+    after the first row mean read it rounded: node -> (the FP32 copy of the activation input it reads, HF's input
+    dtype). That mean's own operands (the square) read the FP32 value, in the kernel's first loop; a later mean's (a
+    written-out layer norm's variance) the reloaded store. Layer norms: the ordered layer norm itself
+    (ordered_expression)."""
     if not frag.reads_store or not frag.ordered:
         return {}
     inside = {n.name for n in frag.nodes}
     feeds_rows: set[str] = set()
-    frontier = [i for r in frag.ordered for i in nodes[r].inputs]
+    first = next(n.name for n in frag.nodes if n.name in frag.ordered)  # the kernel's first loop, before the store
+    frontier = list(nodes[first].inputs)
     while frontier:
         name = frontier.pop()
         if name in inside and name not in feeds_rows:
