@@ -594,6 +594,15 @@ def mark_fp32_reads(train: Graph, plan: list[Decision], engine_graphs: list[Grap
             t.site = True
 
 
+def mark_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
+    """Where the engine reads a value otherwise than its state says, for some of its consumers: through a stored
+    low-precision copy (`mark_rounded_reads`), in FP32 beside its store (`mark_fp32_reads`), recomputed in FP32 by
+    another kernel (`mark_recomputed_reads`)."""
+    mark_rounded_reads(train, plan, engine_graphs)
+    mark_fp32_reads(train, plan, engine_graphs)
+    mark_recomputed_reads(train, plan, engine_graphs)
+
+
 def mark_recomputed_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
     """Values the engine stores in low precision (or stores only what exact ops make of them) while a kernel that
     recomputes them reads them in FP32: Inductor inlines a pointwise value into every kernel consuming it, so the

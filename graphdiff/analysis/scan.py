@@ -29,9 +29,7 @@ from graphdiff.analysis.opaque import attention_decisions, extern_rule
 from graphdiff.analysis.plan import (
     classify,
     decide,
-    mark_fp32_reads,
-    mark_recomputed_reads,
-    mark_rounded_reads,
+    mark_reads,
     merge_decisions,
     sites_of,
     stable_ids,
@@ -478,9 +476,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         replay += more
         others[label] = merge_decisions(tgraph, [*graphs_here, [a.model_copy(deep=True) for a in attn]])
     plan = _merge_shapes(merge_decisions(tgraph, [*per_graph, attn]), others, labels[0])
-    mark_rounded_reads(tgraph, plan, engine_cap.graphs)
-    mark_fp32_reads(tgraph, plan, engine_cap.graphs)
-    mark_recomputed_reads(tgraph, plan, engine_cap.graphs)
+    mark_reads(tgraph, plan, engine_cap.graphs)
     tp_replay, tp_notes = tp.after_merge(plan, per_graph, engine_cap, buffers, tgraph, train.values, labels[0])
     replay, notes = replay + tp_replay, notes + tp_notes
     timings["shapes_s"] = time.perf_counter() - t

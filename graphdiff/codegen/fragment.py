@@ -292,8 +292,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
             frag.stored_sums = stored_sums(scan, graph, region.module)
     names = [n.name for n in frag.nodes]
     frag.inputs, frag.outputs = _boundary(graph, names)
-    frag.inductor_math = _inductor_math(scan, frag.nodes)
-    frag.rounded_reads = _rounded_reads(scan, frag)
+    frag.inductor_math, frag.rounded_reads = _inductor_math(scan, frag.nodes), _rounded_reads(scan, frag)
     frag.sites = {s: region.name for s in site_nodes if sides[s] == "train"}
     frag.engine_sites = {s: region.name for s in site_nodes if sides[s] == "engine"}
     trainer_rounds = {d.node for d in scan.plan if d.train.rounds}

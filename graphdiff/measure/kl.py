@@ -314,9 +314,8 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
             reproduce: str = "", compilation_config: dict | None = None,
             tensor_parallel_size: int = 1, engine: str = "vllm", device: str = "cpu") -> KLResult:
     """Engine samples (compiled; with `modes` also eager) x trainer (eager; with `modes` also compiled),
-    each trainer also patched by `manifest` when given; the engine's own floor; with `attribute`, Shapley over
-    the regions. `engine` "inductor": the torch.compile'd model's teacher-forced scores stand for the samples (on
-    `device`).
+    each trainer also patched by `manifest` when given; the engine's own floor; with `attribute`, Shapley over the
+    regions. `engine` "inductor": the torch.compile'd model's teacher-forced scores (on `device`) are the samples.
 
     The attribution's `metric` defaults to k3: k1 and k3 estimate the same KL without bias, but k1's
     per-token terms have both signs and are ~rms in size, so at thousands of tokens its noise (see
