@@ -607,12 +607,13 @@ def mark_recomputed_reads(train: Graph, plan: list[Decision], engine_graphs: lis
     """Values the engine stores in low precision (or stores only what exact ops make of them) while a kernel that
     recomputes them reads them in FP32: Inductor inlines a pointwise value into every kernel consuming it, so the
     RoPE kernel's `q * cos` reads a q/k norm's output unrounded while the kernel storing the rotate-half copy rounds
-    it. Where the trainer rounds the value, those consumers read it in FP32 in the engine: a site on the trainer's
-    side; the consumers reading the stored copy (or an exact op of it that is stored) are `read_rounded_by`."""
+    it. Those consumers read it in FP32 in the engine: where the trainer rounds the value, a site on the trainer's
+    side (where it holds it in FP32, a patched trainer, none); the consumers reading the stored copy (or an exact
+    op of it that is stored) are `read_rounded_by`."""
     graphs = {g.name: g for g in engine_graphs}
     by_node, consumers = _matched_consumers(train, plan)
     for t in plan:
-        if t.rule != "matched" or t.engine is None or not t.engine.rounds or not t.train.rounds:
+        if t.rule != "matched" or t.engine is None or not t.engine.rounds:
             continue
         graph = graphs.get(t.evidence.engine_graph)
         base = value_base(graph.node_map(), t.evidence.engine_node) if graph is not None else None
@@ -627,7 +628,7 @@ def mark_recomputed_reads(train: Graph, plan: list[Decision], engine_graphs: lis
                 how=f"FP32 for {', '.join(d.id for d in fp32[:3])}, recomputed in {', '.join(kernels)} (a BF16 copy "
                     "is stored for the other readers)"))
             t.evidence.read_rounded_by = [d.id for d in rounded]
-            t.site = True
+            t.site = t.train.rounds
 
 
 def _recomputed_readers(graph: Graph, base: Node, readers: list[Decision]) -> tuple[list[Decision], list[Decision]]:
