@@ -39,6 +39,7 @@ from graphdiff.records import (
 )
 from graphdiff.replay.interpreter import LOW
 from graphdiff.replay.kernels import value_base
+from graphdiff.replay.sum_order import cpp_rereads_store
 
 MAX_HOPS = 12
 NORMS = frozenset({"rsqrt", "native_layer_norm"})  # where a normalization shows in an ATen graph (RMSNorm, LayerNorm)
@@ -601,6 +602,30 @@ def mark_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -
     mark_rounded_reads(train, plan, engine_graphs)
     mark_fp32_reads(train, plan, engine_graphs)
     mark_recomputed_reads(train, plan, engine_graphs)
+    mark_reloaded_casts(train, plan, engine_graphs)
+
+
+def mark_reloaded_casts(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
+    """A trainer downcast of an FP32 value (a patch's rounded read) matched to the engine's FP32 copy of a value its
+    kernel stores in low precision and reads back in a later loop (a norm whose kernel reloads the residual sum it
+    stored): the engine rounds there too, for the readers after the reload. Not a site."""
+    graphs = {g.name: g for g in engine_graphs}
+    nodes = train.node_map()
+    for t in plan:
+        n = nodes.get(t.node)
+        graph = graphs.get(t.evidence.engine_graph)
+        if (t.rule != "matched" or t.engine is None or t.engine.rounds or graph is None or n is None
+                or op_name(n.target) not in CASTS or not is_low(n.dtype) or not n.inputs
+                or is_low(nodes[n.inputs[0]].dtype)):
+            continue
+        stored = _one_kernel_store(t, graph)
+        kernel = next((k for k in graph.kernels if stored is not None and k.id in stored[1]), None)
+        if (kernel is not None and cpp_rereads_store(kernel.code)
+                and any(a.node == stored[0].name and a.role in ("out", "inout") for a in kernel.args)):
+            t.engine = t.engine.model_copy(update=dict(
+                dtype=stored[0].dtype, rounds=True, on_grid=True,
+                how=f"rounded: stored by {kernel.name} and read back by its later loop"))
+            t.site = False
 
 
 def mark_recomputed_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
