@@ -125,7 +125,7 @@ def training_step(work: Path, device: str, quick: bool, scan_dir: Path | None) -
     else:
         big = work / "Qwen3-8B"
         scan_model("Qwen/Qwen3-8B", big, device, [16], 16, kl=False, layers=3)
-        args = ["--scan", str(big), "--config", "Qwen/Qwen3-8B", "--batch", "2", "--seq", "2048", "--steps", "3"]
+        args = ["--scan", str(big), "--config", "Qwen/Qwen3-8B", "--batch", "2", "--seq", "2048", "--steps", "2"]
     out = work / "step.json"
     run = subprocess.run([sys.executable, str(HERE / "patch_step_benchmark.py"), *args, "--device", device,
                           "--variants", "unpatched,all", "--allow-version-mismatch", "--json", str(out)],
