@@ -511,6 +511,9 @@ class ScanResult(BaseModel):
     # HF modules whose engine norm kernel reads its input back from the BF16 copy it stored, after summing the mean
     # over the FP32 values it computed (sum_order.cpp_rereads_store)
     norm_rereads: list[str] = Field(default_factory=list)
+    # HF modules whose engine norm kernel stores its input in BF16 in a loop nest that computes nothing else and reads
+    # every pass from that copy, the mean too (reload.stored_alone: GPT-2's and OPT's last residual re-sum)
+    norm_reads_stored: list[str] = Field(default_factory=list)
     # trainer residual adds whose sum the engine rounds (stores in BF16 for every consumer), and those it computes in
     # one kernel in FP32 and stores in BF16 for the kernels after it (scan.residual_sums)
     rounded_sums: list[str] = Field(default_factory=list)

@@ -52,3 +52,18 @@ def test_a_value_of_the_weights_alone_is_no_departure() -> None:
     assert first_departure(train, {"packed": other, "mm": a}, matched, pieces, values) is None
     left = first_departure(train, {"packed": a, "mm": other}, matched, pieces, values)
     assert left is not None and left.node == "mm"
+
+
+def test_a_gemm_output_is_named_by_the_extern_that_writes_its_allocation() -> None:
+    """vLLM CPU's `_C.onednn_mm(out, x, weight, bias)` writes into an `aten.empty`: a departure there names that
+    extern's call, not "?" nor the generated kernel Inductor lists the allocation under (a neighbour's)."""
+    train, _ = _graphs()
+    out = Node(name="empty_2", op="call_function", target="aten.empty.memory_format", dtype="bfloat16", shape=[2, 4],
+               inputs=[], kernel="cpp_fused_add_native_layer_norm_onednn_mm_1:6")
+    gemm = Node(name="onednn_mm_default", op="call_function", target="_C.onednn_mm.default", inputs=["empty_2", "x"],
+                kernel="torch.ops._C.onednn_mm.default:5")
+    engine = Graph(name="g", nodes=[X, out, gemm])
+    a = torch.randn(2, 4).bfloat16()
+    left = first_departure(train, {"mm": a}, {"g": ([Match("mm", "empty_2", 0.0, 1.0, "")], [])}, [engine],
+                           {"g": {"empty_2": a + 1}})
+    assert left is not None and left.kernel == "torch.ops._C.onednn_mm.default:5"

@@ -150,3 +150,55 @@ def test_a_one_output_linear_runs_as_the_engines_gemm_with_the_linears_gradient(
     mine = torch.autograd.grad(got, [x, gate.weight], grad)
     want = torch.autograd.grad(aten, [x, gate.weight], grad)
     assert all(torch.equal(a, b) for a, b in zip(mine, want))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_exact_dense_tail_gives_the_engines_logprobs(tmp_path, arch):
+    """GPT-2 and OPT (issue 35, the dense tail): with the embedding sum held FP32 into the first layer, the last
+    layer's norm reading every pass from its stored input and the stored residual sums read through OPT's reshape,
+    the `--exact` patch gives the engine's log-probs bit for bit wherever the engine's decode equals its own prefill;
+    the unpatched trainer does not."""
+    model = make_tiny(arch, tmp_path / "model", layers=3)
+    d = ScanDir(tmp_path / "scan")
+    outcome = scan(str(model), shapes=[prefill(16)], out=d, sample=SAMPLE)
+    d.save_scan(outcome.result)
+    d.save_train(outcome.train.capture)
+    assert outcome.result.norm_reads_stored and outcome.result.norm_rereads  # the last layer's and the first's
+    made = generate(d.root, d.patch_dir, exact=True)
+    regions = [r.name for r in made.regions if r.generated]
+    assert len(regions) == len(made.regions), [r.reason for r in made.regions]
+    assert any(s.fp32_outputs for s in made.splices if s.target == "carry")  # the embedding sum
+    prompts = random_prompts(outcome.config, SAMPLE.count, SAMPLE.prompt_tokens, SAMPLE.seed)
+    samples = sample_engine(model, prompts, ["compiled"], max_tokens=SAMPLE.max_tokens, out_dir=d.root
+                            )["compiled"].samples  # cached by the scan's engine: no second start
+    base = load_hf_model(model)
+    found = {}
+    for label, enabled in (("unpatched", None), ("patched", regions)):
+        with trainer(base, "eager", d.patch_dir / "manifest.json" if enabled else None, enabled) as patched:
+            found[label] = _logprobs_and_routing(patched, samples, label)[0]
+    at_floor = same = differ_plain = 0
+    for s, mine, plain in zip(samples, found["patched"], found["unpatched"]):
+        engine, prefill_lp = torch.tensor(s.logprobs), torch.tensor(s.prefill_logprobs)
+        exact = engine == prefill_lp  # where the engine's own floor is 0
+        at_floor += int(exact.sum())
+        same += int((mine.float() == engine)[exact].sum())
+        differ_plain += int((plain.float() != engine)[exact].sum())
+    assert at_floor > 0.9 * SAMPLE.count * SAMPLE.max_tokens and differ_plain > 0  # the unpatched trainer departs
+    assert same == at_floor, f"{at_floor - same} of {at_floor} tokens at the engine's floor differ"
+
+
+def test_the_engines_gemm_with_its_bias_fused_is_atens_linear_and_conv1d():
+    """vLLM CPU runs a linear with bias as its oneDNN matmul with the bias fused (`_C.onednn_mm(handle, x, bias)`);
+    at the tiny GPT-2 and OPT shapes it equals `F.linear` and GPT-2's `Conv1D` (`addmm(bias, x, weight[in, out])`)
+    bit for bit, and both round once (not the product, then the sum): no GEMM splice is needed for them."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    torch.manual_seed(0)
+    for m, k, n in ((16, 256, 768), (256, 256, 256), (256, 512, 256), (256, 256, 1024), (1, 256, 256)):
+        x = torch.randn(m, k).bfloat16()
+        w_in_out, bias = (torch.randn(k, n) * 0.08).bfloat16(), (torch.randn(n) * 0.08).bfloat16()
+        weight = w_in_out.t().contiguous()
+        engine = ops.onednn_mm(ops.create_onednn_mm(weight.t(), 32), x, bias)
+        assert torch.equal(engine, torch.nn.functional.linear(x, weight, bias)), (m, k, n)
+        assert torch.equal(engine, torch.addmm(bias, x, w_in_out)), (m, k, n)
+        twice = (torch.nn.functional.linear(x, weight).float() + bias.float()).bfloat16()
+        assert not torch.equal(engine, twice)

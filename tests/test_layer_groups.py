@@ -130,6 +130,26 @@ def test_a_scaled_child_output_before_the_residual_add_is_carried_in_fp32():
     assert out[0].dtype == torch.float32 and out[1] is None
 
 
+def test_a_sum_of_two_child_outputs_handed_to_a_child_is_carried_in_fp32():
+    """`inputs_embeds + position_embeds` in the decoder's own forward (GPT-2, OPT), read by the first decoder layer
+    only (its norm and its residual add): both embeddings are held FP32; not where a second child reads the sum."""
+    from graphdiff.codegen.fragment import _scaled_child_outputs
+    from graphdiff.records import Graph, Node
+
+    def node(name: str, target: str, module: str, *inputs: str) -> Node:
+        return Node(name=name, op="call_function", target=target, inputs=list(inputs), module=module)
+
+    nodes = [node("embedding", "aten.embedding.default", "transformer.wte"),
+             node("embedding_1", "aten.embedding.default", "transformer.wpe"),
+             node("add_1", "aten.add.Tensor", "transformer", "embedding", "embedding_1"),
+             node("native_layer_norm", "aten.native_layer_norm.default", "transformer.h.0.ln_1", "add_1"),
+             node("add_2", "aten.add.Tensor", "transformer.h.0", "add_1", "native_layer_norm")]
+    found = _scaled_child_outputs(Graph(name="g", nodes=nodes), "transformer", ["add_1"])
+    assert found == {"add_1": ["wpe", "wte"]}
+    two_layers = [*nodes, node("add_3", "aten.add.Tensor", "transformer.h.1", "add_1", "add_2")]
+    assert _scaled_child_outputs(Graph(name="g", nodes=two_layers), "transformer", ["add_1"]) == {}
+
+
 def test_a_scaled_child_output_handed_to_a_child_is_carried_in_fp32():
     """`inputs_embeds * embedding_multiplier` in the model's own forward (Granite), read by the first decoder layer:
     the trainer rounds the product, the engine computes it in FP32 in the first layer's kernels. The handoff is

@@ -214,3 +214,25 @@ def test_a_stored_sum_of_a_scaled_child_output_is_named_by_the_child() -> None:
     later = ((mid * 1.001).bfloat16() * 0.22).float()
     assert out.dtype == torch.float32 and torch.equal(out, mid.bfloat16().float() + later)
     assert not torch.equal(out, mid + later)
+
+
+class _ReshapingLayer(_PreNormLayer):
+    """OPT's order: the sum after attention reshaped (`residual = hidden_states.reshape(-1, hidden)`) before the norm
+    and the add after the MLP read it."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = hidden_states + self.attn(hidden_states)
+        residual = summed.reshape(-1, summed.shape[-1])
+        normed = self.post_attention_layernorm(residual)
+        return normed, residual + normed.bfloat16()
+
+
+def test_a_view_of_a_stored_sum_is_read_rounded_by_the_later_adds() -> None:
+    layer, state = _ReshapingLayer(), SimpleNamespace(undo=[])
+    splice = ManifestSplice(key="k", target="carry", module="model.layers.*", regions=["r"], stored_sums={"attn": [0]})
+    _round_sums(carry, splice, "model.layers.0", layer, state)
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(2)).float()
+    normed, out = layer(x)
+    mid = (x + x * 1.001).reshape(-1, 64)
+    assert torch.equal(normed, mid * 1.001)  # the norm beside it reads the FP32 sum
+    assert torch.equal(out, mid.bfloat16().float() + (mid * 1.001).bfloat16().float())

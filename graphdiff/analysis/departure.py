@@ -47,11 +47,21 @@ def activation_values(graph: Graph) -> set[str]:
     return reached
 
 
+def _writers(graph: Graph) -> dict[str, str]:
+    """Allocations (`aten.empty`) -> the kernel of the extern op that writes into it, its first argument (vLLM
+    CPU's `_C.onednn_mm(out, x, weight, bias)`): the engine value a matched GEMM output is, whatever generated kernel
+    Inductor lists the allocation under."""
+    nodes = graph.node_map()
+    return {n.inputs[0]: n.kernel for n in graph.nodes if n.kernel and n.inputs and n.inputs[0] in nodes
+            and nodes[n.inputs[0]].target.startswith("aten.empty")}
+
+
 def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[list[Match], list[str]]],
                     engine_graphs: list[Graph], engine_values: dict[str, dict]) -> Departure | None:
     """The first matched trainer value (graph order) not bit-identical to its engine value; None if all are.
     `matched` and `engine_values` are per engine graph (node names repeat across a piecewise engine's graphs)."""
     kernel_of = {(g.name, n.name): n.kernel or "" for g in engine_graphs for n in g.nodes}
+    kernel_of.update({(g.name, out): k for g in engine_graphs for out, k in _writers(g).items()})
     declared = {(g.name, n.name): n.dtype for g in engine_graphs for n in g.nodes}
     pairs = sorted(((m, g) for g, (ms, _) in matched.items() for m in ms), key=lambda p: tgraph.position(p[0].train))
     nodes = tgraph.node_map()

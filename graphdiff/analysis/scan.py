@@ -52,6 +52,7 @@ from graphdiff.records import (
     Site,
 )
 from graphdiff.replay.kernels import value_base
+from graphdiff.replay.reload import stored_alone
 from graphdiff.replay.sum_order import cpp_rereads_store, cpp_sum_lanes_each, is_row_norm, is_row_reduction
 
 PROVEN = 0.999  # a kernel whose predicted replay is below this is unexplained: its sites are unproven
@@ -274,16 +275,35 @@ def ordered_sums(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]]
     nodes = tgraph.node_map()
     kernel_of = {(g.name, n.name): n.kernel or "" for g in engine_graphs for n in g.nodes}
     each = _reduction_lanes(engine_graphs)
+    own = _kernel_reduction(engine_graphs)
     found: dict[str, set[int]] = {}
     for g, (ms, _) in matched.items():
         for m in ms:
             n = nodes.get(m.train)
             if n is not None and n.module and is_row_reduction(n, nodes):
                 kernel = kernel_of.get((g, m.engine), "")
-                found.setdefault(n.module, set()).add(lanes.get(kernel) or each.get((g, m.engine), 0))
+                engine = m.engine if (g, m.engine) in each else own.get((g, m.engine), m.engine)
+                found.setdefault(n.module, set()).add(lanes.get(kernel) or each.get((g, engine), 0))
     for module, count in _layer_norm_lanes(tgraph, engine_graphs, lanes).items():
         found.setdefault(module, set()).add(count)
     return {m: next(iter(v)) for m, v in sorted(found.items()) if len(v) == 1 and next(iter(v)) > 0}
+
+
+def _kernel_reduction(engine_graphs: list[Graph]) -> dict[tuple[str, str], str]:
+    """(engine graph, node) -> the one row mean/sum its kernel computes for the node's module. A trainer mean may be
+    matched to the value beside the engine's (`mean + eps`: the same values within the matcher's tolerance); its
+    lanes are that reduction's."""
+    found: dict[tuple[str, str], str] = {}
+    for g in engine_graphs:
+        reductions: dict[tuple[str, str], list[str]] = {}
+        for n in g.nodes:
+            if n.kernel and n.target.endswith((".mean.dim", ".sum.dim_IntList")):
+                reductions.setdefault((n.kernel, n.module or ""), []).append(n.name)
+        for n in g.nodes:
+            same = reductions.get((n.kernel or "", n.module or ""), [])
+            if n.kernel and len(same) == 1:
+                found[(g.name, n.name)] = same[0]
+    return found
 
 
 def _reduction_lanes(engine_graphs: list[Graph]) -> dict[tuple[str, str], int]:
@@ -355,6 +375,14 @@ def norm_rereads(tgraph: Graph, engine_graphs: list[Graph],
     code = {k.id: k.code for g in engine_graphs for k in g.kernels}
     layer_norms = [m for m, k in _layer_norm_pairs(tgraph, engine_graphs) if cpp_rereads_store(code.get(k, ""))]
     return [*layer_norms, *(m for m in _rms_rereads(tgraph, engine_graphs, matched or {}) if m not in layer_norms)]
+
+
+def norm_reads_stored(tgraph: Graph, engine_graphs: list[Graph]) -> list[str]:
+    """The trainer layer norms (HF modules) whose engine kernel stores its input in BF16 in a loop nest that computes
+    nothing else and reads it back in every pass (`reload.stored_alone`): the norm, its mean too, reads the rounded
+    input."""
+    kernels = {k.id: k for g in engine_graphs for k in g.kernels if k.kind == "generated"}
+    return [m for m, k in _layer_norm_pairs(tgraph, engine_graphs) if k in kernels and stored_alone(kernels[k])]
 
 
 def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, tuple[list[Match], list[str]]]
@@ -513,6 +541,6 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         reproduce=reproduce, notes=notes, nonuniformity=uniformity, routing=sorted(routing, key=lambda a: a.layer),
         departure=departure, ordered_sums=ordered_sums(tgraph, matched, engine_cap.graphs, kernel_lanes(replay)),
         norm_rereads=norm_rereads(tgraph, engine_cap.graphs, matched),
-        rounded_sums=sums[0], stored_sums=sums[1],
+        norm_reads_stored=norm_reads_stored(tgraph, engine_cap.graphs), rounded_sums=sums[0], stored_sums=sums[1],
     )
 

@@ -72,7 +72,8 @@ class RoundedSums(torch.overrides.TorchFunctionMode):
     bfloat16, as the engine stores it; eager type promotion would keep it FP32 into the next add and the next layer.
     An add reading one of `stored_from` keeps its sum, but later adds read that sum rounded: the engine's norm
     beside it read the FP32 sum in the kernel computing it, the kernels after it load the BF16 copy it stored. A named
-    output scaled by a constant (`hidden_states * residual_multiplier`) is named with it."""
+    output scaled by a constant (`hidden_states * residual_multiplier`) is named with it, and a view of a stored sum
+    is that sum (OPT's `residual = hidden_states.reshape(-1, hidden)` before its second add)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,6 +88,11 @@ class RoundedSums(torch.overrides.TorchFunctionMode):
                 for named in (self.outputs, self.stored_from):
                     if any(a is o for a in args for o in named):
                         named.append(out)
+            return out
+        if func in (torch.Tensor.reshape, torch.Tensor.view, torch.reshape) and args:
+            out = func(*args, **(kwargs or {}))
+            if any(args[0] is s for s in self.stored):
+                self.stored.append(out)
             return out
         if func not in (torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.add):
             return func(*args, **(kwargs or {}))

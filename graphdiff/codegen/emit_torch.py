@@ -105,14 +105,18 @@ def flag(region_index: dict[str, int], region: str) -> str:
 
 
 def ordered_expression(n: Node, flag_var: str, nodes: dict[str, Node], names: dict[str, str],
-                       reads_store: bool = False) -> str:
+                       reads_store: bool = False, stored_input: bool = False) -> str:
     """A row sum/mean or layer norm in the engine kernel's order (`lanes`, passed per module) when its region is
-    aligned; `reads_store`: the kernel reads the norm's input back from its store, in HF's input dtype."""
+    aligned; `reads_store`: the kernel reads the norm's input back from its store after the mean, in HF's input
+    dtype; `stored_input`: it reads every pass from that store (the input rounded, the mean too)."""
     args = n.call[0]
     if op_name(n.target) == "native_layer_norm":
-        source = nodes.get(n.inputs[0]) if n.inputs and reads_store else None
+        source = nodes.get(n.inputs[0]) if n.inputs and (reads_store or stored_input) else None
         stored = DTYPES.get(source.dtype or "") if source is not None else None
-        ordered = f"{LAYER_NORM_FN}({', '.join(literal(a, names) for a in args[:5])}, lanes, {stored})"
+        parts = [literal(a, names) for a in args[:5]]
+        if stored_input and stored is not None:
+            parts[0], stored = f"_round({parts[0]}, {stored})", None
+        ordered = f"{LAYER_NORM_FN}({', '.join(parts)}, lanes, {stored})"
         return f"{ordered} if {flag_var} and lanes else {expression(n, nodes, names)}"
     keep = args[2] if len(args) > 2 else False
     fn = MEAN_FN if op_name(n.target) == "mean" else SUM_FN
@@ -191,7 +195,8 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
         for i in stored_reads(frag, n, nodes_by_name):  # the engine's op reads its stored copy: a no-op unless FP32
             read[i] = f"{names[i]}_stored"
             lines.append(f"    {read[i]} = _round({names[i]}, torch.bfloat16)")
-        expr = (ordered_expression(n, flag(index, frag.ordered[n.name]), nodes_by_name, names, frag.reads_store)
+        expr = (ordered_expression(n, flag(index, frag.ordered[n.name]), nodes_by_name, names, frag.reads_store,
+                                   frag.stored_input)
                 if n.name in frag.ordered else expression(n, nodes_by_name, read))
         if n.name in frag.inductor_math:  # the engine's kernel computes it with Inductor's math library
             flags = " or ".join(flag(index, r) for r in frag.regions)

@@ -16,6 +16,7 @@ only its own sites (what ablations need).
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,6 +86,8 @@ class Fragment:
     lanes: dict[str, int] = field(default_factory=dict)
     # its layer norms' engine kernels read the input back from their BF16 store after the mean (norm_order)
     reads_store: bool = False
+    # its layer norms' engine kernels read the input from their BF16 store in every pass, the mean too (norm_order)
+    stored_input: bool = False
     # nodes of INDUCTOR_MATH the engine computes in a kernel Inductor generated: computed by Inductor when aligned
     inductor_math: list[str] = field(default_factory=list)
     # nodes whose engine op reads an input of the fragment as its stored low-precision copy while another reader
@@ -106,6 +109,21 @@ def dotted_module(file: str) -> str | None:
         return None
     i = len(parts) - 1 - parts[::-1].index("transformers")
     return ".".join(parts[i:])
+
+
+def _module_method(file: str, function: str, module_class: str) -> bool:
+    """Is `function` a method of the module's class (xIELU's `_xielu_python`, called by its forward) rather than a
+    module-level function of its file? Its ops are then the module's own: the splice re-emits the module's forward."""
+    dotted = dotted_module(file)
+    if dotted is None or not module_class:
+        return False
+    try:
+        owner = importlib.import_module(dotted)
+    except ImportError:
+        return False
+    cls = getattr(owner, module_class, None)
+    return not callable(getattr(owner, function, None)) and isinstance(cls, type) and callable(
+        getattr(cls, function, None))
 
 
 def _layer_nodes(graph: Graph, module: str) -> list[Node]:
@@ -264,7 +282,8 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     src = first.source
     path = first.module or ""
     module_class = first.module_type or ""
-    if src is not None and src.function != "forward" and seed is None:
+    if src is not None and src.function != "forward" and seed is None and not _module_method(src.file, src.function,
+                                                                                                 module_class):
         dotted = dotted_module(src.file)
         frag = Fragment(key=f"{dotted}.{src.function}", target="function", module=region.module,
                         module_class=module_class, function=f"{dotted}.{src.function}")
@@ -301,7 +320,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     if region.reduction_lanes and frag.target != "carry":
         frag.ordered = {n.name: region.name for n in frag.nodes if is_row_op(n, nodes)}
         frag.lanes = dict(region.reduction_lanes) if frag.ordered else {}
-        frag.reads_store = norm_order.reads_store(scan, region, layers)
+        frag.reads_store, frag.stored_input = norm_order.store_reads(scan, region, layers)
     if frag.target == "module":
         _bind_params(frag, nodes, path)
     frag.problems += problems
@@ -355,7 +374,9 @@ def _scaled_child_outputs(graph: Graph, path: str, sites: list[str]) -> dict[str
     the engine computes it in FP32 inside the kernel that adds it; with the children's outputs in FP32 the module's
     own code computes as the engine does. The gate's child is held in FP32 only where its activation is a site too
     (else both sides round the activation, as eager does on the child's BF16 output). Only where each child's output
-    feeds nothing but such sites, and the site nothing but the module's own adds."""
+    feeds nothing but such sites, and the site nothing but the module's own adds, or, for a sum, nothing but one child
+    module that runs code of its own (GPT-2's and OPT's `inputs_embeds + position_embeds`, read by the first decoder
+    layer, whose kernels sum the two embeddings in FP32)."""
     nodes, users = graph.node_map(), graph.users()
     prefix = path + "."
 
@@ -376,10 +397,24 @@ def _scaled_child_outputs(graph: Graph, path: str, sites: list[str]) -> dict[str
             continue
         if not all(held) or not any(h and h != "-" for h in held):
             continue
-        if all(op_name(nodes[u].target) == "add" and nodes[u].module == path for u in users.get(s, [])):
+        readers = users.get(s, [])
+        own_adds = all(op_name(nodes[u].target) == "add" and nodes[u].module == path for u in readers)
+        if own_adds or (op_name(n.target) == "add" and _one_reader(graph, path, readers)):
             found[s] = sorted({h for h in held if h and h != "-"})
             found.update({i: found[s] for i in n.inputs if i in sites and i not in found})  # the activation site
     return found
+
+
+def _one_reader(graph: Graph, path: str, readers: list[str]) -> str | None:
+    """The one child module (path relative to `path`) inside which every one of `readers` lies, where that child runs
+    code of its own (not a list of layers); None otherwise."""
+    nodes, prefix = graph.node_map(), path + "."
+    modules = [nodes[u].module or "" for u in readers]
+    if not modules or not all(m.startswith(prefix) for m in modules):
+        return None
+    parts = [m.removeprefix(prefix).split(".") for m in modules]
+    reader = ".".join(p[0] for p in takewhile(lambda p: len(set(p)) == 1, zip(*parts)))
+    return reader if reader and any(m.module == prefix + reader for m in graph.nodes) else None
 
 
 def scaled_handoffs(graph: Graph, path: str, sites: list[str]) -> dict[str, tuple[str, str]]:
@@ -399,16 +434,10 @@ def scaled_handoffs(graph: Graph, path: str, sites: list[str]) -> dict[str, tupl
         if op_name(n.target) != "mul" or len(n.inputs) != 1:  # one activation times a constant
             continue
         src = nodes[n.inputs[0]]
-        readers = [nodes[u].module or "" for u in users.get(s, [])]
-        if (not (src.module or "").startswith(prefix) or set(users.get(src.name, [])) != {s} or not readers
-                or not all(m.startswith(prefix) for m in readers)):
+        if not (src.module or "").startswith(prefix) or set(users.get(src.name, [])) != {s}:
             continue
-        parts = [m.removeprefix(prefix).split(".") for m in readers]
-        common = [p[0] for p in takewhile(lambda p: len(set(p)) == 1, zip(*parts))]
-        source = (src.module or "").removeprefix(prefix)
-        reader = ".".join(common)
-        if (common and not _within(source, reader) and not _within(reader, source)  # a module that runs code,
-                and any(m.module == prefix + reader for m in graph.nodes)):  # not a container of several readers
+        source, reader = (src.module or "").removeprefix(prefix), _one_reader(graph, path, users.get(s, []))
+        if reader and not _within(source, reader) and not _within(reader, source):
             found[s] = (source, reader)
     return found
 

@@ -39,18 +39,28 @@ def order_regions(scan: ScanResult, graph: Graph) -> list[Region]:
 
 
 def layer_groups(scan: ScanResult, region: Region) -> list[list[int]]:
-    """The region's layers split by whether their norm kernel reads its input back from its BF16 store
-    (`ScanResult.norm_rereads`); [[]] when they all do alike."""
+    """The region's layers split by how their norm kernel reads its input: back from its BF16 store after the mean
+    (`ScanResult.norm_rereads`), from the store in every pass (`norm_reads_stored`), or not; [[]] when they all do
+    alike."""
     layers = [ly for ly in region.layers if ly is not None]
-    rereads = {layer_of(m) for m in scan.norm_rereads if module_regex(region.module).match(m)}
-    groups = [[ly for ly in layers if ly in rereads], [ly for ly in layers if ly not in rereads]]
-    return [g for g in groups if g] if all(groups) else [[]]
-
-
-def reads_store(scan: ScanResult, region: Region, layers: list[int] | None) -> bool:
-    """Do the region's modules (of `layers`, default all) read their input back from the engine's BF16 store?"""
     rx = module_regex(region.module)
-    return any(rx.match(m) and (not layers or layer_of(m) in layers) for m in scan.norm_rereads)
+    rereads = {layer_of(m) for m in scan.norm_rereads if rx.match(m)}
+    stored = {layer_of(m) for m in scan.norm_reads_stored if rx.match(m)}
+    groups = [[ly for ly in layers if ly in rereads], [ly for ly in layers if ly in stored],
+              [ly for ly in layers if ly not in rereads | stored]]
+    groups = [g for g in groups if g]
+    return groups if len(groups) > 1 else [[]]
+
+
+def store_reads(scan: ScanResult, region: Region, layers: list[int] | None) -> tuple[bool, bool]:
+    """Do the region's modules (of `layers`, default all) read their input back from the engine's BF16 store after
+    the mean (`norm_rereads`), and do they read it from the store in every pass, the mean too (`norm_reads_stored`)?"""
+    rx = module_regex(region.module)
+
+    def reads(modules: list[str]) -> bool:
+        return any(rx.match(m) and (not layers or layer_of(m) in layers) for m in modules)
+
+    return reads(scan.norm_rereads), reads(scan.norm_reads_stored)
 
 
 def with_order_regions(scan: ScanResult, graph: Graph) -> ScanResult:
