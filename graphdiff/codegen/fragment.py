@@ -309,8 +309,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
             frag.carry_rounded, frag.fp32_children = _carry_reads(scan, graph, region, layers)
             frag.rounded_sums = rounded_sums(scan, graph, region.module)
             frag.stored_sums = stored_sums(scan, graph, region.module)
-    names = [n.name for n in frag.nodes]
-    frag.inputs, frag.outputs = _boundary(graph, names)
+    frag.inputs, frag.outputs = _boundary(graph, [n.name for n in frag.nodes])
     frag.inductor_math, frag.rounded_reads = _inductor_math(scan, frag.nodes), _rounded_reads(scan, frag)
     frag.sites = {s: region.name for s in site_nodes if sides[s] == "train"}
     frag.engine_sites = {s: region.name for s in site_nodes if sides[s] == "engine"}
