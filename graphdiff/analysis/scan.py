@@ -371,9 +371,11 @@ def _same_operands(t: Node, e: Node, tnodes: dict[str, Node], enodes: dict[str, 
 def norm_rereads(tgraph: Graph, engine_graphs: list[Graph],
                  matched: dict[str, tuple[list[Match], list[str]]] | None = None) -> list[str]:
     """The trainer norms (HF modules) whose engine kernel reads its input back from the BF16 copy it stored: layer
-    norms, and RMS norms whose matched row mean the engine takes of a sum its kernel stores (`_rms_rereads`)."""
-    code = {k.id: k.code for g in engine_graphs for k in g.kernels}
-    layer_norms = [m for m, k in _layer_norm_pairs(tgraph, engine_graphs) if cpp_rereads_store(code.get(k, ""))]
+    norms (not those reading every pass from a copy stored alone, `norm_reads_stored`), and RMS norms whose matched
+    row mean the engine takes of a sum its kernel stores (`_rms_rereads`)."""
+    kernels = {k.id: k for g in engine_graphs for k in g.kernels}
+    layer_norms = [m for m, k in _layer_norm_pairs(tgraph, engine_graphs) if k in kernels
+                   and cpp_rereads_store(kernels[k].code) and not stored_alone(kernels[k])]
     return [*layer_norms, *(m for m in _rms_rereads(tgraph, engine_graphs, matched or {}) if m not in layer_norms)]
 
 
