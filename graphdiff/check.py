@@ -102,8 +102,10 @@ def _static_findings(path: Path, manifest: Manifest, spec: str) -> CheckResult:
 
 def check(manifest_path: Path, *, model: str | None = None, compilation_config: dict | None = None,
           optimization_level: int | None = None, shapes: str | None = None, out: Path | None = None,
-          progress: Progress = lambda m: None, random_weights: bool = False, engine: str = "vllm") -> CheckResult:
-    """Re-scan the patched trainer against the engine (`engine`: the one the patch was made against); findings = why
+          progress: Progress = lambda m: None, random_weights: bool = False, engine: str = "vllm",
+          device: str = "cpu") -> CheckResult:
+    """Re-scan the patched trainer against the engine (`engine`: the one the patch was made against, on `device`);
+    findings = why
     the patch must be regenerated. `out` (the re-scan, kept) is replaced only when the re-scan completes."""
     from graphdiff.artifacts import ScanDir, staged
     from graphdiff.models.prepare import prepare_model
@@ -132,7 +134,7 @@ def check(manifest_path: Path, *, model: str | None = None, compilation_config: 
         d = ScanDir(where) if where is not None else None
         outcome = scan(spec, layers=manifest.layers_scanned, shapes=wanted, out=d, progress=progress, manifest=path,
                        compilation_config=asked, optimization_level=level, allow_version_mismatch=True,
-                       random_weights=random_weights, engine=engine)
+                       random_weights=random_weights, engine=engine, device=device)
         if d is not None:  # the re-scan, kept (what the patch leaves: `graphdiff report DIR`, `graphdiff explain`)
             d.save_train(outcome.train.capture)
             d.save_scan(outcome.result)

@@ -112,7 +112,7 @@ def _engine_from_dump(engine_dump: Path, resolved: ResolvedModel, spec: str, com
 def _engine_run(resolved: ResolvedModel, shapes: list[Shape] | None, tokens: int, out: ScanDir | None,
                 progress: Progress, sample: SampleAsk | None, compilation_config: dict | None,
                 optimization_level: int | None, tensor_parallel_size: int,
-                engine: str = "vllm") -> tuple[Capture, Buffers, float]:
+                engine: str = "vllm", device: str = "cpu") -> tuple[Capture, Buffers, float]:
     """The engine side run now, in a child process, into `out`'s engine dir (else a temporary one): vLLM, or the
     HF model under torch.compile (`engine` "inductor": prefill shapes only; teacher-forced scores for the gap)."""
     import tempfile
@@ -131,7 +131,7 @@ def _engine_run(resolved: ResolvedModel, shapes: list[Shape] | None, tokens: int
         from graphdiff.engines import inductor
 
         return inductor.capture_isolated(resolved.path, shapes, directory, progress=progress,
-                                         config_sha256=config_sha256(config), sample=request)
+                                         config_sha256=config_sha256(config), sample=request, device=device)
     return capture_isolated(resolved.path, shapes, directory, progress=progress,
                             compilation_config=compilation_config, optimization_level=optimization_level,
                             config_sha256=config_sha256(config), sample=request,
@@ -195,7 +195,8 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
          argv: list[str] | None = None, engine_dump: Path | None = None, manifest: Path | None = None,
          compilation_config: dict | None = None, optimization_level: int | None = None,
          allow_version_mismatch: bool = False, sample: SampleAsk | None = None,
-         tensor_parallel_size: int = 1, random_weights: bool = False, engine: str = "vllm") -> ScanOutcome:
+         tensor_parallel_size: int = 1, random_weights: bool = False, engine: str = "vllm",
+         device: str = "cpu") -> ScanOutcome:
     """Resolve `spec`, run the real engine (in a child process; or take its capture from `engine_dump`) and the
     HF trainer on the same weights and tokens, analyze. The engine capture is written to `out`'s engine dir.
     `sample`: the same engine then samples those seeded prompts into `out`/engine_samples.json (the patch's
@@ -214,7 +215,7 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
         if engine == "vllm":
             check_options(compilation_config or {}, optimization_level)
         cap, buffers, startup = _engine_run(resolved, shapes, tokens, out, progress, sample, compilation_config,
-                                            optimization_level, tensor_parallel_size, engine)
+                                            optimization_level, tensor_parallel_size, engine, device)
     t_engine = time.perf_counter()
     progress("tracing the trainer's eager forward")
     train = run_train_side(resolved.path, cap.prompt_tokens, manifest, allow_version_mismatch)
@@ -328,7 +329,8 @@ def _gap(d: ScanDir, outcome: ScanOutcome, extras: Extras, progress: Progress) -
     result = measure(outcome.model_dir, random_prompts(outcome.config, GATE_PROMPTS, 16, 0),
                      max_tokens=extras.gap_tokens, manifest=manifest, out_dir=d.root, progress=progress,
                      reproduce=extras.reproduce, compilation_config=outcome.result.compilation_config,
-                     tensor_parallel_size=extras.tensor_parallel_size, engine=outcome.engine.engine)
+                     tensor_parallel_size=extras.tensor_parallel_size, engine=outcome.engine.engine,
+                     device=str(outcome.engine.engine_config.get("device", "cpu")))
     result.scan_id, result.fingerprint = outcome.result.scan_id, outcome.result.fingerprint
     if manifest is not None:
         # relative to the scan directory: `d` is the staging directory, renamed when the scan succeeds

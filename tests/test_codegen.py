@@ -312,9 +312,9 @@ def _scan_with_rotary_region(tmp_path: Path) -> Path:
 def test_a_module_forward_returning_cos_and_sin_is_re_emitted(tmp_path: Path) -> None:
     """A rotary embedding's forward(x, position_ids) returns (cos, sin): the splice reads `position_ids` (x only for
     its dtype), returns both in the forward's order, and the runtime's forward returns that tuple. Unaligned, HF's
-    values bit for bit (at another length than the captured 16); aligned, FP32 only while the attention region is
-    aligned too (HF's sdpa takes no FP32 query beside a BF16 value; the engine's op rounds it as the engine stores
-    it)."""
+    values bit for bit (at another length than the captured 16); aligned, FP32 only while the region of the code
+    reading them in every layer (the RoPE function's splice) is aligned too, whatever the attention region does (the
+    RoPE splice hands sdpa its BF16 store)."""
     import torch
     import transformers
 
@@ -327,6 +327,7 @@ def test_a_module_forward_returning_cos_and_sin_is_re_emitted(tmp_path: Path) ->
     splice = next(s for s in manifest.splices if s.key == "model.rotary_emb")
     assert (splice.target, splice.inputs, splice.outputs) == ("module", ["arg:position_ids", "param:inv_freq"], [0, 1])
     attention = next(r.name for r in manifest.regions if r.kind == "attention")
+    rope_fn = next(r.name for r in manifest.regions if r.kind == "rope" and r.name != ROPE)
     gen = load_generated(manifest, tmp_path / "patch" / "manifest.json")
 
     config = transformers.Qwen3Config(**json.loads((edited / "scan.json").read_text())["config"])
@@ -337,7 +338,8 @@ def test_a_module_forward_returning_cos_and_sin_is_re_emitted(tmp_path: Path) ->
         freqs = positions[..., None].float() * mod.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         fp32 = (emb.cos() * mod.attention_scaling, emb.sin() * mod.attention_scaling)
-        for align, want in ((frozenset(), hf), (frozenset({ROPE}), hf), (frozenset({ROPE, attention}), fp32)):
+        for align, want in ((frozenset(), hf), (frozenset({ROPE}), hf), (frozenset({ROPE, attention}), hf),
+                            (frozenset({ROPE, rope_fn}), fp32)):
             forward = _module_forward(mod, splice, _chooser(gen, splice), align)
             for got in (forward(x, positions), forward(x, position_ids=positions)):
                 assert isinstance(got, tuple) and len(got) == 2

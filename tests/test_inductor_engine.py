@@ -76,6 +76,26 @@ def test_scan_refuses_decode_shapes_and_vllm_options_in_one_line(tmp_path):
     assert "vLLM's options" in line
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: cuda is not refused")
+def test_device_cuda_without_a_gpu_is_refused_in_one_line_before_anything_starts(tmp_path):
+    for args in (("scan", "tiny:qwen3"), ("capture", "tiny:qwen3"), ("kl", "tiny:qwen3")):
+        res = run_cli(*args, "--engine", "inductor", "--device", "cuda", "--out", str(tmp_path / "o"))
+        assert res.returncode != 0 and "--device cuda: torch sees no CUDA GPU" in one_error_line(res)
+        assert not (tmp_path / "o").exists()
+    res = run_cli("check", str(tmp_path / "none"), "--engine", "inductor", "--device", "cuda")
+    assert res.returncode != 0 and "no CUDA GPU" in one_error_line(res)
+    assert "only --engine inductor" in one_error_line(run_cli("scan", "tiny:qwen3", "--device", "cuda", "--out",
+                                                              str(tmp_path / "o")))
+    assert "choose cpu or cuda" in one_error_line(run_cli("scan", "tiny:qwen3", "--engine", "inductor", "--device",
+                                                          "tpu", "--out", str(tmp_path / "o")))
+
+
+def test_the_device_reaches_the_engine_options_and_its_record():
+    inductor.check_options(EngineOptions(device="cpu"))
+    with pytest.raises(GraphdiffError, match="choose cpu or cuda"):
+        inductor.check_options(EngineOptions(device="mps"))
+
+
 def test_teacher_forced_sequences_are_seeded_and_within_the_vocabulary():
     a = inductor.teacher_forced({"vocab_size": 50}, [[1, 2], [3, 4]], 20, seed=0)
     b = inductor.teacher_forced({"vocab_size": 50}, [[1, 2], [3, 4]], 20, seed=0)

@@ -39,6 +39,7 @@ from graphdiff.records import (
 )
 from graphdiff.replay.interpreter import LOW
 from graphdiff.replay.kernels import value_base
+from graphdiff.replay.sum_order import cpp_rereads_store
 
 MAX_HOPS = 12
 NORMS = frozenset({"rsqrt", "native_layer_norm"})  # where a normalization shows in an ATen graph (RMSNorm, LayerNorm)
@@ -545,19 +546,22 @@ def mark_rounded_reads(train: Graph, plan: list[Decision], engine_graphs: list[G
     norm's kernel loads)."""
     graphs = {g.name: g for g in engine_graphs}
     by_node, consumers = _matched_consumers(train, plan)
+    nodes = train.node_map()
     inside = {d.node: d for d in plan if d.rule == "inside-kernel"}
     for t in plan:
         if t.rule != "matched" or t.engine is None:
             continue
         if t.engine.on_grid and not _read_beside_store(t, graphs):
             continue
-        readers = [by_node[u].id for u in consumers(t.node)
-                   if u in by_node and _reads_rounded(t, by_node[u], graphs)]
-        readers += [inside[u].id for u in consumers(t.node) if u in inside and _loads_store(t, inside[u], graphs)]
+        matched = [u for u in consumers(t.node) if u in by_node and _reads_rounded(t, by_node[u], graphs)]
+        loads = [u for u in consumers(t.node) if u in inside and _loads_store(t, inside[u], graphs)]
+        readers = matched + loads
         if readers:
-            t.evidence.read_rounded_by = readers
-            t.engine.how += f"; read through a low-precision copy by {', '.join(readers[:3])}"
-            t.site = t.site or not t.train.on_grid
+            t.evidence.read_rounded_by = [by_node[u].id for u in matched] + [inside[u].id for u in loads]
+            t.engine.how += f"; read through a low-precision copy by {', '.join(t.evidence.read_rounded_by[:3])}"
+            # a reader that is the trainer's own downcast reads it rounded as the engine does (a patch's rounded read)
+            unrounded = [u for u in readers if not (op_name(nodes[u].target) in CASTS and is_low(nodes[u].dtype))]
+            t.site = t.site or (not t.train.on_grid and bool(unrounded))
 
 
 def mark_fp32_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
@@ -589,6 +593,85 @@ def mark_fp32_reads(train: Graph, plan: list[Decision], engine_graphs: list[Grap
                 dtype="float32", rounds=False, on_grid=False,
                 how=f"FP32 for {', '.join(readers[:3])} in {kernel} (a BF16 copy is stored for the other readers)"))
             t.site = True
+
+
+def mark_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
+    """Where the engine reads a value otherwise than its state says, for some of its consumers: through a stored
+    low-precision copy (`mark_rounded_reads`), in FP32 beside its store (`mark_fp32_reads`), recomputed in FP32 by
+    another kernel (`mark_recomputed_reads`)."""
+    mark_rounded_reads(train, plan, engine_graphs)
+    mark_fp32_reads(train, plan, engine_graphs)
+    mark_recomputed_reads(train, plan, engine_graphs)
+    mark_reloaded_casts(train, plan, engine_graphs)
+
+
+def mark_reloaded_casts(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
+    """A trainer downcast of an FP32 value (a patch's rounded read) matched to the engine's FP32 copy of a value its
+    kernel stores in low precision and reads back in a later loop (a norm whose kernel reloads the residual sum it
+    stored): the engine rounds there too, for the readers after the reload. Not a site."""
+    graphs = {g.name: g for g in engine_graphs}
+    nodes = train.node_map()
+    for t in plan:
+        n = nodes.get(t.node)
+        graph = graphs.get(t.evidence.engine_graph)
+        if (t.rule != "matched" or t.engine is None or t.engine.rounds or graph is None or n is None
+                or op_name(n.target) not in CASTS or not is_low(n.dtype) or not n.inputs
+                or is_low(nodes[n.inputs[0]].dtype)):
+            continue
+        stored = _one_kernel_store(t, graph)
+        kernel = next((k for k in graph.kernels if stored is not None and k.id in stored[1]), None)
+        if (kernel is not None and cpp_rereads_store(kernel.code)
+                and any(a.node == stored[0].name and a.role in ("out", "inout") for a in kernel.args)):
+            t.engine = t.engine.model_copy(update=dict(
+                dtype=stored[0].dtype, rounds=True, on_grid=True,
+                how=f"rounded: stored by {kernel.name} and read back by its later loop"))
+            t.site = False
+
+
+def mark_recomputed_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
+    """Values the engine stores in low precision (or stores only what exact ops make of them) while a kernel that
+    recomputes them reads them in FP32: Inductor inlines a pointwise value into every kernel consuming it, so the
+    RoPE kernel's `q * cos` reads a q/k norm's output unrounded while the kernel storing the rotate-half copy rounds
+    it. Those consumers read it in FP32 in the engine: where the trainer rounds the value, a site on the trainer's
+    side (where it holds it in FP32, a patched trainer, none); the consumers reading the stored copy (or an exact
+    op of it that is stored) are `read_rounded_by`."""
+    graphs = {g.name: g for g in engine_graphs}
+    by_node, consumers = _matched_consumers(train, plan)
+    for t in plan:
+        if t.rule != "matched" or t.engine is None or not t.engine.rounds:
+            continue
+        graph = graphs.get(t.evidence.engine_graph)
+        base = value_base(graph.node_map(), t.evidence.engine_node) if graph is not None else None
+        if graph is None or base is None or not is_low(base.dtype) or len(graph.computed_in().get(base.name, ())) < 2:
+            continue
+        fp32, rounded = _recomputed_readers(graph, base, [by_node[u] for u in consumers(t.node) if u in by_node])
+        if fp32:
+            computed = graph.computed_in()
+            kernels = sorted({k.split(":")[0] for d in fp32 for k in computed.get(d.evidence.engine_node, ())})
+            t.engine = t.engine.model_copy(update=dict(
+                dtype="float32", rounds=False, on_grid=False,
+                how=f"FP32 for {', '.join(d.id for d in fp32[:3])}, recomputed in {', '.join(kernels)} (a BF16 copy "
+                    "is stored for the other readers)"))
+            t.evidence.read_rounded_by = [d.id for d in rounded]
+            t.site = t.train.rounds
+
+
+def _recomputed_readers(graph: Graph, base: Node, readers: list[Decision]) -> tuple[list[Decision], list[Decision]]:
+    """The matched consumers of `base`'s value split: those whose engine op computes (not an exact op) in a kernel
+    that recomputes `base` and reads it there directly, unrounded; and the others (they read a stored copy)."""
+    enodes, computed = graph.node_map(), graph.computed_in()
+    own = computed.get(base.name, set())
+    fp32, rounded = [], []
+    for d in readers:
+        e = enodes.get(d.evidence.engine_node) if d.evidence.engine_graph == graph.name else None
+        direct = e is not None and any((b := value_base(enodes, i)) is not None and b.name == base.name
+                                       for i in e.inputs)
+        if (direct and d.engine is not None and not d.engine.on_grid and computed.get(e.name, set()) & own
+                and op_name(e.target) not in EXACT | CASTS):
+            fp32.append(d)
+        else:
+            rounded.append(d)
+    return fp32, rounded
 
 
 def find_sites(train: Graph, train_values: dict[str, object], changed: dict[str, float], engine: Graph,

@@ -29,8 +29,7 @@ from graphdiff.analysis.opaque import attention_decisions, extern_rule
 from graphdiff.analysis.plan import (
     classify,
     decide,
-    mark_fp32_reads,
-    mark_rounded_reads,
+    mark_reads,
     merge_decisions,
     sites_of,
     stable_ids,
@@ -386,9 +385,11 @@ def _same_operands(t: Node, e: Node, tnodes: dict[str, Node], enodes: dict[str, 
 def norm_rereads(tgraph: Graph, engine_graphs: list[Graph],
                  matched: dict[str, tuple[list[Match], list[str]]] | None = None) -> list[str]:
     """The trainer norms (HF modules) whose engine kernel reads its input back from the BF16 copy it stored: layer
-    norms, and RMS norms whose matched row mean the engine takes of a sum its kernel stores (`_rms_rereads`)."""
-    code = {k.id: k.code for g in engine_graphs for k in g.kernels}
-    layer_norms = [m for m, k in _layer_norm_pairs(tgraph, engine_graphs) if cpp_rereads_store(code.get(k, ""))]
+    norms (not those reading every pass from a copy stored alone, `norm_reads_stored`), and RMS norms whose matched
+    row mean the engine takes of a sum its kernel stores (`_rms_rereads`)."""
+    kernels = {k.id: k for g in engine_graphs for k in g.kernels}
+    layer_norms = [m for m, k in _layer_norm_pairs(tgraph, engine_graphs) if k in kernels
+                   and cpp_rereads_store(kernels[k].code) and not stored_alone(kernels[k])]
     return [*layer_norms, *(m for m in _rms_rereads(tgraph, engine_graphs, matched or {}) if m not in layer_norms)]
 
 
@@ -425,7 +426,7 @@ def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, t
                 operand = enodes.get(operand.inputs[0])
             base = value_base(enodes, operand.name) if operand is not None else None
             kernel = kernels[e.kernel]
-            stored = {a.node for a in kernel.args if a.role == "out" and is_low(a.dtype)}
+            stored = {a.node for a in kernel.args if a.role in ("out", "inout") and is_low(a.dtype)}
             if base is not None and base.name in stored and cpp_rereads_store(kernel.code):
                 found.append(n.module)
     return found
@@ -519,8 +520,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         replay += more
         others[label] = merge_decisions(tgraph, [*graphs_here, [a.model_copy(deep=True) for a in attn]])
     plan = _merge_shapes(merge_decisions(tgraph, [*per_graph, attn]), others, labels[0])
-    mark_rounded_reads(tgraph, plan, engine_cap.graphs)
-    mark_fp32_reads(tgraph, plan, engine_cap.graphs)
+    mark_reads(tgraph, plan, engine_cap.graphs)
     tp_replay, tp_notes = tp.after_merge(plan, per_graph, engine_cap, buffers, tgraph, train.values, labels[0])
     replay, notes = replay + tp_replay, notes + tp_notes
     timings["shapes_s"] = time.perf_counter() - t

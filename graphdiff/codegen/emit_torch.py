@@ -9,6 +9,7 @@ are named by role (names.py): `names` maps each graph node of the fragment to it
 
 from __future__ import annotations
 
+from graphdiff.analysis.rounding import is_view
 from graphdiff.codegen.fragment import Fragment, rounding
 from graphdiff.codegen.names import arguments, value_names
 from graphdiff.ops import is_low, op_name
@@ -153,6 +154,21 @@ def store_readers(frag: Fragment, nodes: dict[str, Node]) -> dict[str, tuple[str
     return found
 
 
+def stored_reads(frag: Fragment, n: Node, nodes: dict[str, Node]) -> list[str]:
+    """The inputs of `n` (a `rounded_reads` node) that are a fragment input or views of one: what it reads rounded."""
+    if n.name not in frag.rounded_reads:
+        return []
+    inside = {m.name for m in frag.nodes}
+    out = []
+    for i in n.inputs:
+        src = i
+        while src in inside and is_view(nodes[src]) and nodes[src].inputs:
+            src = nodes[src].inputs[0]
+        if src in frag.inputs and src not in frag.params and is_low(nodes[src].dtype):
+            out.append(i)
+    return out
+
+
 def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
                   names: dict[str, str] | None = None) -> list[str]:
     """`def fn_name(<inputs>, align, lanes) -> tuple`: the fragment under the plan set by `align`; `lanes` is the
@@ -182,6 +198,9 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
             read[src] = f"{names[src]}_stored"
             flags = " or ".join(flag(index, r) for r in sorted(set(frag.ordered.values())))
             lines.append(f"    {read[src]} = _round({names[src]}, {dtype}) if ({flags}) and lanes else {names[src]}")
+        for i in stored_reads(frag, n, nodes_by_name):  # the engine's op reads its stored copy: a no-op unless FP32
+            read[i] = f"{names[i]}_stored"
+            lines.append(f"    {read[i]} = _round({names[i]}, torch.bfloat16)")
         expr = (ordered_expression(n, flag(index, frag.ordered[n.name]), nodes_by_name, names, frag.reads_store,
                                    frag.stored_input)
                 if n.name in frag.ordered else expression(n, nodes_by_name, read))

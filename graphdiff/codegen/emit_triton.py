@@ -182,8 +182,11 @@ def _out_bf16(frag: Fragment, o: str, nodes: dict[str, Node]) -> str:
     site = frag.sites.get(o)
     if not is_low(nodes[o].dtype):
         return "False"
-    if site is not None and frag.keep_fp32.get(o, False):
-        return f"{site!r} not in align"  # FP32 out only when its region is aligned
+    if site is not None and frag.keep_fp32.get(o, False):  # FP32 out only when its region is aligned (and those
+        needed = [site, *frag.fp32_with.get(o, [])]  # of the code reading it, `fp32_with`)
+        if len(needed) == 1:
+            return f"{site!r} not in align"
+        return f"not ({' and '.join(f'{r!r} in align' for r in needed)})"
     return "True"
 
 

@@ -93,6 +93,10 @@ class Fragment:
     # FP32 inputs (cos/sin) the engine gathers from a low-precision table instead (ScanResult.engine_rope_table):
     # input -> that dtype, rounded to it when the fragment's regions are aligned
     table_inputs: dict[str, str] = field(default_factory=dict)
+    # nodes whose engine op reads an input of the fragment as its stored low-precision copy while another reader
+    # gets it in FP32 (`evidence.read_rounded_by` of a value made outside): they read it rounded (a no-op unless a
+    # patch holds it FP32)
+    rounded_reads: list[str] = field(default_factory=list)
     # the scanned decoder layers this splice serves (a group of layers sharing one rounding plan); [] = every layer
     layers: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -325,9 +329,8 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
             frag.carry_rounded, frag.fp32_children = _carry_reads(scan, graph, region, layers)
             frag.rounded_sums = rounded_sums(scan, graph, region.module)
             frag.stored_sums = stored_sums(scan, graph, region.module)
-    names = [n.name for n in frag.nodes]
-    frag.inputs, frag.outputs = _boundary(graph, names)
-    frag.inductor_math = _inductor_math(scan, frag.nodes)
+    frag.inputs, frag.outputs = _boundary(graph, [n.name for n in frag.nodes])
+    frag.inductor_math, frag.rounded_reads = _inductor_math(scan, frag.nodes), _rounded_reads(scan, frag)
     frag.table_inputs = _table_inputs(scan, graph, region, frag.inputs)
     frag.sites = {s: region.name for s in site_nodes if sides[s] == "train"}
     frag.engine_sites = {s: region.name for s in site_nodes if sides[s] == "engine"}
@@ -353,6 +356,18 @@ def _inductor_math(scan: ScanResult, frag_nodes: list[Node]) -> list[str]:
     generated = {r.kernel for r in scan.replay} | {k.split(" @ ")[0] for k in scan.not_replayed}
     kernel_of = {d.node: d.evidence.kernel for d in scan.plan if d.rule == "matched"}
     return [n.name for n in frag_nodes if op_name(n.target) in INDUCTOR_MATH and kernel_of.get(n.name) in generated]
+
+
+def _rounded_reads(scan: ScanResult, frag: Fragment) -> list[str]:
+    """The fragment's non-carry nodes that read a value from outside it through the engine's stored copy while the
+    engine's other readers hold it in FP32 (`read_rounded_by`)."""
+    if frag.target == "carry":
+        return []
+    node_of = {d.id: d.node for d in scan.plan}
+    inside = {n.name for n in frag.nodes}
+    readers = {node_of[i] for d in scan.plan if d.node not in inside for i in d.evidence.read_rounded_by
+               if i in node_of}
+    return [n.name for n in frag.nodes if n.name in readers]
 
 
 def _bind_params(frag: Fragment, nodes: dict[str, Node], path: str) -> None:
@@ -547,6 +562,7 @@ def merge(frags: list[Fragment]) -> list[Fragment]:
             for source, readers in f.fp32_scaled.items():
                 g.fp32_scaled[source] = sorted({*g.fp32_scaled.get(source, []), *readers})
             g.carry_input = g.carry_input or f.carry_input
+            g.rounded_reads = sorted({*g.rounded_reads, *f.rounded_reads})
         else:
             by_key[f.key] = f
     return [*by_key.values(), *refused]
@@ -657,7 +673,10 @@ def decide_outputs(graph: Graph, frags: list[Fragment], attention: dict[str, str
         for o in f.outputs:
             ok, carried = True, set()
             for u in r.through_views(o):
-                if u in r.patched or r.matmul(u):
+                if u in r.patched:  # re-emitted: it reads FP32 as the engine does while its own regions are aligned
+                    carried.update(r.patched[u])
+                    continue
+                if r.matmul(u):
                     continue
                 if (regions := r.carried_add(u)) is not None:
                     carried.update(regions)
@@ -675,13 +694,35 @@ def decide_outputs(graph: Graph, frags: list[Fragment], attention: dict[str, str
                 f.fp32_with[o] = sorted(set(reached or []) | carried)
 
 
+def served_nodes(graph: Graph, frags: list[Fragment]) -> dict[str, list[str]]:
+    """The nodes the splices of `frags` re-emit in every layer they serve, each with its splice's regions: a fragment
+    is cut at its representative layer, and its splice runs that code in each layer whose module its pattern matches
+    (of its group, `layers`); a function splice only the nodes of its own frames (the caller's forward is not
+    replaced)."""
+    out: dict[str, list[str]] = {}
+    for f in frags:
+        out.update({n.name: f.regions for n in f.nodes})
+        rx = module_regex(f.module)
+        frames = {n.source.function for n in f.nodes if n.source is not None}
+        for n in graph.nodes:
+            if n.op != "call_function" or not rx.fullmatch(n.module or ""):
+                continue
+            if f.layers and layer_of(n.module) not in f.layers:
+                continue
+            if f.target == "function" and (n.source is None or n.source.function == "forward"
+                                           or n.source.function not in frames):
+                continue
+            out[n.name] = f.regions
+    return out
+
+
 class _Reach:
     """What the consumers of a fragment's output are (decide_outputs): re-emitted code, matmuls, a carried
     module's residual add, or the attention ops of `attention` (op node -> region)."""
 
     def __init__(self, graph: Graph, frags: list[Fragment], attention: dict[str, str]) -> None:
         self.nodes, self.users, self.attention = graph.node_map(), graph.users(), attention
-        self.patched = {n.name for f in frags if not f.problems and f.target != "carry" for n in f.nodes}
+        self.patched = served_nodes(graph, [f for f in frags if not f.problems and f.target != "carry"])
         self.carries = [(module_regex(f.module), f.regions) for f in frags if not f.problems and f.target == "carry"]
 
     def matmul(self, u: str) -> bool:

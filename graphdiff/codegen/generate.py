@@ -373,9 +373,10 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
                 lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes, values)
                 frag.compiled = _compile(lines, f"torch_{slug}")
                 body += ["", "", f"# {frag.target} {frag.key}: regions {', '.join(frag.regions)}", *lines]
-                kernel = ("an output leaves in FP32 only while other regions are aligned too" if frag.fp32_with else
-                          "its norm reads its input back rounded from the engine's store after the mean (PyTorch "
-                          "only)" if emit_torch.store_readers(frag, nodes) else emit_triton.emit(frag, slug, nodes,
+                kernel = ("its norm reads its input back rounded from the engine's store after the mean (PyTorch "
+                          "only)" if emit_torch.store_readers(frag, nodes) else
+                          "it reads an input as the engine's stored copy where another reader holds it FP32 (PyTorch "
+                          "only)" if frag.rounded_reads else emit_triton.emit(frag, slug, nodes,
                                                                                                values))
                 if isinstance(kernel, str):
                     splice.triton_problem = kernel

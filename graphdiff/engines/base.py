@@ -27,6 +27,7 @@ class EngineOptions:
     min_model_len: int = 0  # room for sampling on the same engine after the capture (prompt + tokens)
     min_seqs: int = 0
     tensor_parallel_size: int = 1  # as `vllm serve --tensor-parallel-size`: > 1 captures every rank
+    device: str = "cpu"  # where the engine runs (`--device`; `--engine inductor` runs on cpu or cuda)
 
 
 class Engine(Protocol):

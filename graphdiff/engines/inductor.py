@@ -1,4 +1,5 @@
-"""`torch.compile` (Inductor, default mode) of the trainer's own HF model behind the engine interface, on the CPU.
+"""`torch.compile` (Inductor, default mode) of the trainer's own HF model behind the engine interface, on the CPU
+(C++ kernels) or a CUDA GPU (Triton kernels; `--device cuda`, refused in one line where torch sees no GPU).
 
 The engine is the model the trainer loads (`capture.hf.load_hf_model`), compiled with `dynamic=True` (one program
 for every token count, as vLLM compiles its model) under graphdiff's Inductor hooks (`capture.inductor_hooks`):
@@ -51,8 +52,27 @@ def check_shapes(shapes: Sequence[Shape]) -> None:
                              f"with): leave out {', '.join(decode)} (e.g. --shapes 16,512)")
 
 
+DEVICES = ("cpu", "cuda")
+
+
+def check_device(device: str, engine: str = NAME) -> None:
+    """Refuse, in one line before anything starts, a device the engine cannot run on here: `--engine inductor` runs
+    on cpu or cuda (a CUDA GPU torch sees); vLLM runs where it was built (cpu here)."""
+    if engine != NAME:
+        if device != "cpu":
+            raise GraphdiffError(f"--device {device}: only --engine inductor takes --device (vLLM runs where it was "
+                                 "built)")
+        return
+    if device not in DEVICES:
+        raise GraphdiffError(f"--device {device}: choose cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise GraphdiffError("--device cuda: torch sees no CUDA GPU on this machine (torch.cuda.is_available() is "
+                             "False); use --device cpu")
+
+
 def check_options(options: EngineOptions) -> None:
-    """Refuse vLLM's options: the compiled model is Inductor's default mode on one CPU process."""
+    """Refuse vLLM's options: the compiled model is Inductor's default mode in one process, on cpu or cuda."""
+    check_device(options.device)
     if options.compilation_config or options.optimization_level is not None or options.tensor_parallel_size > 1:
         raise GraphdiffError("--engine inductor compiles with Inductor's default mode: --compilation-config, -O and "
                              "--tensor-parallel-size are vLLM's options")
@@ -69,11 +89,11 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "graphdiff": graphdiff.__version__}
 
 
-def _logits(compiled: Any, tokens: Sequence[int]) -> torch.Tensor:
-    """The compiled model's logits of one sequence ([tokens, vocab], as the model returns them)."""
-    ids = torch.tensor([list(tokens)], dtype=torch.long)
+def _logits(compiled: Any, tokens: Sequence[int], device: str = "cpu") -> torch.Tensor:
+    """The compiled model's logits of one sequence ([tokens, vocab], as the model returns them), back on the CPU."""
+    ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
     with torch.no_grad():
-        return compiled(input_ids=ids, use_cache=False).logits[0]
+        return compiled(input_ids=ids, use_cache=False).logits[0].cpu()
 
 
 @dataclass
@@ -86,6 +106,7 @@ class Compilation:
     graphs: list[Graph] = field(default_factory=list)
     recorders: list[BufferRecorder] = field(default_factory=list)
     seen: int = 0  # compilations taken into `graphs` (a recompile at a later shape adds graphs)
+    device: str = "cpu"
 
     def take_new(self) -> int:
         """Graphs and recorders for the compilations made since the last call; returns how many graphs it added."""
@@ -118,7 +139,7 @@ def _record_shape(comp: Compilation, shape: Shape, progress: Progress) -> tuple[
         for r in comp.recorders:
             r.reset()
             r.armed = True
-        _logits(comp.compiled, shape.prompts[0])
+        _logits(comp.compiled, shape.prompts[0], comp.device)
         for r in comp.recorders:
             r.armed = False
         if comp.take_new() == 0:
@@ -146,13 +167,13 @@ def teacher_forced(config: dict, prompts: Sequence[list[int]], max_tokens: int, 
     return out
 
 
-def score_compiled(compiled: Any, samples: Sequence[EngineSample]) -> None:
+def score_compiled(compiled: Any, samples: Sequence[EngineSample], device: str = "cpu") -> None:
     """The compiled model's FP32 log-softmax of its BF16 logits (as vLLM's raw log-probs) at each continuation token,
     all in one forward of prompt + continuation, into `prefill_logprobs` and `logprobs`."""
     with fresh_state():
         for s in samples:
             seq = list(s.prompt) + list(s.tokens)
-            logp = torch.log_softmax(_logits(compiled, seq).float(), dim=-1)
+            logp = torch.log_softmax(_logits(compiled, seq, device).float(), dim=-1)
             at = torch.arange(len(s.prompt) - 1, len(seq) - 1)
             got = logp[at, torch.tensor(s.tokens, dtype=torch.long)].tolist()
             s.prefill_logprobs = list(got)
@@ -169,6 +190,7 @@ class InductorEngine:
     compiled: Any
     recorders: list[BufferRecorder]
     name: str = NAME
+    device: str = "cpu"
 
     def sample(self, prompts: Sequence[list[int]], *, max_tokens: int, seed: int = 0,
                temperature: float = 1.0) -> list[EngineSample]:
@@ -178,7 +200,7 @@ class InductorEngine:
     def score(self, samples: Sequence[EngineSample]) -> None:
         """Each sample's continuation tokens scored by the compiled model in one forward of prompt + tokens, into
         `prefill_logprobs` (and `logprobs`, which teacher forcing makes the same)."""
-        score_compiled(self.compiled, samples)
+        score_compiled(self.compiled, samples, self.device)
 
     def record_routing(self, samples: Sequence[EngineSample], progress: Progress = lambda m: None) -> None:
         return None  # MoE routing is read from a vLLM engine's router kernels; not recorded here yet
@@ -200,7 +222,8 @@ def fresh_state() -> Iterator[None]:
 
 
 def start(model_dir: Path, shapes: list[Shape], options: EngineOptions, progress: Progress) -> InductorEngine:
-    """The HF model at `model_dir` compiled by Inductor on the CPU, its kernels recorded at every (prefill) shape."""
+    """The HF model at `model_dir` compiled by Inductor on `options.device`, its kernels recorded at every (prefill)
+    shape."""
     from graphdiff.capture.hf import load_hf_model
     from graphdiff.models.resolve import architecture, read_config
 
@@ -209,14 +232,14 @@ def start(model_dir: Path, shapes: list[Shape], options: EngineOptions, progress
     config = read_config(model_dir)
     progress(f"loading {model_dir.name} and compiling it with Inductor (torch.compile, dynamic shapes)")
     t0 = time.perf_counter()
-    model = load_hf_model(model_dir)
+    model = load_hf_model(model_dir).to(options.device)
     buffers: Buffers = {}
     notes: list[str] = []
     with fresh_state(), inductor_hooks() as hooks:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="inductor", dynamic=True)
-        comp = Compilation(model, compiled, hooks)
-        _logits(compiled, shapes[0].prompts[0])  # compiles
+        comp = Compilation(model, compiled, hooks, device=options.device)
+        _logits(compiled, shapes[0].prompts[0], options.device)  # compiles
         startup = time.perf_counter() - t0
         progress(f"compiled in {startup:.1f}s")
         if comp.take_new() == 0:
@@ -228,13 +251,14 @@ def start(model_dir: Path, shapes: list[Shape], options: EngineOptions, progress
     cap = Capture(side="engine", engine=NAME, model=str(model_dir), architecture=architecture(config),
                   versions=versions(), graphs=comp.graphs, prompt_tokens=list(shapes[0].prompts[0]), shapes=shapes,
                   engine_config={"engine": NAME, "backend": "inductor", "mode": "default", "dynamic": True,
-                                 "device": "cpu"},
+                                 "device": options.device},
                   notes=notes, logits_weight=logits_weight(model))
-    return InductorEngine(cap, buffers, startup, compiled, comp.recorders)
+    return InductorEngine(cap, buffers, startup, compiled, comp.recorders, device=options.device)
 
 
 def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *, progress: Progress = lambda m: None,
-                     config_sha256: str = "", sample: SampleRequest | None = None) -> tuple[Capture, Buffers, float]:
+                     config_sha256: str = "", sample: SampleRequest | None = None,
+                     device: str = "cpu") -> tuple[Capture, Buffers, float]:
     """The compiled model's capture made in a child process (`python -m graphdiff.engines.inductor`), written into
     `directory` as `graphdiff capture --engine inductor` writes it, and read back: Dynamo's and Inductor's state
     stays in the child, and the trainer runs in a process no compile touched. `sample`: the same compiled model then
@@ -244,14 +268,14 @@ def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *, p
 
     check_shapes(shapes)
     child.run("graphdiff.engines.inductor", dict(model_dir=str(model_dir), shapes=[s.model_dump() for s in shapes],
-                                                 out=str(directory), config_sha256=config_sha256,
+                                                 out=str(directory), config_sha256=config_sha256, device=device,
                                                  sample=sample.model_dump() if sample is not None else None), progress)
     cap, buffers = load_engine_capture(directory, model_dir)
     return cap, buffers, cap.startup_s or 0.0
 
 
 def scored_isolated(model_dir: Path, prompts: Sequence[list[int]], max_tokens: int, seed: int,
-                    progress: Progress = lambda m: None) -> list[EngineSample]:
+                    progress: Progress = lambda m: None, device: str = "cpu") -> list[EngineSample]:
     """Teacher-forced sequences of `prompts` scored by the compiled model in a child process (no capture)."""
     import json
     import tempfile
@@ -259,7 +283,8 @@ def scored_isolated(model_dir: Path, prompts: Sequence[list[int]], max_tokens: i
     with tempfile.TemporaryDirectory(prefix="graphdiff-inductor-") as tmp:
         result = Path(tmp) / "samples.json"
         child.run("graphdiff.engines.inductor", dict(model_dir=str(model_dir), prompts=[list(p) for p in prompts],
-                                                     max_tokens=max_tokens, seed=seed, result=str(result)), progress)
+                                                     max_tokens=max_tokens, seed=seed, result=str(result),
+                                                     device=device), progress)
         return [EngineSample.model_validate(s) for s in json.loads(result.read_text())]
 
 
@@ -270,72 +295,80 @@ def _serve(req: dict, progress: Progress) -> None:
     from graphdiff.engines.vllm.process import save_engine_capture
 
     model_dir = Path(req["model_dir"])
+    device = req.get("device", "cpu")
     if "result" in req:  # scores only
-        samples = _score_fresh(model_dir, req["prompts"], req["max_tokens"], req["seed"], progress)
+        samples = _score_fresh(model_dir, req["prompts"], req["max_tokens"], req["seed"], progress, device)
         Path(req["result"]).write_text(json.dumps([s.model_dump() for s in samples]))
         return
-    engine = start(model_dir, [Shape.model_validate(s) for s in req["shapes"]], EngineOptions(), progress)
+    engine = start(model_dir, [Shape.model_validate(s) for s in req["shapes"]], EngineOptions(device=device), progress)
     try:
         engine.capture.config_sha256 = req["config_sha256"]
         engine.capture.startup_s = round(engine.startup_s, 3)
         save_engine_capture(engine.capture, engine.buffers, Path(req["out"]))
         if req.get("sample"):
             s = SampleRequest.model_validate(req["sample"])
-            _store(model_dir, s, _scored(engine.compiled, model_dir, s.prompts, s.max_tokens, s.seed, progress))
+            _store(model_dir, s, _scored(engine.compiled, model_dir, s.prompts, s.max_tokens, s.seed, progress,
+                                         device), device)
     finally:
         engine.stop()
 
 
 def _scored(compiled: Any, model_dir: Path, prompts: Sequence[list[int]], max_tokens: int, seed: int,
-            progress: Progress) -> list[EngineSample]:
+            progress: Progress, device: str = "cpu") -> list[EngineSample]:
     from graphdiff.models.resolve import read_config
 
     progress(f"scoring {len(prompts)} teacher-forced sequences of {max_tokens} tokens on the compiled model (the gap)")
     samples = teacher_forced(read_config(model_dir), prompts, max_tokens, seed)
-    score_compiled(compiled, samples)
+    score_compiled(compiled, samples, device)
     return samples
 
 
 def _score_fresh(model_dir: Path, prompts: Sequence[list[int]], max_tokens: int, seed: int,
-                 progress: Progress) -> list[EngineSample]:
+                 progress: Progress, device: str = "cpu") -> list[EngineSample]:
     """The model compiled afresh (no hooks) and its teacher-forced scores."""
     from graphdiff.capture.hf import load_hf_model
 
     progress(f"loading {model_dir.name} and compiling it with Inductor (torch.compile, dynamic shapes)")
     torch._dynamo.reset()
     with fresh_state():
-        compiled = torch.compile(load_hf_model(model_dir), backend="inductor", dynamic=True)
-        samples = _scored(compiled, model_dir, prompts, max_tokens, seed, progress)
+        compiled = torch.compile(load_hf_model(model_dir).to(device), backend="inductor", dynamic=True)
+        samples = _scored(compiled, model_dir, prompts, max_tokens, seed, progress, device)
     torch._dynamo.reset()
     return samples
 
 
 def engine_samples(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int, seed: int = 0,
                    temperature: float = 1.0, out_dir: Path | None = None,
-                   progress: Progress = lambda m: None) -> EngineSamples:
+                   progress: Progress = lambda m: None, device: str = "cpu") -> EngineSamples:
     """The compiled model's teacher-forced scores of `prompts` continued by `max_tokens` seeded tokens, as the gate
     and the gap read them: from OUT/engine_samples.json when there (the scan's capture scored them), else scored in a
     child process and stored there."""
     from graphdiff.engines.vllm.session import cached_run, samples_run, store_samples
 
     want = samples_run(model_dir, "compiled", prompts, max_tokens=max_tokens, seed=seed, temperature=temperature,
-                       compilation_config={}, versions=versions(), engine=NAME)
+                       compilation_config=_device_key(device), versions=versions(), engine=NAME)
     hit = cached_run(out_dir, want)
     if hit is not None:
         progress(f"engine inductor: {len(hit.samples)} cached teacher-forced sequences from {out_dir}")
         return hit
-    want.samples = scored_isolated(model_dir, prompts, max_tokens, seed, progress)
+    want.samples = scored_isolated(model_dir, prompts, max_tokens, seed, progress, device)
     if out_dir is not None:
         store_samples(out_dir, want)
     return want
 
 
-def _store(model_dir: Path, s: SampleRequest, samples: list[EngineSample]) -> None:
+def _device_key(device: str) -> dict:
+    """The cached scores' key part for the device: none on the CPU (the key scores made before `--device` had)."""
+    return {} if device == "cpu" else {"device": device}
+
+
+def _store(model_dir: Path, s: SampleRequest, samples: list[EngineSample], device: str = "cpu") -> None:
     """The scores into out_dir/engine_samples.json, keyed as `sample_engine` looks them up for this engine."""
     from graphdiff.engines.vllm.session import samples_run, store_samples
 
     store_samples(Path(s.out_dir), samples_run(model_dir, "compiled", s.prompts, max_tokens=s.max_tokens, seed=s.seed,
-                                               temperature=s.temperature, compilation_config={}, versions=versions(),
+                                               temperature=s.temperature, compilation_config=_device_key(device),
+                                               versions=versions(),
                                                samples=samples, engine=NAME))
 
 

@@ -130,7 +130,8 @@ def gate(scan: ScanResult, patch_dir: Path, samples_dir: Path, *, max_tokens: in
     asked = random_prompts(read_config(model_dir), prompts, 16, 0)
     samples = engine_runs(str(scan.engine_config.get("engine", "vllm")), model_dir, asked, ["compiled"],
                           max_tokens=max_tokens, out_dir=samples_dir, progress=progress,
-                          compilation_config=scan.compilation_config)["compiled"].samples
+                          compilation_config=scan.compilation_config,
+                          device=str(scan.engine_config.get("device", "cpu")))["compiled"].samples
     return select_regions(load_hf_model(model_dir), patch_dir / "manifest.json", samples, progress)
 
 

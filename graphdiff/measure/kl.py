@@ -312,10 +312,10 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
             regions: Sequence[str] | None = None, attribute: bool = False, metric: str = "k3", bootstrap: int = 1000,
             out_dir: Path | None = None, isolate: bool = True, progress: Progress = lambda m: None,
             reproduce: str = "", compilation_config: dict | None = None,
-            tensor_parallel_size: int = 1, engine: str = "vllm") -> KLResult:
+            tensor_parallel_size: int = 1, engine: str = "vllm", device: str = "cpu") -> KLResult:
     """Engine samples (compiled; with `modes` also eager) x trainer (eager; with `modes` also compiled),
-    each trainer also patched by `manifest` when given; the engine's own floor; with `attribute`, Shapley over
-    the regions. `engine` "inductor": the torch.compile'd model's teacher-forced scores stand for the samples.
+    each trainer also patched by `manifest` when given; the engine's own floor; with `attribute`, Shapley over the
+    regions. `engine` "inductor": the torch.compile'd model's teacher-forced scores (on `device`) are the samples.
 
     The attribution's `metric` defaults to k3: k1 and k3 estimate the same KL without bias, but k1's
     per-token terms have both signs and are ~rms in size, so at thousands of tokens its noise (see
@@ -340,7 +340,7 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
     trainer_modes: list[TrainerMode] = ["eager", "compiled"] if modes else ["eager"]
     samples = engine_runs(engine, model_dir, prompts, engine_modes, max_tokens=max_tokens, seed=seed,
                           temperature=temperature, out_dir=out_dir, isolate=isolate, progress=progress,
-                          compilation_config=compilation_config,
+                          compilation_config=compilation_config, **({"device": device} if device != "cpu" else {}),
                           **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}))
     t_engine = time.perf_counter()
     measurements, agree = _trainer_measurements(base, samples, trainer_modes, manifest, regions, patched, progress)

@@ -124,7 +124,7 @@ def cpp_sum_lanes_each(code: str) -> list[int]:
     return lanes
 
 
-_BF16_OUT = re.compile(r"at::BFloat16\*\s+(out_ptr\d+)")
+_BF16_OUT = re.compile(r"at::BFloat16\*\s+((?:in_)?out_ptr\d+)")
 
 
 def cpp_rereads_store(code: str) -> bool:

@@ -1,0 +1,40 @@
+"""The lent-GPU script (benchmarks/inductor_gpu_checks.py) runs end to end on the CPU, so a GPU session only runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.engine  # compiles the tiny model with Inductor in a child process (a minute or two here)
+def test_the_gpu_script_runs_on_the_cpu_in_one_go_into_one_json(tmp_path):
+    out = tmp_path / "checks.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "inductor_gpu_checks.py"), "--device", "cpu",
+                          "--quick", "--archs", "qwen3", "--json", str(out), "--work", str(tmp_path / "work")],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    qwen3 = result["archs"]["qwen3"]
+    assert "error" not in qwen3["scan"], qwen3["scan"]
+    assert qwen3["kernel_replay"]["proven"], qwen3["kernel_replay"]
+    assert set(qwen3["kernel_replay"]["kernels"][next(iter(qwen3["kernel_replay"]["kernels"]))]) == {
+        "prefill-16", "prefill-128"}
+    gap = qwen3["gap"]
+    assert gap["unpatched"]["buckets"] and gap["patched"]["rms"] < gap["unpatched"]["rms"]
+    splices = qwen3["splices"]
+    assert splices["checks"] > 0 and splices["failed"] == 0, splices
+    if result["triton"].startswith("skipped"):
+        assert splices["triton_checks"] == 0
+    else:  # Triton's interpreter ran every splice that has kernels
+        assert result["triton"].startswith("interpreter") and splices["triton_checks"] > 0
+    step = result["training_step"]
+    assert "error" not in step, step
+    assert {"unpatched", "all"} <= set(step["variants"]) and step["variants"]["all"]["peak_mib"] > 0
