@@ -169,6 +169,22 @@ def stored_reads(frag: Fragment, n: Node, nodes: dict[str, Node]) -> list[str]:
     return out
 
 
+def _input_lines(frag: Fragment, names: dict[str, str], nodes: dict[str, Node], index: dict[str, int]) -> list[str]:
+    """Each input in FP32; one the engine gathers from a low-precision table (`table_inputs`) rounded to it while
+    the fragment's regions are aligned."""
+    lines = []
+    for name in frag.inputs:
+        x = names[name]
+        if name in frag.table_inputs:
+            flags = " or ".join(flag(index, r) for r in frag.regions)
+            dtype = DTYPES.get(frag.table_inputs[name], "torch.bfloat16")
+            lines.append(f"    {x} = _round(_f32({x}), {dtype}) if {flags} else _f32({x})"
+                         f"  # float32; the engine reads a {frag.table_inputs[name]} table")
+        else:
+            lines.append(f"    {x} = _f32({x})  # {nodes[name].dtype}")
+    return lines
+
+
 def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
                   names: dict[str, str] | None = None) -> list[str]:
     """`def fn_name(<inputs>, align, lanes) -> tuple`: the fragment under the plan set by `align`; `lanes` is the
@@ -181,14 +197,7 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
     for region, i in index.items():
         sites = [names[n.name] for n in frag.nodes if frag.sites.get(n.name) == region]
         lines.append(f"    a{i} = {region!r} in align  # aligned: {', '.join(sites)} stay FP32")
-    for name in frag.inputs:
-        if name in frag.table_inputs:  # the engine gathers it from a low-precision table
-            flags = " or ".join(flag(index, r) for r in frag.regions)
-            dtype = DTYPES.get(frag.table_inputs[name], "torch.bfloat16")
-            lines.append(f"    {names[name]} = _round(_f32({names[name]}), {dtype}) if {flags} else _f32({names[name]})"
-                         f"  # float32; the engine reads a {frag.table_inputs[name]} table")
-            continue
-        lines.append(f"    {names[name]} = _f32({names[name]})  # {nodes_by_name[name].dtype}")
+    lines += _input_lines(frag, names, nodes_by_name, index)
     rereads = store_readers(frag, nodes_by_name)
     for n in frag.nodes:
         code = (n.source.code if n.source else "")[:70]

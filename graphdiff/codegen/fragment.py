@@ -114,6 +114,13 @@ def dotted_module(file: str) -> str | None:
     return ".".join(parts[i:])
 
 
+def _mark_reads(scan: ScanResult, graph: Graph, region: Region, frag: Fragment) -> None:
+    """How the engine reads the fragment's values otherwise than eager: by Inductor's math, through a stored copy,
+    from a low-precision table."""
+    frag.inductor_math, frag.rounded_reads = _inductor_math(scan, frag.nodes), _rounded_reads(scan, frag)
+    frag.table_inputs = _table_inputs(scan, graph, region, frag.inputs)
+
+
 def _table_inputs(scan: ScanResult, graph: Graph, region: Region, inputs: list[str]) -> dict[str, str]:
     """The RoPE fragment's FP32 inputs computed by a trainer `cos` or `sin` (scaled or not), where the engine gathers
     cos/sin from a low-precision table (`engine_rope_table`)."""
@@ -330,8 +337,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
             frag.rounded_sums = rounded_sums(scan, graph, region.module)
             frag.stored_sums = stored_sums(scan, graph, region.module)
     frag.inputs, frag.outputs = _boundary(graph, [n.name for n in frag.nodes])
-    frag.inductor_math, frag.rounded_reads = _inductor_math(scan, frag.nodes), _rounded_reads(scan, frag)
-    frag.table_inputs = _table_inputs(scan, graph, region, frag.inputs)
+    _mark_reads(scan, graph, region, frag)
     frag.sites = {s: region.name for s in site_nodes if sides[s] == "train"}
     frag.engine_sites = {s: region.name for s in site_nodes if sides[s] == "engine"}
     trainer_rounds = {d.node for d in scan.plan if d.train.rounds}
