@@ -25,6 +25,20 @@ pytestmark = pytest.mark.engine
 SAMPLE = SampleAsk(count=4, prompt_tokens=16, max_tokens=160)
 
 
+def _assert_at_engine_floor(samples: list, patched: list, plain: list) -> None:
+    """Where the engine's decode equals its own prefill (its floor is 0), the patched trainer's log-prob is the
+    engine's on every token and the unpatched trainer's is not on some."""
+    at_floor = same = differ_plain = 0
+    for s, mine, unpatched in zip(samples, patched, plain):
+        engine, prefill_lp = torch.tensor(s.logprobs), torch.tensor(s.prefill_logprobs)
+        exact = engine == prefill_lp
+        at_floor += int(exact.sum())
+        same += int((mine.float() == engine)[exact].sum())
+        differ_plain += int((unpatched.float() != engine)[exact].sum())
+    assert at_floor > 0.9 * SAMPLE.count * SAMPLE.max_tokens and differ_plain > 0  # the unpatched trainer departs
+    assert same == at_floor, f"{at_floor - same} of {at_floor} tokens at the engine's floor differ"
+
+
 # the fused-MoE op stores by build (the `_C_AVX512` and `_C_AVX2` experts leave no site): .ci/run runs it as each kind
 @pytest.mark.kind
 def test_exact_moe_gives_the_engines_logprobs_and_expert_choices(tmp_path):
@@ -52,15 +66,7 @@ def test_exact_moe_gives_the_engines_logprobs_and_expert_choices(tmp_path):
         with trainer(base, "eager", d.patch_dir / "manifest.json" if enabled else None, enabled) as patched:
             found[label] = _logprobs_and_routing(patched, samples, label)
     (lp_plain, flips_plain), (lp, flips) = found["unpatched"], found["patched"]
-    at_floor = same = differ_plain = 0
-    for s, mine, plain in zip(samples, lp, lp_plain):
-        engine, prefill_lp = torch.tensor(s.logprobs), torch.tensor(s.prefill_logprobs)
-        exact = engine == prefill_lp  # where the engine's own floor is 0
-        at_floor += int(exact.sum())
-        same += int((mine.float() == engine)[exact].sum())
-        differ_plain += int((plain.float() != engine)[exact].sum())
-    assert at_floor > 0.9 * SAMPLE.count * SAMPLE.max_tokens and differ_plain > 0  # the unpatched trainer departs
-    assert same == at_floor, f"{at_floor - same} of {at_floor} tokens at the engine's floor differ"
+    _assert_at_engine_floor(samples, lp, lp_plain)
     assert sum(a.differing for a in flips) == 0 < sum(a.differing for a in flips_plain), (flips, flips_plain)
 
 
@@ -176,15 +182,7 @@ def test_exact_dense_tail_gives_the_engines_logprobs(tmp_path, arch):
     for label, enabled in (("unpatched", None), ("patched", regions)):
         with trainer(base, "eager", d.patch_dir / "manifest.json" if enabled else None, enabled) as patched:
             found[label] = _logprobs_and_routing(patched, samples, label)[0]
-    at_floor = same = differ_plain = 0
-    for s, mine, plain in zip(samples, found["patched"], found["unpatched"]):
-        engine, prefill_lp = torch.tensor(s.logprobs), torch.tensor(s.prefill_logprobs)
-        exact = engine == prefill_lp  # where the engine's own floor is 0
-        at_floor += int(exact.sum())
-        same += int((mine.float() == engine)[exact].sum())
-        differ_plain += int((plain.float() != engine)[exact].sum())
-    assert at_floor > 0.9 * SAMPLE.count * SAMPLE.max_tokens and differ_plain > 0  # the unpatched trainer departs
-    assert same == at_floor, f"{at_floor - same} of {at_floor} tokens at the engine's floor differ"
+    _assert_at_engine_floor(samples, found["patched"], found["unpatched"])
 
 
 def test_the_engines_gemm_with_its_bias_fused_is_atens_linear_and_conv1d():

@@ -620,7 +620,7 @@ def mark_reloaded_casts(train: Graph, plan: list[Decision], engine_graphs: list[
             continue
         stored = _one_kernel_store(t, graph)
         kernel = next((k for k in graph.kernels if stored is not None and k.id in stored[1]), None)
-        if (kernel is not None and cpp_rereads_store(kernel.code)
+        if (kernel is not None and stored is not None and cpp_rereads_store(kernel.code)
                 and any(a.node == stored[0].name and a.role in ("out", "inout") for a in kernel.args)):
             t.engine = t.engine.model_copy(update=dict(
                 dtype=stored[0].dtype, rounds=True, on_grid=True,
@@ -666,7 +666,8 @@ def _recomputed_readers(graph: Graph, base: Node, readers: list[Decision]) -> tu
         e = enodes.get(d.evidence.engine_node) if d.evidence.engine_graph == graph.name else None
         direct = e is not None and any((b := value_base(enodes, i)) is not None and b.name == base.name
                                        for i in e.inputs)
-        if (direct and d.engine is not None and not d.engine.on_grid and computed.get(e.name, set()) & own
+        if (direct and e is not None and d.engine is not None and not d.engine.on_grid
+                and computed.get(e.name, set()) & own
                 and op_name(e.target) not in EXACT | CASTS):
             fp32.append(d)
         else:

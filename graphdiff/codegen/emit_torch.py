@@ -207,9 +207,9 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
             read[src] = f"{names[src]}_stored"
             flags = " or ".join(flag(index, r) for r in sorted(set(frag.ordered.values())))
             lines.append(f"    {read[src]} = _round({names[src]}, {dtype}) if ({flags}) and lanes else {names[src]}")
-        for i in stored_reads(frag, n, nodes_by_name):  # the engine's op reads its stored copy: a no-op unless FP32
-            read[i] = f"{names[i]}_stored"
-            lines.append(f"    {read[i]} = _round({names[i]}, torch.bfloat16)")
+        for held in stored_reads(frag, n, nodes_by_name):  # the engine's op reads its stored copy: a no-op unless FP32
+            read[held] = f"{names[held]}_stored"
+            lines.append(f"    {read[held]} = _round({names[held]}, torch.bfloat16)")
         expr = (ordered_expression(n, flag(index, frag.ordered[n.name]), nodes_by_name, names, frag.reads_store,
                                    frag.stored_input)
                 if n.name in frag.ordered else expression(n, nodes_by_name, read))

@@ -232,7 +232,7 @@ def start(model_dir: Path, shapes: list[Shape], options: EngineOptions, progress
     config = read_config(model_dir)
     progress(f"loading {model_dir.name} and compiling it with Inductor (torch.compile, dynamic shapes)")
     t0 = time.perf_counter()
-    model = load_hf_model(model_dir).to(options.device)
+    model = load_hf_model(model_dir).to(options.device)  # type: ignore[arg-type]  # transformers wraps `to`
     buffers: Buffers = {}
     notes: list[str] = []
     with fresh_state(), inductor_hooks() as hooks:
@@ -331,7 +331,8 @@ def _score_fresh(model_dir: Path, prompts: Sequence[list[int]], max_tokens: int,
     progress(f"loading {model_dir.name} and compiling it with Inductor (torch.compile, dynamic shapes)")
     torch._dynamo.reset()
     with fresh_state():
-        compiled = torch.compile(load_hf_model(model_dir).to(device), backend="inductor", dynamic=True)
+        model = load_hf_model(model_dir).to(device)  # type: ignore[arg-type]  # transformers wraps `to`
+        compiled = torch.compile(model, backend="inductor", dynamic=True)
         samples = _scored(compiled, model_dir, prompts, max_tokens, seed, progress, device)
     torch._dynamo.reset()
     return samples
