@@ -185,6 +185,22 @@ def _input_lines(frag: Fragment, names: dict[str, str], nodes: dict[str, Node], 
     return lines
 
 
+def _stored_copies(frag: Fragment, n: Node, nodes: dict[str, Node], names: dict[str, str], index: dict[str, int],
+                   rereads: dict[str, tuple[str, str]]) -> list[tuple[str, str]]:
+    """(input, the line making its `_stored` copy) for each input `n` reads as the engine's stored low-precision
+    copy: a norm's input its kernel's later loop reloads (`store_readers`), an input the engine's op reads from its
+    store (`stored_reads`: a no-op unless FP32)."""
+    out = []
+    if n.name in rereads:
+        src, dtype = rereads[n.name]
+        flags = " or ".join(flag(index, r) for r in sorted(set(frag.ordered.values())))
+        out.append((src, f"    {names[src]}_stored = _round({names[src]}, {dtype}) if ({flags}) and lanes "
+                         f"else {names[src]}"))
+    for held in stored_reads(frag, n, nodes):
+        out.append((held, f"    {names[held]}_stored = _round({names[held]}, torch.bfloat16)"))
+    return out
+
+
 def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
                   names: dict[str, str] | None = None) -> list[str]:
     """`def fn_name(<inputs>, align, lanes) -> tuple`: the fragment under the plan set by `align`; `lanes` is the
@@ -199,17 +215,15 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
         lines.append(f"    a{i} = {region!r} in align  # aligned: {', '.join(sites)} stay FP32")
     lines += _input_lines(frag, names, nodes_by_name, index)
     rereads = store_readers(frag, nodes_by_name)
+    copies: set[str] = set()  # the stored copies already made: an input is never reassigned, one copy serves all
     for n in frag.nodes:
         code = (n.source.code if n.source else "")[:70]
         read = dict(names)
-        if n.name in rereads:  # the engine's later loop reads the norm's input from its BF16 store
-            src, dtype = rereads[n.name]
+        for src, line in _stored_copies(frag, n, nodes_by_name, names, index, rereads):
             read[src] = f"{names[src]}_stored"
-            flags = " or ".join(flag(index, r) for r in sorted(set(frag.ordered.values())))
-            lines.append(f"    {read[src]} = _round({names[src]}, {dtype}) if ({flags}) and lanes else {names[src]}")
-        for held in stored_reads(frag, n, nodes_by_name):  # the engine's op reads its stored copy: a no-op unless FP32
-            read[held] = f"{names[held]}_stored"
-            lines.append(f"    {read[held]} = _round({names[held]}, torch.bfloat16)")
+            if line not in copies:
+                copies.add(line)
+                lines.append(line)
         expr = (ordered_expression(n, flag(index, frag.ordered[n.name]), nodes_by_name, names, frag.reads_store,
                                    frag.stored_input)
                 if n.name in frag.ordered else expression(n, nodes_by_name, read))
