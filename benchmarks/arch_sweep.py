@@ -92,6 +92,8 @@ def kl_summary(kl_dir: Path) -> dict:
         f[0], f[1] = f[0] + a["differing"], f[1] + a["tokens"]
     shares = {s["name"]: max(s["share"], default=0.0) for s in kl.get("sources", [])}
     return dict(rms_unpatched=plain["rms"] if plain else None, rms_patched=fixed["rms"] if fixed else None,
+                bitexact_unpatched=plain["bitexact_fraction"] if plain else None,
+                bitexact_patched=fixed["bitexact_fraction"] if fixed else None,
                 k3_unpatched=plain["k3"] if plain else None, k3_patched=fixed["k3"] if fixed else None,
                 tokens=plain["tokens"] if plain else 0, routing=flips, kl_left_out=kl.get("left_out", []),
                 source_shares=shares, sources_note=kl.get("sources_note", ""))
@@ -154,6 +156,36 @@ def sweep_one(arch: str, root: Path, args: argparse.Namespace) -> dict:
     return res
 
 
+def sweep_portable(arch: str, root: Path, args: argparse.Namespace, res: dict) -> None:
+    """The portable patch (rounding locations only, no engine op) from the same scan, gated on the scan's cached
+    samples, and its held-out gap on the engine samples the `--exact` kl drew (copied, so the engine is not re-run):
+    the "without --exact" row of the same architecture."""
+    d = root / arch
+    scan, patch, kl = d / "scan", d / "portable", d / "kl-portable"
+    step = run_step("portable-patch", ["patch", str(scan), "--out", str(patch)], d / "portable-patch.log",
+                    args.timeout)
+    res["steps"].append(step)
+    if step["rc"] != 0:
+        return
+    m = json.loads((patch / "manifest.json").read_text())
+    res["portable_enabled"] = sum(r["generated"] and r.get("enabled", True) for r in m["regions"])
+    kl.mkdir(parents=True, exist_ok=True)
+    for name in ("kl.json", "engine_samples.json"):  # a kl directory of its own, so kl reads its cached samples
+        if (d / "kl" / name).exists():
+            (kl / name).write_bytes((d / "kl" / name).read_bytes())
+    cli = ["kl", str(d / "model"), "--random", str(args.kl_prompts), "--max-tokens", str(args.kl_tokens),
+           "--seed", str(args.kl_seed), "--out", str(kl)]
+    if res["portable_enabled"]:
+        cli += ["--manifest", str(patch / "manifest.json")]
+    step = run_step("portable-kl", cli, d / "portable-kl.log", args.timeout)
+    res["steps"].append(step)
+    if step["rc"] == 0:
+        s = kl_summary(kl)
+        res["portable"] = dict(rms_patched=s["rms_patched"] if res["portable_enabled"] else s["rms_unpatched"],
+                               bitexact_patched=s["bitexact_patched"] if res["portable_enabled"]
+                               else s["bitexact_unpatched"], routing=s["routing"])
+
+
 def kept_lower(res: dict) -> str:
     """What keeps the reduction under TARGET, as kl and the departure scan name it; empty at or above it."""
     red = reduction(res)
@@ -191,18 +223,30 @@ def outcome(res: dict) -> str:
     return text.replace("|", "\\|")
 
 
+def portable_cell(r: dict) -> str:
+    """The portable patch's held-out RMS, reduction, bit-identical share and expert flips ("-" where not run)."""
+    port = r.get("portable")
+    if not port:
+        return "-"
+    flips = (port.get("routing") or {}).get("patched")
+    red = reduction(dict(rms_unpatched=r.get("rms_unpatched"), rms_patched=port["rms_patched"]))
+    return (f"{fmt(port['rms_patched'], '.4f')} / {fmt(red, '.1%')} / {fmt(port['bitexact_patched'], '.1%')}"
+            + (f" / {flips[0]} of {flips[1]}" if flips else ""))
+
+
 def fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
 def table(results: list[dict]) -> str:
     head = ("| arch | outcome | sites | regions | worst kernel replay | kernels not replayed / below 99.9% | "
-            "regions patched / kept by the gate | RMS unpatched | RMS patched | RMS reduction | "
-            "MoE: tokens × layers with other experts, unpatched → patched | what keeps it under 90% |")
-    rows = [head, "|" + "---|" * 12]
+            "regions patched / kept by the gate | RMS unpatched | RMS patched | RMS reduction | bit-identical | "
+            "MoE: tokens × layers with other experts, unpatched → patched | portable patch: RMS / reduction / "
+            "bit-identical / MoE | what keeps it under 90% |")
+    rows = [head, "|" + "---|" * 14]
     for r in results:
         if "sites" not in r:
-            rows.append(f"| {r['arch']} | {outcome(r)} |" + " - |" * 10)
+            rows.append(f"| {r['arch']} | {outcome(r)} |" + " - |" * 12)
             continue
         flips = r.get("routing") or {}
         moe = " → ".join(f"{d} of {t}" for d, t in (flips.get(k) for k in ("unpatched", "patched")
@@ -216,9 +260,10 @@ def table(results: list[dict]) -> str:
         if p is None and u is not None:  # nothing enabled: the trainer runs unpatched
             p = u
         red = fmt(reduction(r), ".1%")
+        bit = fmt(r.get("bitexact_patched") if r.get("enabled") else r.get("bitexact_unpatched"), ".1%")
         why = kept_lower(r).replace("|", "\\|")
         rows.append(f"| {r['arch']} | {outcome(r)} | {r['sites']} | {r['regions']} | {worst} | {kern} | {patched} | "
-                    f"{fmt(u, '.4f')} | {fmt(p, '.4f')} | {red} | {moe} | {why} |")
+                    f"{fmt(u, '.4f')} | {fmt(p, '.4f')} | {red} | {bit} | {moe} | {portable_cell(r)} | {why} |")
     return "\n".join(rows) + "\n"
 
 
@@ -251,16 +296,24 @@ def main() -> None:
                    help="the attention splice's form (`graphdiff patch --attention`)")
     p.add_argument("--exact", action="store_true", help="the patch runs the engine's own ops where no rounding plan "
                    "makes the forward equal (`graphdiff patch --exact`)")
+    p.add_argument("--portable", action="store_true", help="also the portable patch (`graphdiff patch SCAN`, no "
+                   "engine op) from the same scan, and its held-out gap: the row without --exact")
     args = p.parse_args()
     archs = args.archs or list(ARCHS)
     results = []
     for arch in archs:
         path = args.out / arch / "result.json"
-        if args.resume and path.exists():
-            results.append(json.loads(path.read_text()))
-            continue
         t0 = time.perf_counter()
-        res = sweep_one(arch, args.out, args)
+        if args.resume and path.exists():
+            res = json.loads(path.read_text())
+            if not (args.portable and "portable" not in res and res.get("rms_unpatched") is not None):
+                results.append(res)
+                continue
+            sweep_portable(arch, args.out, args, res)  # a row swept before without its portable patch
+        else:
+            res = sweep_one(arch, args.out, args)
+            if args.portable and res.get("rms_unpatched") is not None:
+                sweep_portable(arch, args.out, args, res)
         res["wall_s"] = round(time.perf_counter() - t0, 1)
         path.write_text(json.dumps(res, indent=1))
         results.append(res)
