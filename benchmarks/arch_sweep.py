@@ -162,6 +162,7 @@ def sweep_portable(arch: str, root: Path, args: argparse.Namespace, res: dict) -
     the "without --exact" row of the same architecture."""
     d = root / arch
     scan, patch, kl = d / "scan", d / "portable", d / "kl-portable"
+    res["steps"] = [s for s in res["steps"] if not s["step"].startswith("portable-")]  # a resumed try replaces them
     step = run_step("portable-patch", ["patch", str(scan), "--out", str(patch)], d / "portable-patch.log",
                     args.timeout)
     res["steps"].append(step)
