@@ -128,6 +128,7 @@ def other_length_problem(frag: Fragment, nodes: dict[str, Node], tokens: int) ->
 
 
 def _at_other_length(frag: Fragment, nodes: dict[str, Node], tokens: int, outer_only: bool) -> str:
+    assert frag.compiled is not None
     other = tokens + 5
     gen = torch.Generator().manual_seed(1)
     # a parameter or buffer keeps its size (Phi's tiny inv_freq has 16 entries, as the captured prompt has tokens)
