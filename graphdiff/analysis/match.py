@@ -48,6 +48,39 @@ def modules_compatible(a: str | None, b: str | None, same_layer: bool) -> bool:
     return la != lb and (la is None or lb is None or abs(la - lb) == 1)
 
 
+def align_module_roots(train: Graph, engine_graphs: list[Graph]) -> dict[str, str]:
+    """Rename, in place, each engine module root the trainer does not have to the trainer's root that holds the
+    same submodules (vLLM's Transformers backend registers HF's base model as `model`, HF names it after the
+    architecture, `gpt_neox`): matching and regions then see one module per path. Returns the renames."""
+    def split(path: str) -> tuple[str, str]:
+        head, _, rest = path.partition(".")
+        return head, rest
+
+    def by_root(paths: set[str]) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for path in paths:
+            head, rest = split(path)
+            out.setdefault(head, set()).add(rest)
+        return out
+
+    theirs = by_root({n.module for n in train.nodes if n.module})
+    ours = by_root({n.module for g in engine_graphs for n in g.nodes if n.module})
+    renames: dict[str, str] = {}
+    for root, rests in ours.items():
+        if root in theirs:
+            continue
+        shared = {t: len(rests & r) for t, r in theirs.items() if t not in ours}
+        best = max(shared, key=lambda t: shared[t], default=None)
+        if best is not None and 2 * shared[best] >= len(rests):
+            renames[root] = best
+    for g in engine_graphs:
+        for n in g.nodes:
+            if n.module and split(n.module)[0] in renames:
+                head, rest = split(n.module)
+                n.module = renames[head] + ("." + rest if rest else "")
+    return renames
+
+
 def op_kind(node: Node) -> str:
     name = op_name(node.target)
     return "cast" if name in CASTS else name

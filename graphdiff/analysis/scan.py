@@ -23,7 +23,7 @@ import torch
 
 from graphdiff.analysis import tensor_parallel as tp
 from graphdiff.analysis.departure import first_departure
-from graphdiff.analysis.match import Match
+from graphdiff.analysis.match import Match, align_module_roots
 from graphdiff.analysis.moe import engine_experts_op, experts_decisions, experts_nodes, routing_agreement
 from graphdiff.analysis.opaque import attention_decisions, extern_rule
 from graphdiff.analysis.plan import (
@@ -509,6 +509,8 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         notes.append(f"engine compiled {len(engine_cap.graphs)} graphs; sites are searched in each")
     notes += logits_notes(engine_cap, train.capture, config)
     tgraph = train.capture.graphs[0]
+    renames = align_module_roots(tgraph, engine_cap.graphs)
+    notes += [f"engine modules under `{a}` named as the trainer's `{b}`" for a, b in renames.items()]
     labels = [s.label for s in engine_cap.shapes] or list(buffers)
     timings: dict[str, float] = {}
     per_graph, matched, replay, engine_values = _reference_decisions(engine_cap, buffers, train, labels[0], timings)

@@ -14,6 +14,7 @@ buffers (after). Nothing is added to the graph: an added output would be stored,
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -56,9 +57,24 @@ def _snodes(schedule: Any) -> Iterator[Any]:
             yield from snode.get_nodes()
 
 
-def _last_origin(origins: Any) -> Any:
-    """The FX node whose value a buffer holds: the one origin no other origin consumes."""
-    sinks = [o for o in origins if not any(u in origins for u in o.users)]
+def _consumed(node: Any, origins: Any) -> bool:
+    """Whether another origin reads `node`, directly or through a `getitem` of it (var_mean, split: their
+    getitems are not origins of the buffer that fuses their consumers)."""
+    return any(u in origins or (u.target is operator.getitem and any(g in origins for g in u.users))
+               for u in node.users)
+
+
+def _is_custom_op(node: Any) -> bool:
+    """An op outside aten/prims (a vLLM or oneDNN op): always an extern call, never a generated kernel's value."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace not in ("aten", "prims")
+
+
+def _last_origin(origins: Any, generated: bool = False) -> Any:
+    """The FX node whose value a buffer holds: the one origin no other origin consumes. Inductor also lists, among
+    a generated kernel's origins, the extern op that reads its buffer; that op is not the buffer's value."""
+    if generated:
+        origins = {o for o in origins if not _is_custom_op(o)}
+    sinks = [o for o in origins if not _consumed(o, origins)]
     return sinks[0] if len(sinks) == 1 else None
 
 
@@ -70,7 +86,7 @@ def _record_origins(cur: Compiled, kid: str, irnodes: list[Any], is_extern: bool
         for origin in sorted(ir.origins, key=lambda n: n.name):
             if origin.name not in names:
                 names.append(origin.name)
-        origin_node = getattr(ir, "origin_node", None) or _last_origin(ir.origins)
+        origin_node = getattr(ir, "origin_node", None) or _last_origin(ir.origins, generated=not is_extern)
         if origin_node is not None:
             if is_extern:
                 cur.origin_node[kid] = origin_node.name
