@@ -500,6 +500,12 @@ def logits_notes(engine_cap: Capture, train_cap: Capture, config: dict) -> list[
     return []
 
 
+def _trainer_roots(tgraph: Graph, engine_graphs: list[Graph]) -> list[str]:
+    """The engine's module roots renamed to the trainer's (`align_module_roots`), each as a note."""
+    return [f"engine modules under `{a}` named as the trainer's `{b}`"
+            for a, b in align_module_roots(tgraph, engine_graphs).items()]
+
+
 def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: str, layers_total: int,
             config: dict, reproduce: str = "", notes: list[str] | None = None) -> ScanResult:
     """Everything after both sides have run: rounding, replay evidence, matching, the plan, sites, regions."""
@@ -509,8 +515,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         notes.append(f"engine compiled {len(engine_cap.graphs)} graphs; sites are searched in each")
     notes += logits_notes(engine_cap, train.capture, config)
     tgraph = train.capture.graphs[0]
-    renames = align_module_roots(tgraph, engine_cap.graphs)
-    notes += [f"engine modules under `{a}` named as the trainer's `{b}`" for a, b in renames.items()]
+    notes += _trainer_roots(tgraph, engine_cap.graphs)
     labels = [s.label for s in engine_cap.shapes] or list(buffers)
     timings: dict[str, float] = {}
     per_graph, matched, replay, engine_values = _reference_decisions(engine_cap, buffers, train, labels[0], timings)
