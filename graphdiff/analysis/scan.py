@@ -24,6 +24,7 @@ import torch
 from graphdiff.analysis import tensor_parallel as tp
 from graphdiff.analysis.departure import first_departure
 from graphdiff.analysis.match import Match, align_module_roots
+from graphdiff.analysis.math_ops import math_differences
 from graphdiff.analysis.moe import engine_experts_op, experts_decisions, experts_nodes, routing_agreement
 from graphdiff.analysis.opaque import attention_decisions, extern_rule
 from graphdiff.analysis.plan import (
@@ -560,5 +561,6 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         departure=departure, ordered_sums=ordered_sums(tgraph, matched, engine_cap.graphs, kernel_lanes(replay)),
         norm_rereads=norm_rereads(tgraph, engine_cap.graphs, matched),
         norm_reads_stored=norm_reads_stored(tgraph, engine_cap.graphs), rounded_sums=sums[0], stored_sums=sums[1],
+        inductor_math=math_differences(tgraph, matched, engine_cap.graphs, engine_values),
     )
 

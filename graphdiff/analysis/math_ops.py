@@ -1,0 +1,75 @@
+"""Trainer ops that part from the engine by their math library alone, with no rounding site.
+
+Inductor lowers GELU to `0.5 * x * (1 + erf(x / sqrt(2)))` and computes erf, tanh, exp, cos, ... with its own
+vectorized math (`replay.inductor_math`); eager runs ATen's kernels. Both sides read the same input and round the
+result once, in the same place, so the scan finds no site, yet a last-bit difference in FP32 flips some BF16 outputs
+(GPT-NeoX's MLP GELU: 0.28% of elements) and everything downstream departs from there. Each matched trainer op of
+`MATH_OPS` whose engine value an Inductor-generated kernel computes is evaluated on the engine's own value of its
+input, eagerly and as Inductor's one-op function: where eager differs from the engine's value and Inductor's form
+equals it on every element, the op is recorded (`ScanResult.inductor_math`; `codegen.math_order` makes a region
+of it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphdiff.analysis.match import Match
+from graphdiff.ops import op_name
+from graphdiff.records import Graph, Node
+from graphdiff.replay.inductor_math import GELU_FORMS, inductor_math, math_form
+from graphdiff.replay.kernels import value_base
+
+LAYOUT_GUESS = 0.5  # more differing elements than this: the two values are not laid out alike
+
+
+def math_differences(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]]], engine_graphs: list[Graph],
+                     engine_values: dict[str, dict]) -> dict[str, list[str]]:
+    """HF module -> its trainer nodes (`MATH_OPS`) whose engine value, computed in an Inductor-generated kernel,
+    equals Inductor's form of the op on the engine's input and not ATen's eager op. `matched` and `engine_values` are
+    per engine graph."""
+    nodes = tgraph.node_map()
+    found: dict[str, list[str]] = {}
+    for g in engine_graphs:
+        kinds = {k.id: k.kind for k in g.kernels}
+        generated = {n.name for n in g.nodes if n.kernel and kinds.get(n.kernel) == "generated"}
+        engine_of = {m.train: m.engine for m in matched.get(g.name, ([], []))[0]}
+        values = engine_values.get(g.name, {})
+        for n in tgraph.nodes:
+            form = math_form(op_name(n.target), n.call[1] if n.call else {}) if n.op == "call_function" else None
+            if form is None or engine_of.get(n.name) not in generated or not n.module or not n.inputs:
+                continue
+            x = _engine_input(nodes, n.inputs[0], engine_of, values)
+            if x is not None and _inductor_only(n, nodes[n.inputs[0]], form, x, values.get(engine_of[n.name])):
+                found.setdefault(n.module, [])
+                if n.name not in found[n.module]:
+                    found[n.module].append(n.name)
+    return dict(sorted(found.items()))
+
+
+def _engine_input(nodes: dict[str, Node], name: str, engine_of: dict[str, str],
+                  values: dict) -> torch.Tensor | None:
+    """The engine's value of trainer value `name`: its own match, or that of the node it views or casts."""
+    base = value_base(nodes, name)
+    for candidate in (name, base.name if base is not None else ""):
+        v = values.get(engine_of.get(candidate, ""))
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v
+    return None
+
+
+def _inductor_only(n: Node, src: Node, form: str, x: torch.Tensor, e: object) -> bool:
+    """On the engine's input `x`: does Inductor's form of `n` give the engine's value `e` on every element while
+    ATen's eager op, in the trainer's dtypes, differs on some?"""
+    if not isinstance(e, torch.Tensor) or not e.is_floating_point() or e.numel() != x.numel() or not src.dtype \
+            or not n.dtype:
+        return False
+    low_in, out = getattr(torch, src.dtype), getattr(torch, n.dtype)
+    with torch.no_grad():
+        xin = x.detach().reshape(-1).to(low_in)
+        eager = (torch.nn.functional.gelu(xin, approximate=GELU_FORMS[form]) if form in GELU_FORMS
+                 else getattr(torch, form)(xin)).to(out)
+        ours = inductor_math(form, xin.float()).to(out)
+        theirs = e.detach().reshape(-1).to(out)
+        differs = float((eager != theirs).float().mean())
+    return 0 < differs < LAYOUT_GUESS and torch.equal(ours, theirs)
