@@ -16,7 +16,7 @@ import torch
 
 from graphdiff.analysis.match import Match
 from graphdiff.ops import op_name
-from graphdiff.records import Graph, Node
+from graphdiff.records import Graph, KernelEvidence, KernelRecord, Node
 from graphdiff.replay.inductor_math import GELU_FORMS, inductor_math, math_form
 from graphdiff.replay.kernels import value_base
 
@@ -24,10 +24,13 @@ LAYOUT_GUESS = 0.5  # more differing elements than this: the two values are not 
 
 
 def math_differences(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]]], engine_graphs: list[Graph],
-                     engine_values: dict[str, dict]) -> dict[str, list[str]]:
+                     engine_values: dict[str, dict], records: dict[str, KernelRecord],
+                     replay: list[KernelEvidence]) -> dict[str, list[str]]:
     """HF module -> its trainer nodes (`MATH_OPS`) whose engine value, computed in an Inductor-generated kernel,
     equals Inductor's form of the op on the engine's input and not ATen's eager op. `matched` and `engine_values` are
-    per engine graph."""
+    per engine graph; `records`, the kernels' recorded calls (kernel id -> buffers) at the shape `replay` (their
+    evidence: which node each stored buffer holds) replayed, give the engine's values as it stored them (not as the
+    replay predicts them, which computes with Inductor's math itself)."""
     nodes = tgraph.node_map()
     found: dict[str, list[str]] = {}
     for g in engine_graphs:
@@ -35,16 +38,29 @@ def math_differences(tgraph: Graph, matched: dict[str, tuple[list[Match], list[s
         generated = {n.name for n in g.nodes if n.kernel and kinds.get(n.kernel) == "generated"}
         engine_of = {m.train: m.engine for m in matched.get(g.name, ([], []))[0]}
         values = engine_values.get(g.name, {})
+        stored = _stored(g, records, {r.kernel: r.outputs for r in replay})
         for n in tgraph.nodes:
             form = math_form(op_name(n.target), n.call[1] if n.call else {}) if n.op == "call_function" else None
             if form is None or engine_of.get(n.name) not in generated or not n.module or not n.inputs:
                 continue
             x = _engine_input(nodes, n.inputs[0], engine_of, values)
-            if x is not None and _inductor_only(n, nodes[n.inputs[0]], form, x, values.get(engine_of[n.name])):
+            if x is not None and _inductor_only(n, nodes[n.inputs[0]], form, x, stored.get(engine_of[n.name])):
                 found.setdefault(n.module, [])
                 if n.name not in found[n.module]:
                     found[n.module].append(n.name)
     return dict(sorted(found.items()))
+
+
+def _stored(graph: Graph, records: dict[str, KernelRecord], outputs: dict[str, dict[str, str]]
+            ) -> dict[str, torch.Tensor]:
+    """Engine node -> the value a generated kernel of `graph` stored for it, as recorded: the node its replay found
+    in the buffer (`outputs`: kernel -> buffer -> node), else the one the capture names."""
+    out = {}
+    for k in graph.kernels:
+        written = records.get(k.id, {}).get("out", {}) if k.kind == "generated" else {}
+        held = {**{a.name: a.node for a in k.args if a.role in ("out", "inout") and a.node}, **outputs.get(k.id, {})}
+        out.update({node: written[buf] for buf, node in held.items() if isinstance(written.get(buf), torch.Tensor)})
+    return out
 
 
 def _engine_input(nodes: dict[str, Node], name: str, engine_of: dict[str, str],

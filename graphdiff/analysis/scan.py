@@ -561,6 +561,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         departure=departure, ordered_sums=ordered_sums(tgraph, matched, engine_cap.graphs, kernel_lanes(replay)),
         norm_rereads=norm_rereads(tgraph, engine_cap.graphs, matched),
         norm_reads_stored=norm_reads_stored(tgraph, engine_cap.graphs), rounded_sums=sums[0], stored_sums=sums[1],
-        inductor_math=math_differences(tgraph, matched, engine_cap.graphs, engine_values),
+        inductor_math=math_differences(tgraph, matched, engine_cap.graphs, engine_values, buffers.get(labels[0], {}),
+                                       [r for r in replay if r.shape in ("", labels[0])]),
     )
 
