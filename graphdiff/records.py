@@ -442,6 +442,9 @@ class KernelEvidence(BaseModel):
     reduction_lanes: int = 0
     aten_order_bitexact: float | None = None
     aten_order_fp32_error: float | None = None
+    # a C++ kernel computing INDUCTOR_MATH ops (erf, cos, ...), replayed as predicted: the same replay with ATen's eager
+    # math for them (below predicted_bitexact: the kernel computes them with Inductor's math; analysis.math_ops)
+    aten_math_bitexact: float | None = None
 
 
 class Departure(BaseModel):

@@ -67,6 +67,14 @@ def test_an_engine_value_atens_gelu_computes_is_not_recorded() -> None:
     assert "gpt_neox.layers.0.mlp.act" not in found and "gpt_neox.layers.1.mlp.act" in found
 
 
+def test_the_gelu_kernel_replays_with_inductors_math_and_not_atens() -> None:
+    """The evidence for a value a kernel holds in FP32 and does not store (a rotary embedding's cos)."""
+    engine = Capture.model_validate_json((NEOX / "engine" / "capture.json").read_text()).graphs[0]
+    replay = next(r for r in engine_rounding(engine, _buffers()).replays if r.kernel == GELU_KERNEL)
+    assert replay.predicted_bitexact == 1.0
+    assert replay.aten_math_bitexact is not None and 0.99 < replay.aten_math_bitexact < 1.0
+
+
 @pytest.fixture(scope="module")
 def patch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("neox") / "patch"

@@ -30,25 +30,37 @@ def math_differences(tgraph: Graph, matched: dict[str, tuple[list[Match], list[s
     equals Inductor's form of the op on the engine's input and not ATen's eager op. `matched` and `engine_values` are
     per engine graph; `records`, the kernels' recorded calls (kernel id -> buffers) at the shape `replay` (their
     evidence: which node each stored buffer holds) replayed, give the engine's values as it stored them (not as the
-    replay predicts them, which computes with Inductor's math itself)."""
+    replay predicts them, which computes with Inductor's math itself). A value the kernel holds in FP32 and does not
+    store (a rotary embedding's cos) is judged by its kernel's replay: bit-exact as predicted, not with ATen's math
+    (`KernelEvidence.aten_math_bitexact`)."""
     nodes = tgraph.node_map()
+    evidence = {r.kernel: r for r in replay}
     found: dict[str, list[str]] = {}
     for g in engine_graphs:
         kinds = {k.id: k.kind for k in g.kernels}
-        generated = {n.name for n in g.nodes if n.kernel and kinds.get(n.kernel) == "generated"}
+        kernel_of = {n.name: n.kernel for n in g.nodes if n.kernel and kinds.get(n.kernel) == "generated"}
         engine_of = {m.train: m.engine for m in matched.get(g.name, ([], []))[0]}
         values = engine_values.get(g.name, {})
         stored = _stored(g, records, {r.kernel: r.outputs for r in replay})
         for n in tgraph.nodes:
             form = math_form(op_name(n.target), n.call[1] if n.call else {}) if n.op == "call_function" else None
-            if form is None or engine_of.get(n.name) not in generated or not n.module or not n.inputs:
+            twin = engine_of.get(n.name, "")
+            if form is None or twin not in kernel_of or not n.module or not n.inputs:
                 continue
-            x = _engine_input(nodes, n.inputs[0], engine_of, values)
-            if x is not None and _inductor_only(n, nodes[n.inputs[0]], form, x, stored.get(engine_of[n.name])):
-                found.setdefault(n.module, [])
-                if n.name not in found[n.module]:
-                    found[n.module].append(n.name)
-    return dict(sorted(found.items()))
+            if twin in stored:
+                x = _engine_input(nodes, n.inputs[0], engine_of, values)
+                hit = x is not None and _inductor_only(n, nodes[n.inputs[0]], form, x, stored[twin])
+            else:
+                hit = _replayed_with_inductor_math(evidence.get(kernel_of[twin]))
+            if hit and n.name not in found.setdefault(n.module, []):
+                found[n.module].append(n.name)
+    return {m: v for m, v in sorted(found.items()) if v}
+
+
+def _replayed_with_inductor_math(e: KernelEvidence | None) -> bool:
+    """Does the kernel's replay reproduce its stores with Inductor's math and not with ATen's?"""
+    return e is not None and e.predicted_bitexact == 1.0 and e.aten_math_bitexact is not None \
+        and e.aten_math_bitexact < 1.0
 
 
 def _stored(graph: Graph, records: dict[str, KernelRecord], outputs: dict[str, dict[str, str]]
