@@ -310,7 +310,8 @@ Progress = Callable[[str], None]  # a long step's one-line messages ("engine: co
 
 # What a region of sites computes (analysis.plan.classify decides it), in the order reports list regions.
 RegionKind = Literal["rope", "qk_norm", "attention", "router", "expert_combine", "gated_act", "embedding_scale",
-                     "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "sum_order", "other"]
+                     "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "sum_order", "math",
+                     "other"]
 REGION_KINDS: tuple[RegionKind, ...] = get_args(RegionKind)
 
 
@@ -441,6 +442,9 @@ class KernelEvidence(BaseModel):
     reduction_lanes: int = 0
     aten_order_bitexact: float | None = None
     aten_order_fp32_error: float | None = None
+    # a C++ kernel computing INDUCTOR_MATH ops (erf, cos, ...), replayed as predicted: the same replay with ATen's eager
+    # math for them (below predicted_bitexact: the kernel computes them with Inductor's math; analysis.math_ops)
+    aten_math_bitexact: float | None = None
 
 
 class Departure(BaseModel):
@@ -521,6 +525,9 @@ class ScanResult(BaseModel):
     # one kernel in FP32 and stores in BF16 for the kernels after it (scan.residual_sums)
     rounded_sums: list[str] = Field(default_factory=list)
     stored_sums: list[str] = Field(default_factory=list)
+    # HF module -> its trainer ops (GELU, erf, cos, ...) whose engine values an Inductor kernel computes with Inductor's
+    # math, not ATen's, with no rounding site (analysis.math_ops; codegen.math_order makes a region of each module)
+    inductor_math: dict[str, list[str]] = Field(default_factory=dict)
 
 
 # --- log-prob gap measurement (`graphdiff kl`) -------------------------------------------------------

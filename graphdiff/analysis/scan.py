@@ -24,6 +24,7 @@ import torch
 from graphdiff.analysis import tensor_parallel as tp
 from graphdiff.analysis.departure import first_departure
 from graphdiff.analysis.match import Match, align_module_roots
+from graphdiff.analysis.math_ops import math_differences
 from graphdiff.analysis.moe import engine_experts_op, experts_decisions, experts_nodes, routing_agreement
 from graphdiff.analysis.opaque import attention_decisions, extern_rule
 from graphdiff.analysis.plan import (
@@ -542,7 +543,6 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
                   if train.gm else {})
     timings["nonuniformity_s"] = time.perf_counter() - t
     departure = first_departure(tgraph, train.values, matched, engine_cap.graphs, engine_values)
-    sums = residual_sums(tgraph, matched, engine_cap.graphs, plan)
     used = {m.engine for ms, _ in matched.values() for m in ms}
     unmatched_all = set.intersection(*(set(u) for _, u in matched.values())) if matched else set()
     return ScanResult(
@@ -562,8 +562,20 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         engine_unread=engine_cap.unread_params,
         timings={"analysis_s": round(time.perf_counter() - t0, 3), **{k: round(v, 3) for k, v in timings.items()}},
         reproduce=reproduce, notes=notes, nonuniformity=uniformity, routing=sorted(routing, key=lambda a: a.layer),
-        departure=departure, ordered_sums=ordered_sums(tgraph, matched, engine_cap.graphs, kernel_lanes(replay)),
-        norm_rereads=norm_rereads(tgraph, engine_cap.graphs, matched),
-        norm_reads_stored=norm_reads_stored(tgraph, engine_cap.graphs), rounded_sums=sums[0], stored_sums=sums[1],
+        departure=departure, **_engine_reads(tgraph, matched, engine_cap.graphs, plan, replay, engine_values,
+                                             buffers.get(labels[0], {}), labels[0]),
     )
+
+
+def _engine_reads(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]]], engine_graphs: list[Graph],
+                  plan: list[Decision], replay: list[KernelEvidence], engine_values: dict[str, dict],
+                  records: dict, ref: str) -> dict[str, Any]:
+    """How the engine's kernels compute what no site marks (ScanResult fields): the order they sum rows in, the
+    stored copies they read back, the residual sums they round, the ops they compute with Inductor's math."""
+    sums = residual_sums(tgraph, matched, engine_graphs, plan)
+    return dict(ordered_sums=ordered_sums(tgraph, matched, engine_graphs, kernel_lanes(replay)),
+                norm_rereads=norm_rereads(tgraph, engine_graphs, matched),
+                norm_reads_stored=norm_reads_stored(tgraph, engine_graphs), rounded_sums=sums[0], stored_sums=sums[1],
+                inductor_math=math_differences(tgraph, matched, engine_graphs, engine_values, records,
+                                               [r for r in replay if r.shape in ("", ref)]))
 

@@ -14,6 +14,7 @@ from graphdiff.codegen.fragment import Fragment, rounding
 from graphdiff.codegen.names import arguments, value_names
 from graphdiff.ops import is_low, op_name
 from graphdiff.records import Node
+from graphdiff.replay.inductor_math import math_form
 from graphdiff.replay.sum_order import LAYER_NORM_FN, MEAN_FN, SUM_FN
 
 BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -229,7 +230,8 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
                 if n.name in frag.ordered else expression(n, nodes_by_name, read))
         if n.name in frag.inductor_math:  # the engine's kernel computes it with Inductor's math library
             flags = " or ".join(flag(index, r) for r in frag.regions)
-            expr = f"inductor_math({op_name(n.target)!r}, {literal(n.call[0][0], names)}) if {flags} else {expr}"
+            form = math_form(op_name(n.target), n.call[1]) or op_name(n.target)
+            expr = f"inductor_math({form!r}, {literal(n.call[0][0], names)}) if {flags} else {expr}"
         x = names[n.name]
         lines.append(f"    {x} = {expr}  # {n.target}: {code}")
         when = rounding(frag, n.name)

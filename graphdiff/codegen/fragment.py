@@ -24,7 +24,7 @@ from itertools import takewhile
 from pathlib import Path
 from typing import Any, Literal
 
-from graphdiff.codegen import norm_order
+from graphdiff.codegen import math_order, norm_order
 from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site, layer_of
 from graphdiff.replay.inductor_math import INDUCTOR_MATH
@@ -167,6 +167,8 @@ def layer_groups(scan: ScanResult, region: Region, graph: Graph | None = None) -
     """The region's layers in groups that share one rounding plan, first layer first; [[]] when one code serves every
     layer: its layers do not differ, or one engine kernel code serves them all (then a site seen in only some layers
     is weak evidence, and the union is generated; `_representative_sites`)."""
+    if region.kind == math_order.KIND:  # one splice serves every layer: Inductor's math is the engine's in each
+        return [[]]
     rereads = norm_order.layer_groups(scan, region)  # a norm kernel that reads its input back from its store
     if region.kind == norm_order.KIND:
         return rereads
@@ -300,8 +302,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     nodes = graph.node_map()
     sides, problems, notes = _representative_sites(scan, graph, region, layers)
     site_nodes = [n for n in sides if n in nodes]
-    # a region with no sites (a norm the engine sums in its own order) is cut at its first row reduction's module
-    seed = norm_order.seed_node(graph, region, layers) if region.kind == norm_order.KIND else None
+    seed = _seed(scan, graph, region, layers)
     first = nodes[site_nodes[0]] if site_nodes else seed
     if first is None:
         return Fragment(key=region.name, target="module", module=region.module, module_class="",
@@ -356,12 +357,23 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     return frag
 
 
+def _seed(scan: ScanResult, graph: Graph, region: Region, layers: list[int] | None) -> Node | None:
+    """Where a region with no sites is cut: a norm the engine sums in its own order at its first row reduction's
+    module, one whose engine computes an op with Inductor's math at that op's module."""
+    if region.kind == norm_order.KIND:
+        return norm_order.seed_node(graph, region, layers)
+    return math_order.seed_node(scan, graph, region, layers) if region.kind == math_order.KIND else None
+
+
 def _inductor_math(scan: ScanResult, frag_nodes: list[Node]) -> list[str]:
     """The nodes of INDUCTOR_MATH (tanh, exp, sin, cos, ...) whose engine twin is computed in a kernel Inductor
-    generated (its math library, not ATen's); not those the engine runs in an extern or custom op."""
+    generated (its math library, not ATen's), not those the engine runs in an extern or custom op; and the ops the scan
+    found computed by Inductor's math (`ScanResult.inductor_math`: a GELU, which Inductor lowers through erf)."""
     generated = {r.kernel for r in scan.replay} | {k.split(" @ ")[0] for k in scan.not_replayed}
     kernel_of = {d.node: d.evidence.kernel for d in scan.plan if d.rule == "matched"}
-    return [n.name for n in frag_nodes if op_name(n.target) in INDUCTOR_MATH and kernel_of.get(n.name) in generated]
+    found = math_order.recorded(scan)
+    return [n.name for n in frag_nodes if n.name in found or (
+        op_name(n.target) in INDUCTOR_MATH and kernel_of.get(n.name) in generated)]
 
 
 def _rounded_reads(scan: ScanResult, frag: Fragment) -> list[str]:

@@ -14,20 +14,37 @@ from __future__ import annotations
 import torch
 
 INDUCTOR_MATH = frozenset({"tanh", "exp", "log", "sin", "cos", "erf", "sqrt", "expm1"})
+# ops Inductor lowers through the math above (GELU: `0.5 * x * (1 + erf(x / sqrt(2)))`, or its tanh form), which a
+# trainer runs as one ATen kernel with ATen's own math: computed as a one-op Inductor function too
+GELU_FORMS = {"gelu": "none", "gelu_tanh": "tanh"}  # inductor_math name -> F.gelu's `approximate`
+MATH_OPS = INDUCTOR_MATH | {"gelu"}
+
+
+def math_form(op: str, kwargs: dict | None = None) -> str | None:
+    """The `inductor_math` name computing ATen op `op` (short name) called with `kwargs`: the op itself for
+    INDUCTOR_MATH, `gelu` / `gelu_tanh` by its `approximate`; None for any other op or argument."""
+    kwargs = kwargs or {}
+    if op == "gelu" and set(kwargs) <= {"approximate"}:
+        return {v: k for k, v in GELU_FORMS.items()}.get(kwargs.get("approximate", "none"))
+    return op if op in INDUCTOR_MATH and not kwargs else None
 
 
 def inductor_math(name: str, x: torch.Tensor, scalar: bool = False) -> torch.Tensor:
-    """`torch.<name>(x)` (FP32) as an Inductor-generated kernel computes it: through a one-op function Inductor
-    compiles (once per op, for any shape; flattened, so the vectorized path with a masked tail runs, as in the
-    engine's kernels). `scalar`: as a loop Inductor did not vectorize computes it (`std::exp`, the C library's, in a
-    router's two-wide top-k loop), compiled without vectors. Registered as one op, `graphdiff::inductor_<name>`
-    (`..._scalar`), so a traced or compiled trainer keeps it whole; its gradient is the eager op's, by recompute."""
+    """`torch.<name>(x)` (FP32; `gelu`, `gelu_tanh`: `F.gelu`, GELU_FORMS) as an Inductor-generated kernel computes
+    it: through a one-op function Inductor compiles (once per op, for any shape; flattened, so the vectorized path
+    with a masked tail runs, as in the engine's kernels). `scalar`: as a loop Inductor did not vectorize computes it
+    (`std::exp`, the C library's, in a router's two-wide top-k loop), compiled without vectors. Registered as one
+    op, `graphdiff::inductor_<name>` (`..._scalar`), so a traced or compiled trainer keeps it whole; its gradient is
+    the eager op's, by recompute."""
     op_id = f"inductor_{name}_scalar" if scalar else f"inductor_{name}"
     try:
         return getattr(torch.ops.graphdiff, op_id)(x)
     except AttributeError:
         pass
-    eager = getattr(torch, name)
+    # a patch carries this function's source alone: the GELU forms (GELU_FORMS) are spelled out here
+    approximate = {"gelu": "none", "gelu_tanh": "tanh"}.get(name)
+    eager = getattr(torch, name) if approximate is None else (
+        lambda t: torch.nn.functional.gelu(t, approximate=approximate))
 
     def one_op(t: torch.Tensor) -> torch.Tensor:
         return eager(t)

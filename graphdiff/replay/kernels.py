@@ -25,6 +25,7 @@ from graphdiff.ops import CASTS, UNINITIALIZED, VIEWS, is_low, op_name
 from graphdiff.records import Graph, Kernel, KernelEvidence, KernelRecord, Node
 from graphdiff.replay.forms import SUFFIX as FORM_SUFFIX
 from graphdiff.replay.forms import two_step_variance
+from graphdiff.replay.inductor_math import INDUCTOR_MATH
 from graphdiff.replay.interpreter import LOW, SUM, bits_equal_fraction, run_fragment, to_dtype
 from graphdiff.replay.reload import SUFFIX, nest_reductions, reload_variant, reloaded_stores, stored_alone
 from graphdiff.replay.sum_order import cpp_sum_lanes, is_row_reduction
@@ -521,6 +522,7 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
     if aten is not None and (aten[0], -aten[1]) > (predicted, -fp32_error(values, outputs, record)):
         plan.ordered, (predicted, _, values) = {}, aten  # the kernel does not sum as its code was read: ATen's order
         aten = None
+    math = _aten_math(plan, ext_inputs, outputs, record, explicit) if predicted == 1.0 else None
     naive_run = run_fragment(frag, ext_inputs, Declared(graph), "eager", syms)
     naive = score(naive_run.values, outputs, record)[0] if naive_run.ok else 0.0
     fp32 = fp32_error(values, outputs, record)
@@ -537,7 +539,20 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
                           fp32_max_rel_error=fp32, outputs=outputs, explicit_roundings=explicit, per_output=per_output,
                           note=note, reduction_lanes=lanes if plan.ordered else 0,
                           aten_order_bitexact=aten[0] if aten is not None else None,
-                          aten_order_fp32_error=aten[1] if aten is not None else None), values, placed
+                          aten_order_fp32_error=aten[1] if aten is not None else None,
+                          aten_math_bitexact=math), values, placed
+
+
+def _aten_math(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: KernelRecord,
+               explicit: list[str]) -> float | None:
+    """Bit-exact fraction of the same replay with ATen's eager math for the INDUCTOR_MATH ops of a C++ kernel's
+    fragment (None where it has none): below the predicted one, the evidence that the kernel computes them with
+    Inductor's math (analysis.math_ops)."""
+    if not plan.cpp or not any(op_name(n.target) in INDUCTOR_MATH for n in plan.frag):
+        return None
+    aten = _Plan(plan.frag, plan.declared, plan.rounded, plan.syms, False, plan.compute, plan.ordered)
+    run = aten.run(inputs, set(explicit))
+    return score(run.values, outputs, record)[0] if run.ok else None
 
 
 def _aten_order(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: KernelRecord,

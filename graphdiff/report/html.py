@@ -41,6 +41,7 @@ KIND_HELP = {
     "norm_weight": "inside a normalization, e.g. the cast before the weight multiply",
     "logit_scale": "the logits scaled or soft-capped by a constant on their way out",
     "sum_order": "no rounding site: a norm the engine sums in its own lane order, the trainer in ATen's",
+    "math": "no rounding site: an op the engine computes with Inductor's math library, the trainer with ATen's",
     "other": "not one of the known patterns",
 }
 ME_VALUES = {"train": 1, "engine": 2}  # Model Explorer node value: which side rounds
