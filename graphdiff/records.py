@@ -310,7 +310,8 @@ Progress = Callable[[str], None]  # a long step's one-line messages ("engine: co
 
 # What a region of sites computes (analysis.plan.classify decides it), in the order reports list regions.
 RegionKind = Literal["rope", "qk_norm", "attention", "router", "expert_combine", "gated_act", "embedding_scale",
-                     "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "sum_order", "other"]
+                     "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "sum_order",
+                     "inductor_math", "other"]
 REGION_KINDS: tuple[RegionKind, ...] = get_args(RegionKind)
 
 

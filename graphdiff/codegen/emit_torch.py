@@ -127,6 +127,14 @@ def expression(n: Node, nodes: dict[str, Node], names: dict[str, str]) -> str:
     return f"torch.ops.{ns}.{op}.{overload}({', '.join(literal(a, names) for a in args)})"
 
 
+def inductor_form(n: Node, names: dict[str, str]) -> str:
+    """An INDUCTOR_MATH op, or an erf GELU as Inductor decomposes it, computed as an Inductor kernel does."""
+    x = literal(n.call[0][0], names)
+    if op_name(n.target) == "gelu":
+        return f"({x} * 0.5) * (inductor_math('erf', {x} * 0.7071067811865476) + 1.0)"
+    return f"inductor_math({op_name(n.target)!r}, {x})"
+
+
 def flag(region_index: dict[str, int], region: str) -> str:
     return f"a{region_index[region]}"
 
@@ -256,7 +264,7 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
                 if n.name in frag.ordered else expression(n, nodes_by_name, read))
         if n.name in frag.inductor_math:  # the engine's kernel computes it with Inductor's math library
             flags = " or ".join(flag(index, r) for r in frag.regions)
-            expr = f"inductor_math({op_name(n.target)!r}, {literal(n.call[0][0], names)}) if {flags} else {expr}"
+            expr = f"{inductor_form(n, names)} if {flags} else {expr}"
         x = names[n.name]
         lines.append(f"    {x} = {expr}  # {n.target}: {code}")
         when = rounding(frag, n.name)

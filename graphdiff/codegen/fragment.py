@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from graphdiff.analysis.rounding import is_view
-from graphdiff.codegen import norm_order
+from graphdiff.codegen import math_order, norm_order
 from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site, layer_of
 from graphdiff.replay.inductor_math import INDUCTOR_MATH
@@ -169,7 +169,7 @@ def layer_groups(scan: ScanResult, region: Region, graph: Graph | None = None) -
     layer: its layers do not differ, or one engine kernel code serves them all (then a site seen in only some layers
     is weak evidence, and the union is generated; `_representative_sites`)."""
     rereads = norm_order.layer_groups(scan, region)  # a norm kernel that reads its input back from its store
-    if region.kind == norm_order.KIND:
+    if region.kind in (norm_order.KIND, math_order.KIND):
         return rereads
     groups = _site_groups(scan, region)
     for cut in (rereads, _incoming_read_groups(scan, graph, region) if graph is not None else [[]]):
@@ -302,7 +302,8 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     sides, problems, notes = _representative_sites(scan, graph, region, layers)
     site_nodes = [n for n in sides if n in nodes]
     # a region with no sites (a norm the engine sums in its own order) is cut at its first row reduction's module
-    seed = norm_order.seed_node(graph, region, layers) if region.kind == norm_order.KIND else None
+    seed = (norm_order.seed_node(graph, region, layers) if region.kind == norm_order.KIND else
+            math_order.seed_node(graph, region, layers) if region.kind == math_order.KIND else None)
     first = nodes[site_nodes[0]] if site_nodes else seed
     if first is None:
         return Fragment(key=region.name, target="module", module=region.module, module_class="",
@@ -372,11 +373,11 @@ def _viewed_sites(frag: Fragment, nodes: dict[str, Node]) -> dict[str, str]:
 
 
 def _inductor_math(scan: ScanResult, frag_nodes: list[Node]) -> list[str]:
-    """The nodes of INDUCTOR_MATH (tanh, exp, sin, cos, ...) whose engine twin is computed in a kernel Inductor
-    generated (its math library, not ATen's); not those the engine runs in an extern or custom op."""
-    generated = {r.kernel for r in scan.replay} | {k.split(" @ ")[0] for k in scan.not_replayed}
-    kernel_of = {d.node: d.evidence.kernel for d in scan.plan if d.rule == "matched"}
-    return [n.name for n in frag_nodes if op_name(n.target) in INDUCTOR_MATH and kernel_of.get(n.name) in generated]
+    """The nodes of INDUCTOR_MATH (tanh, exp, sin, cos, ...) and erf GELUs whose engine twin is computed in a kernel
+    Inductor generated (its math library, not ATen's); not those the engine runs in an extern or custom op."""
+    computed = math_order.engine_math(scan)
+    return [n.name for n in frag_nodes if n.name in computed
+            and (op_name(n.target) in INDUCTOR_MATH or math_order.is_erf_gelu(n))]
 
 
 def _rounded_reads(scan: ScanResult, frag: Fragment) -> list[str]:

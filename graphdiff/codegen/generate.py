@@ -30,6 +30,7 @@ from graphdiff.codegen import (
     emit_torch,
     emit_triton,
     inductor_lowering,
+    math_order,
     moe_order,
     names,
     norm_order,
@@ -532,6 +533,7 @@ def make_patch(scan: ScanResult, train: Capture, regions: list[str] | None = Non
         attention = "engine"
     graph = train.graphs[0]
     scan = norm_order.with_order_regions(scan, graph)  # norms with no site that the engine sums in its own order
+    scan = math_order.with_math_regions(scan, graph)  # activations with no site that the engine computes otherwise
     # the engine's attention op also where it rounds as sdpa does (no site): its key order is still its own
     more = attention_order.order_regions(scan, graph) if attention == "engine" else []
     if exact:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from graphdiff.codegen import emit_triton, norm_order
+from graphdiff.codegen import emit_triton, math_order, norm_order
 from graphdiff.codegen.emit_torch import Unsupported
 from graphdiff.codegen.fragment import Fragment, cut_fragments, ordered_points, rounding_points
 from graphdiff.codegen.generate import load_scan_dir
@@ -71,7 +71,8 @@ def fragments(scan_dir: Path, manifest: Manifest | None = None) -> tuple[dict[st
     scan, train = load_scan_dir(scan_dir)
     graph = train.graphs[0]
     names = [r.name for r in manifest.regions] if manifest is not None else None
-    frags = cut_fragments(norm_order.with_order_regions(scan, graph), graph, names)
+    frags = cut_fragments(math_order.with_math_regions(norm_order.with_order_regions(scan, graph), graph), graph,
+                          names)
     return {f.key: f for f in frags}, graph.node_map()
 
 
