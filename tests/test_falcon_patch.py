@@ -65,7 +65,13 @@ def test_every_region_is_generated_with_exact(patches: dict[str, Path]) -> None:
     assert attention["function"] == runtime.TORCH_SDPA and attention["torch_fn"] == "attention_engine_op"
     assert "def sdpa_call(" in (patches["exact"] / "graphdiff_patch.py").read_text()
     adds = [s for s in manifest["splices"] if s["function"].endswith(".dropout_add")]
-    assert adds and all(s["inputs"] == ["arg:x", "arg:residual"] and not s["problems"] for s in adds)
+    # `out = residual + out`: the add's first operand is `residual`, which binds the commutative add's inputs
+    assert adds and all(s["inputs"] == ["arg:residual", "arg:x"] and not s["problems"] for s in adds)
+    source = (patches["exact"] / "graphdiff_patch.py").read_text()
+    last = source[source.index("def torch_dropout_add_layers_2("):]
+    last = last[:last.index("return")]
+    # the engine's last kernel reads layer 1's stored output, the block's sum (mm + attention) in FP32
+    assert "residual_stored = _round(residual" in last and "x_stored" not in last
     carries = [s for s in manifest["splices"] if BLOCK_SUM in s["regions"]]
     assert carries and all(s["fp32_outputs"] == ["mlp", "self_attention"] for s in carries)
 

@@ -16,6 +16,7 @@ from graphdiff.codegen.fragment import Fragment, rounding
 from graphdiff.codegen.names import arguments, value_names
 from graphdiff.ops import is_low, op_name
 from graphdiff.records import Node
+from graphdiff.replay.kernels import value_base
 from graphdiff.replay.sum_order import LAYER_NORM_FN, MEAN_FN, SUM_FN
 
 BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -199,7 +200,9 @@ def stored_reads(frag: Fragment, n: Node, nodes: dict[str, Node]) -> list[str]:
         src = i
         while src in inside and is_view(nodes[src]) and nodes[src].inputs:
             src = nodes[src].inputs[0]
-        if src in frag.inputs and src not in frag.params and is_low(nodes[src].dtype):
+        base = value_base(nodes, src)
+        if src in frag.inputs and src not in frag.params and is_low(nodes[src].dtype) and base is not None \
+                and base.name in frag.rounded_values:
             out.append(i)
     return out
 

@@ -98,6 +98,7 @@ class Fragment:
     # gets it in FP32 (`evidence.read_rounded_by` of a value made outside): they read it rounded (a no-op unless a
     # patch holds it FP32)
     rounded_reads: list[str] = field(default_factory=list)
+    rounded_values: list[str] = field(default_factory=list)  # the values made outside that they read so
     # the scanned decoder layers this splice serves (a group of layers sharing one rounding plan); [] = every layer
     layers: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -118,7 +119,8 @@ def dotted_module(file: str) -> str | None:
 def _mark_reads(scan: ScanResult, graph: Graph, region: Region, frag: Fragment) -> None:
     """How the engine reads the fragment's values otherwise than eager: by Inductor's math, through a stored copy,
     from a low-precision table."""
-    frag.inductor_math, frag.rounded_reads = _inductor_math(scan, frag.nodes), _rounded_reads(scan, frag)
+    frag.inductor_math, (frag.rounded_reads, frag.rounded_values) = (_inductor_math(scan, frag.nodes),
+                                                                     _rounded_reads(scan, frag))
     frag.table_inputs = _table_inputs(scan, graph, region, frag.inputs)
 
 
@@ -380,16 +382,18 @@ def _inductor_math(scan: ScanResult, frag_nodes: list[Node]) -> list[str]:
             and (op_name(n.target) in INDUCTOR_MATH or math_order.is_erf_gelu(n))]
 
 
-def _rounded_reads(scan: ScanResult, frag: Fragment) -> list[str]:
+def _rounded_reads(scan: ScanResult, frag: Fragment) -> tuple[list[str], list[str]]:
     """The fragment's non-carry nodes that read a value from outside it through the engine's stored copy while the
-    engine's other readers hold it in FP32 (`read_rounded_by`)."""
+    engine's other readers hold it in FP32 (`read_rounded_by`), and those values (a reader's other inputs it reads
+    as they are: Falcon's last residual add reads the residual rounded, the block's sum in FP32)."""
     if frag.target == "carry":
-        return []
+        return [], []
     node_of = {d.id: d.node for d in scan.plan}
     inside = {n.name for n in frag.nodes}
-    readers = {node_of[i] for d in scan.plan if d.node not in inside for i in d.evidence.read_rounded_by
-               if i in node_of}
-    return [n.name for n in frag.nodes if n.name in readers]
+    pairs = [(node_of[i], d.node) for d in scan.plan if d.node not in inside for i in d.evidence.read_rounded_by
+             if i in node_of]
+    readers = {r for r, _ in pairs if r in inside}
+    return [n.name for n in frag.nodes if n.name in readers], sorted({v for r, v in pairs if r in inside})
 
 
 def _bind_params(frag: Fragment, nodes: dict[str, Node], path: str) -> None:
@@ -590,6 +594,7 @@ def merge(frags: list[Fragment]) -> list[Fragment]:
                 g.fp32_scaled[source] = sorted({*g.fp32_scaled.get(source, []), *readers})
             g.carry_input = g.carry_input or f.carry_input
             g.rounded_reads = sorted({*g.rounded_reads, *f.rounded_reads})
+            g.rounded_values = sorted({*g.rounded_values, *f.rounded_values})
         else:
             by_key[f.key] = f
     return [*by_key.values(), *refused]

@@ -95,25 +95,16 @@ def bind_function(frag: Fragment, fn: Callable[..., Any], nodes: dict[str, Node]
     gen = torch.Generator().manual_seed(0)
     probes = [_probe(nodes[i], gen) for i in frag.inputs]
     ours = frag.compiled(*probes, align=frozenset())
+    found = []
     for perm in itertools.permutations(range(len(frag.inputs))):  # perm[k]: HF parameter index of input k
         args: list[torch.Tensor | None] = [None] * len(frag.inputs)
         for k, p in enumerate(perm):
             args[p] = probes[k]
-        try:
-            with torch.no_grad():
-                theirs = fn(*args, **rest)
-        except Exception:  # a wrong assignment fails to broadcast: try the next one
-            continue
-        theirs = theirs if isinstance(theirs, tuple) else (theirs,)
-        outs = []
-        for o in ours:
-            hit = [j for j, t in enumerate(theirs) if isinstance(t, torch.Tensor) and t.shape == o.shape
-                   and t.dtype == o.dtype and torch.equal(t, o) and j not in outs]
-            if not hit:
-                break
-            outs.append(hit[0])
-        if len(outs) == len(ours):
-            return [params[p] for p in perm], outs
+        outs = _outputs_reproduced(fn, args, rest, ours)
+        if outs is not None:
+            found.append(([params[p] for p in perm], outs))
+    if found:  # a commutative op binds either way: the one its source line names wins (`residual + out`)
+        return max(found, key=lambda f: _named_operands(frag, f[0]))
     return f"no assignment of {frag.function}'s parameters reproduces it bit for bit with the emitted code"
 
 
@@ -134,6 +125,44 @@ def _settings(params: list[inspect.Parameter]) -> dict[str, Any] | str:
             return f"its parameter {p.name}"
         out[p.name] = _SETTINGS[kind]
     return out
+
+
+def _outputs_reproduced(fn: Callable[..., Any], args: list, rest: dict[str, Any],
+                        ours: tuple) -> list[int] | None:
+    """Which returned value of `fn(*args, **rest)` each of `ours` is, bit for bit; None where one is not."""
+    try:
+        with torch.no_grad():
+            theirs = fn(*args, **rest)
+    except Exception:  # a wrong assignment fails to broadcast: try the next one
+        return None
+    theirs = theirs if isinstance(theirs, tuple) else (theirs,)
+    outs: list[int] = []
+    for o in ours:
+        hit = [j for j, t in enumerate(theirs) if isinstance(t, torch.Tensor) and t.shape == o.shape
+               and t.dtype == o.dtype and torch.equal(t, o) and j not in outs]
+        if not hit:
+            return None
+        outs.append(hit[0])
+    return outs
+
+
+def _named_operands(frag: Fragment, bound: list[str]) -> int:
+    """How many fragment inputs an op reads as an operand its source line names by the parameter bound to it (`out =
+    residual + out`: the add's first operand is `residual`)."""
+    score = 0
+    for n in frag.nodes:
+        try:
+            expr = ast.parse(n.source.code.strip()).body[0] if n.source is not None else None
+        except (SyntaxError, IndexError):
+            continue
+        value = getattr(expr, "value", None)
+        if not isinstance(value, ast.BinOp):
+            continue
+        operands = [value.left, value.right]
+        for j, a in enumerate(n.call[0][:2]):
+            k = frag.inputs.index(a["node"]) if isinstance(a, dict) and a.get("node") in frag.inputs else -1
+            score += int(k >= 0 and isinstance(operands[j], ast.Name) and operands[j].id == bound[k])
+    return score
 
 
 def other_length_problem(frag: Fragment, nodes: dict[str, Node], tokens: int) -> str:
