@@ -444,14 +444,29 @@ def _patch_attention(p: _Patching, splice: ManifestSplice, targets: _Targets) ->
     if splice.function != TORCH_SDPA:
         p.state.undo.append(_use_attention(p.model, fn))
         return
+    p.state.undo.append(sdpa_calls([mod for _, mod in targets], lambda mod: functools.partial(p.gen.sdpa_call, fn,
+                                                                                              mod)))
+
+
+def sdpa_calls(modules: Sequence[torch.nn.Module], replacement: Callable[[torch.nn.Module], Callable]
+               ) -> Callable[[], None]:
+    """While each of `modules` runs forward, the torch sdpa calls its own code makes (through
+    `torch.nn.functional`, or a name its module bound it to) run `replacement(module)`; returns the undo."""
+    state = _State(Path(), [])
     owners = {torch.nn.functional.__name__: "scaled_dot_product_attention"}
-    for _, mod in targets:  # a module that bound sdpa to a name of its own (`from torch.nn.functional import ...`)
+    for mod in modules:  # a module that bound sdpa to a name of its own (`from torch.nn.functional import ...`)
         found = vars(sys.modules.get(type(mod).__module__) or ModuleType("none"))
         owners.update({type(mod).__module__: k for k, v in found.items() if v is _TORCH_SDPA})
     for owner, name in owners.items():
-        _swap_in(importlib.import_module(owner), name, splice.function, p.state)
-    for _, mod in targets:
-        p.state.undo.append(_calls_replacement(mod, splice.function, functools.partial(p.gen.sdpa_call, fn, mod)))
+        _swap_in(importlib.import_module(owner), name, TORCH_SDPA, state)
+    for mod in modules:
+        state.undo.append(_calls_replacement(mod, TORCH_SDPA, replacement(mod)))
+
+    def undo() -> None:
+        for step in reversed(state.undo):
+            step()
+
+    return undo
 
 
 def _patch_moe(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
