@@ -303,9 +303,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     nodes = graph.node_map()
     sides, problems, notes = _representative_sites(scan, graph, region, layers)
     site_nodes = [n for n in sides if n in nodes]
-    # a region with no sites (a norm the engine sums in its own order) is cut at its first row reduction's module
-    seed = (norm_order.seed_node(graph, region, layers) if region.kind == norm_order.KIND else
-            math_order.seed_node(graph, region, layers) if region.kind == math_order.KIND else None)
+    seed = _seed(graph, region, layers)
     first = nodes[site_nodes[0]] if site_nodes else seed
     if first is None:
         return Fragment(key=region.name, target="module", module=region.module, module_class="",
@@ -359,6 +357,14 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     if layers:
         frag.key, frag.layers = f"{frag.key}@layers {','.join(map(str, layers))}", list(layers)
     return frag
+
+
+def _seed(graph: Graph, region: Region, layers: list[int] | None) -> Node | None:
+    """Where a region with no sites is cut: a norm the engine sums in its own order at its first row reduction's
+    module, an activation the engine computes in its own form at that op's module."""
+    if region.kind == norm_order.KIND:
+        return norm_order.seed_node(graph, region, layers)
+    return math_order.seed_node(graph, region, layers) if region.kind == math_order.KIND else None
 
 
 def _viewed_sites(frag: Fragment, nodes: dict[str, Node]) -> dict[str, str]:
