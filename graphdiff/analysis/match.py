@@ -157,7 +157,9 @@ def match_repeated(train: Graph, train_values: dict[str, object], engine: Graph,
     out = []
     for name in names:
         t, v = tnodes[name], train_values.get(name)
-        part = repeated_part(v) if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 2 else None
+        if not (isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 2):
+            continue
+        part = repeated_part(v)
         if part is None or part[2].unique().numel() < 2:  # a constant repeats along any dimension
             continue
         once = sorted_fingerprint(part[2])

@@ -158,10 +158,10 @@ def _named_operands(frag: Fragment, bound: list[str]) -> int:
         value = getattr(expr, "value", None)
         if not isinstance(value, ast.BinOp):
             continue
-        operands = [value.left, value.right]
+        operands = [o.id if isinstance(o, ast.Name) else "" for o in (value.left, value.right)]
         for j, a in enumerate(n.call[0][:2]):
             k = frag.inputs.index(a["node"]) if isinstance(a, dict) and a.get("node") in frag.inputs else -1
-            score += int(k >= 0 and isinstance(operands[j], ast.Name) and operands[j].id == bound[k])
+            score += int(k >= 0 and operands[j] == bound[k])
     return score
 
 
