@@ -259,10 +259,12 @@ def test_weight_gradient_is_summed_blockwise_in_the_interpreter(qwen3_patch) -> 
     assert proc.stdout.startswith("ok")
 
 
-def test_an_attention_that_calls_sdpa_itself_is_not_patched(tmp_path: Path) -> None:
+def test_an_attention_that_calls_sdpa_itself_swaps_that_call(tmp_path: Path) -> None:
     """The attention region swaps the function transformers' attention interface calls; where the trainer's sdpa
-    node comes from the model's own file (FalconAttention calls sdpa itself), the region is not generated and says
-    why, and the other regions still are."""
+    node comes from the model's own file (FalconAttention calls sdpa itself), the splice swaps torch's sdpa while the
+    module runs (`runtime.TORCH_SDPA`, adapted by the generated `sdpa_call`)."""
+    from graphdiff.runtime import TORCH_SDPA
+
     edited = tmp_path / "scan"
     shutil.copytree(QWEN3, edited)
     train = json.loads((edited / "train.capture.json").read_text())
@@ -275,10 +277,14 @@ def test_an_attention_that_calls_sdpa_itself_is_not_patched(tmp_path: Path) -> N
     (edited / "train.capture.json").write_text(json.dumps(train))
     made = generate(edited, tmp_path / "patch")
     attention = [r for r in made.regions if r.kind == "attention"]
-    assert attention and not any(r.generated for r in attention)
-    assert all("modeling_falcon.py" in r.reason and "attention interface" in r.reason for r in attention)
-    assert any(r.generated for r in made.regions if r.kind != "attention")
-    assert "attention_fp32_inputs" not in (tmp_path / "patch" / "graphdiff_patch.py").read_text()
+    assert attention and all(r.generated for r in attention)
+    splice = next(s for s in made.splices if s.target == "attention")
+    assert splice.function == TORCH_SDPA and not splice.problems
+    source = (tmp_path / "patch" / "graphdiff_patch.py").read_text()
+    assert "def sdpa_call(" in source and "def attention_fp32_inputs(" in source
+    plain = generate(QWEN3, tmp_path / "plain")
+    assert next(s for s in plain.splices if s.target == "attention").function != TORCH_SDPA
+    assert "def sdpa_call(" not in (tmp_path / "plain" / "graphdiff_patch.py").read_text()
 
 
 ROPE = "model.rotary_emb#rope"

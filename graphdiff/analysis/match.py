@@ -158,3 +158,57 @@ def match_values(train: Graph, train_values: dict[str, object], engine: Graph,
                     f"sorted-value distance {best[0]:.2e} (runner-up {margin:.2e})")
         matches.append(Match(t.name, best[3], best[0], round(confidence, 3), evidence, margin))
     return matches, unmatched
+
+
+def repeated_part(v: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:
+    """(dim, r, the value once) where `v` repeats one value r times along a dimension, each entry in turn (keys
+    broadcast to every query head of their group: Falcon's `torch.broadcast_to(key, query.shape)`) or the whole in
+    turn; None where it repeats nothing."""
+    for dim, size in enumerate(v.shape):
+        for r in range(2, size + 1):
+            if size % r:
+                continue
+            for parts in ((size // r, r), (r, size // r)):  # each entry r times; the whole r times
+                at = dim + 1 if parts[1] == r else dim
+                split = v.unflatten(dim, parts)
+                first = split.narrow(at, 0, 1)
+                if torch.equal(split, first.expand_as(split)):
+                    return dim, r, first.squeeze(at)
+    return None
+
+
+def match_repeated(train: Graph, train_values: dict[str, object], engine: Graph,
+                   engine_values: dict[str, torch.Tensor], names: list[str]) -> list[Match]:
+    """Trainer values `names` that repeat one value along a dimension (`repeated_part`) matched to the engine value
+    that holds it once (the engine's keys, one per KV head): same layer and compatible module, the sorted values of
+    the value once within the tolerance."""
+    enodes, tnodes = engine.node_map(), train.node_map()
+    by_key: dict[tuple[int, int | None], list[str]] = {}
+    for name, ev in engine_values.items():
+        if isinstance(ev, torch.Tensor) and ev.is_floating_point() and name in enodes:
+            by_key.setdefault((ev.numel(), layer_of(enodes[name].module)), []).append(name)
+    out = []
+    for name in names:
+        t, v = tnodes[name], train_values.get(name)
+        if not (isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 2):
+            continue
+        part = repeated_part(v)
+        if part is None or part[2].unique().numel() < 2:  # a constant repeats along any dimension
+            continue
+        once = sorted_fingerprint(part[2])
+        scale = float(once.norm()) or 1.0
+        scored = sorted((round(float((sorted_fingerprint(engine_values[e]) - once).norm()) / scale, 6),
+                         op_kind(enodes[e]) != op_kind(t), -engine.position(e), e)
+                        for e in by_key.get((part[2].numel(), layer_of(t.module)), [])
+                        if modules_compatible(t.module, enodes[e].module, True))
+        if not scored or scored[0][0] > TOLERANCE:
+            continue
+        best = scored[0]
+        distinct = [s for s in scored[1:] if s[0] > best[0] * 1.5 + 1e-6]
+        margin = distinct[0][0] if distinct else TOLERANCE
+        confidence = max(0.0, 1.0 - best[0] / TOLERANCE) * min(1.0, margin / max(TOLERANCE / 5, 1e-9))
+        out.append(Match(name, best[3], best[0], round(confidence, 3),
+                         f"layer {layer_of(t.module)}, module {enodes[best[3]].module or '?'}: the value once "
+                         f"({part[2].numel()} of {v.numel()} values, {part[1]} times along dim {part[0]}); "
+                         f"sorted-value distance {best[0]:.2e} (runner-up {margin:.2e})", margin))
+    return out

@@ -185,6 +185,7 @@ def eager_values(gm: torch.fx.GraphModule, inputs: list[Any]) -> dict[str, Any]:
 
     class Keep(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
+            _keep_before_write(n, self.env, values)
             out = super().run_node(n)
             values[n.name] = out
             return out
@@ -192,6 +193,20 @@ def eager_values(gm: torch.fx.GraphModule, inputs: list[Any]) -> dict[str, Any]:
     with torch.no_grad():
         Keep(gm).run(*inputs)
     return values
+
+
+def _keep_before_write(n: torch.fx.Node, env: dict[torch.fx.Node, Any], values: dict[str, Any]) -> None:
+    """Before an in-place op (Falcon's `mlp_output += attention_output`) writes a tensor, the values kept so far that
+    share its memory are copied: each node's value is what it computed, not what a later op wrote over it."""
+    schema = getattr(n.target, "_schema", None)
+    if n.op != "call_function" or schema is None:
+        return
+    written = [a for a, arg in zip(n.args, schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
+    memory = {env[a].untyped_storage().data_ptr() for a in written
+              if isinstance(a, torch.fx.Node) and isinstance(env.get(a), torch.Tensor)}
+    for name, v in values.items():
+        if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in memory:
+            values[name] = v.clone()
 
 
 def rerun_fp32(n: torch.fx.Node, values: dict[str, Any]) -> Any:

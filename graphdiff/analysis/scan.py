@@ -389,17 +389,32 @@ def norm_rereads(tgraph: Graph, engine_graphs: list[Graph],
     norms (not those reading every pass from a copy stored alone, `norm_reads_stored`), and RMS norms whose matched
     row mean the engine takes of a sum its kernel stores (`_rms_rereads`)."""
     kernels = {k.id: k for g in engine_graphs for k in g.kernels}
-    layer_norms = [m for m, k in _layer_norm_pairs(tgraph, engine_graphs) if k in kernels
+    layer_norms = [m for m, k in _first_norms(_layer_norm_pairs(tgraph, engine_graphs), True) if k in kernels
                    and cpp_rereads_store(kernels[k].code) and not stored_alone(kernels[k])]
     return [*layer_norms, *(m for m in _rms_rereads(tgraph, engine_graphs, matched or {}) if m not in layer_norms)]
 
 
+def _first_norms(pairs: list[tuple[str, str]], first: bool) -> list[tuple[str, str]]:
+    """The (HF module, kernel) pairs of the first layer norm of each kernel (`first`), or of its later ones: a kernel
+    that normalizes one stored input twice (Falcon's `ln_attn` and `ln_mlp`) takes the first mean in the loop that
+    stores the input, from the FP32 value; each later norm's mean in a loop after it, from the stored copy."""
+    seen: set[str] = set()
+    out = []
+    for m, k in pairs:
+        if (k not in seen) == first:
+            out.append((m, k))
+        seen.add(k)
+    return out
+
+
 def norm_reads_stored(tgraph: Graph, engine_graphs: list[Graph]) -> list[str]:
     """The trainer layer norms (HF modules) whose engine kernel stores its input in BF16 in a loop nest that computes
-    nothing else and reads it back in every pass (`reload.stored_alone`): the norm, its mean too, reads the rounded
-    input."""
+    nothing else and reads it back in every pass (`reload.stored_alone`), or whose kernel normalizes the stored input
+    after another norm of it (`_first_norms`): the norm, its mean too, reads the rounded input."""
     kernels = {k.id: k for g in engine_graphs for k in g.kernels if k.kind == "generated"}
-    return [m for m, k in _layer_norm_pairs(tgraph, engine_graphs) if k in kernels and stored_alone(kernels[k])]
+    pairs = _layer_norm_pairs(tgraph, engine_graphs)
+    later = {m for m, k in _first_norms(pairs, False) if k in kernels and cpp_rereads_store(kernels[k].code)}
+    return [m for m, k in pairs if k in kernels and (stored_alone(kernels[k]) or m in later)]
 
 
 def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, tuple[list[Match], list[str]]]
@@ -443,9 +458,9 @@ def _layer_norm_pairs(tgraph: Graph, engine_graphs: list[Graph]) -> list[tuple[s
 
 
 def _layer_norm_kernels(engine_graphs: list[Graph]) -> list[str]:
-    """The engine kernels holding a `var_mean` (a decomposed layer norm), in graph order."""
-    return list(dict.fromkeys(n.kernel for g in engine_graphs for n in g.nodes
-                              if n.kernel and ".var_mean." in n.target))
+    """The engine kernel of each `var_mean` (a decomposed layer norm), in graph order: a kernel computing two norms
+    of one input (Falcon's `ln_attn` and `ln_mlp`) is there twice."""
+    return [n.kernel for g in engine_graphs for n in g.nodes if n.kernel and ".var_mean." in n.target]
 
 
 def _layer_norm_lanes(tgraph: Graph, engine_graphs: list[Graph], lanes: dict[str, int]) -> dict[str, int]:

@@ -34,7 +34,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from graphdiff.analysis.match import TOLERANCE, Match, modules_compatible, op_kind, sorted_fingerprint
+from graphdiff.analysis.match import TOLERANCE, Match, match_repeated, modules_compatible, op_kind, sorted_fingerprint
 from graphdiff.analysis.match import match_values as match_replicated
 from graphdiff.analysis.opaque import extern_rule
 from graphdiff.analysis.rounding import is_view
@@ -82,9 +82,12 @@ def match_values(train: Graph, train_values: dict[str, object], engine: Graph, e
     """match.match_values, and with `tp` > 1 the trainer values it left unmatched matched to this rank's
     shard of them."""
     matches, unmatched = match_replicated(train, train_values, engine, engine_values)
-    if tp <= 1:
-        return matches, unmatched
-    more = match_shards(train, train_values, engine, engine_values, unmatched, tp, rank_of(engine))
+    # a value repeated along a dimension (keys broadcast to every query head), held once by the engine
+    more = match_repeated(train, train_values, engine, engine_values, unmatched)
+    if tp > 1:
+        found = {m.train for m in more}
+        more += match_shards(train, train_values, engine, engine_values, [u for u in unmatched if u not in found],
+                             tp, rank_of(engine))
     found = {m.train for m in more}
     return matches + more, [u for u in unmatched if u not in found]
 

@@ -223,6 +223,17 @@ def attention_engine_op(module, query, key, value, attention_mask, **kwargs):
     return out, None
 
 
+def sdpa_call(attention, module, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+    """torch's sdpa as a module's own code calls it (FalconAttention), computed by `attention` (a transformers
+    attention function of this module): the output [batch, heads, seq, dim], as sdpa returns it. Non-causal rows with
+    no mask go to `attention` as an all-true mask, so that it takes them as such."""
+    if attn_mask is None and not is_causal and query.shape[-2] > 1:
+        attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device)
+    out, _ = attention(module, query, key, value, attn_mask, scaling=scale, dropout=dropout_p)
+    return out.transpose(1, 2)
+
+
 FP32_PARTS = (_causal_window_mask, _softcapped_fp32, _attention_in_fp32, attention_fp32_inputs,
               attention_fp32_inputs_truncated)
 ENGINE_PARTS = (attention_isa, kv_cache, vllm_cpu_attention, engine_attention_op, _EngineAttention, _causal_only,

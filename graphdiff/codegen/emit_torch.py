@@ -9,12 +9,15 @@ are named by role (names.py): `names` maps each graph node of the fragment to it
 
 from __future__ import annotations
 
+import math
+
 from graphdiff.analysis.rounding import is_view
 from graphdiff.codegen.fragment import Fragment, rounding
 from graphdiff.codegen.names import arguments, value_names
 from graphdiff.ops import is_low, op_name
 from graphdiff.records import Node
 from graphdiff.replay.inductor_math import math_form
+from graphdiff.replay.kernels import value_base
 from graphdiff.replay.sum_order import LAYER_NORM_FN, MEAN_FN, SUM_FN
 
 BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -67,8 +70,33 @@ def reshaped(n: Node, nodes: dict[str, Node], names: dict[str, str]) -> str:
     k = 0
     while k < min(len(sizes), len(shape)) and sizes[k] == shape[k]:
         k += 1
+    tail = 0  # the trailing sizes it keeps (features), at least one size changing on each side
+    while tail < min(len(sizes), len(shape)) - k - 1 and sizes[-1 - tail] == shape[-1 - tail]:
+        tail += 1
+    middle, merged = sizes[k:len(sizes) - tail], shape[k:len(shape) - tail]
+    if len(middle) == 1 and merged and math.prod(merged) == middle[0]:  # leading sizes merged (tokens of a batch)
+        parts = [f"*{x}.shape[:{k}]"] if k else []
+        return f"{x}.reshape({', '.join([*parts, '-1', *map(repr, sizes[len(sizes) - tail:])])})"
+    split = _leading_sizes(n, sizes[:len(sizes) - tail], nodes, names) if len(merged) == 1 and middle else None
+    if split is not None:  # a merged size split back: the sizes as an earlier value of the fragment has them
+        return f"{x}.reshape({', '.join([split, *map(repr, sizes[len(sizes) - tail:])])})"
     parts = ([f"*{x}.shape[:{k}]"] if k else []) + [repr(s) for s in sizes[k:]]
     return f"{x}.reshape({', '.join(parts)})"
+
+
+def _leading_sizes(n: Node, leading: list[int], nodes: dict[str, Node], names: dict[str, str]) -> str | None:
+    """`*v.shape[:m]` for the nearest value `v` before `n` in the fragment (no parameter) whose captured shape starts
+    with `leading` (m sizes): where a view splits back the tokens an earlier view merged, it reads them from there."""
+    frontier, seen = list(n.inputs), set(n.inputs)
+    while frontier:
+        found = [i for i in frontier if i in names and i in nodes and nodes[i].param is None
+                 and _int_sizes(nodes[i].shape) is not None and list(nodes[i].shape or [])[:len(leading)] == leading
+                 and len(nodes[i].shape or []) > len(leading)]
+        if found:
+            return f"*{names[found[0]]}.shape[:{len(leading)}]"
+        frontier = [j for i in frontier if i in names and i in nodes for j in nodes[i].inputs if j not in seen]
+        seen.update(frontier)
+    return None
 
 
 def expression(n: Node, nodes: dict[str, Node], names: dict[str, str]) -> str:
@@ -165,7 +193,9 @@ def stored_reads(frag: Fragment, n: Node, nodes: dict[str, Node]) -> list[str]:
         src = i
         while src in inside and is_view(nodes[src]) and nodes[src].inputs:
             src = nodes[src].inputs[0]
-        if src in frag.inputs and src not in frag.params and is_low(nodes[src].dtype):
+        base = value_base(nodes, src)
+        if src in frag.inputs and src not in frag.params and is_low(nodes[src].dtype) and base is not None \
+                and base.name in frag.rounded_values:
             out.append(i)
     return out
 

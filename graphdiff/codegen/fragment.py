@@ -24,6 +24,7 @@ from itertools import takewhile
 from pathlib import Path
 from typing import Any, Literal
 
+from graphdiff.analysis.rounding import is_view
 from graphdiff.codegen import math_order, norm_order
 from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site, layer_of
@@ -97,6 +98,7 @@ class Fragment:
     # gets it in FP32 (`evidence.read_rounded_by` of a value made outside): they read it rounded (a no-op unless a
     # patch holds it FP32)
     rounded_reads: list[str] = field(default_factory=list)
+    rounded_values: list[str] = field(default_factory=list)  # the values made outside that they read so
     # the scanned decoder layers this splice serves (a group of layers sharing one rounding plan); [] = every layer
     layers: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -117,7 +119,8 @@ def dotted_module(file: str) -> str | None:
 def _mark_reads(scan: ScanResult, graph: Graph, region: Region, frag: Fragment) -> None:
     """How the engine reads the fragment's values otherwise than eager: by Inductor's math, through a stored copy,
     from a low-precision table."""
-    frag.inductor_math, frag.rounded_reads = _inductor_math(scan, frag.nodes), _rounded_reads(scan, frag)
+    frag.inductor_math, (frag.rounded_reads, frag.rounded_values) = (_inductor_math(scan, frag.nodes),
+                                                                     _rounded_reads(scan, frag))
     frag.table_inputs = _table_inputs(scan, graph, region, frag.inputs)
 
 
@@ -327,7 +330,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
             frag.target = "carry"
             trained = [s for s in site_nodes if sides[s] == "train"]
             scaled, handed = _scaled_child_outputs(graph, path, trained), scaled_handoffs(graph, path, trained)
-            if any(op_name(nodes[s].target) != "add" and s not in scaled and s not in handed for s in site_nodes):
+            if any(not is_add(nodes[s]) and s not in scaled and s not in handed for s in site_nodes):
                 frag.problems.append("the module calls submodules and its sites are not residual adds or scaled "
                                      "child outputs: its forward cannot be re-emitted")
             frag.fp32_outputs = sorted({c for children in scaled.values() for c in children})
@@ -340,6 +343,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     frag.inputs, frag.outputs = _boundary(graph, [n.name for n in frag.nodes])
     _mark_reads(scan, graph, region, frag)
     frag.sites = {s: region.name for s in site_nodes if sides[s] == "train"}
+    frag.sites.update(_viewed_sites(frag, nodes))
     frag.engine_sites = {s: region.name for s in site_nodes if sides[s] == "engine"}
     trainer_rounds = {d.node for d in scan.plan if d.train.rounds}
     frag.rounds = {n.name for n in frag.nodes if n.name in trainer_rounds}
@@ -376,16 +380,31 @@ def _inductor_math(scan: ScanResult, frag_nodes: list[Node]) -> list[str]:
         op_name(n.target) in INDUCTOR_MATH and kernel_of.get(n.name) in generated)]
 
 
-def _rounded_reads(scan: ScanResult, frag: Fragment) -> list[str]:
+def _viewed_sites(frag: Fragment, nodes: dict[str, Node]) -> dict[str, str]:
+    """Outputs that are views of a site inside the fragment (a linear's `mm` reshaped back to [batch, seq, out]), each
+    with the site's region: they leave the fragment in FP32 as the site does."""
+    inside, out = {n.name for n in frag.nodes}, {}
+    for o in frag.outputs:
+        n = nodes[o]
+        while n.name not in frag.sites and is_view(n) and n.inputs and n.inputs[0] in inside:
+            n = nodes[n.inputs[0]]
+        if n.name != o and n.name in frag.sites:
+            out[o] = frag.sites[n.name]
+    return out
+
+
+def _rounded_reads(scan: ScanResult, frag: Fragment) -> tuple[list[str], list[str]]:
     """The fragment's non-carry nodes that read a value from outside it through the engine's stored copy while the
-    engine's other readers hold it in FP32 (`read_rounded_by`)."""
+    engine's other readers hold it in FP32 (`read_rounded_by`), and those values (a reader's other inputs it reads
+    as they are: Falcon's last residual add reads the residual rounded, the block's sum in FP32)."""
     if frag.target == "carry":
-        return []
+        return [], []
     node_of = {d.id: d.node for d in scan.plan}
     inside = {n.name for n in frag.nodes}
-    readers = {node_of[i] for d in scan.plan if d.node not in inside for i in d.evidence.read_rounded_by
-               if i in node_of}
-    return [n.name for n in frag.nodes if n.name in readers]
+    pairs = [(node_of[i], d.node) for d in scan.plan if d.node not in inside for i in d.evidence.read_rounded_by
+             if i in node_of]
+    readers = {r for r, _ in pairs if r in inside}
+    return [n.name for n in frag.nodes if n.name in readers], sorted({v for r, v in pairs if r in inside})
 
 
 def _bind_params(frag: Fragment, nodes: dict[str, Node], path: str) -> None:
@@ -401,6 +420,11 @@ def _bind_params(frag: Fragment, nodes: dict[str, Node], path: str) -> None:
     if len(acts) != 1 or not frag.outputs:  # several outputs: a tuple, bound to the return statement (generate)
         frag.problems.append(f"module forward with {len(acts)} activation inputs and {len(frag.outputs)} "
                              "outputs: only module forwards of one activation input are re-emitted")
+
+
+def is_add(n: Node) -> bool:
+    """An add, in place or not (a parallel block's `mlp_output += attention_output`)."""
+    return op_name(n.target) in ("add", "add_")
 
 
 def _scaled_child_outputs(graph: Graph, path: str, sites: list[str]) -> dict[str, list[str]]:
@@ -429,15 +453,15 @@ def _scaled_child_outputs(graph: Graph, path: str, sites: list[str]) -> dict[str
         n = nodes[s]
         if op_name(n.target) == "mul" and len(n.inputs) == 2:  # a child's output times an activation of another's
             held = [child(i) or _gate_child(nodes, users, path, i, s, sites) for i in n.inputs]
-        elif (op_name(n.target) == "mul" and len(n.inputs) == 1) or (op_name(n.target) == "add" and len(n.inputs) == 2):
+        elif (op_name(n.target) == "mul" and len(n.inputs) == 1) or (is_add(n) and len(n.inputs) == 2):
             held = [child(i) for i in n.inputs]
         else:
             continue
         if not all(held) or not any(h and h != "-" for h in held):
             continue
         readers = users.get(s, [])
-        own_adds = all(op_name(nodes[u].target) == "add" and nodes[u].module == path for u in readers)
-        if own_adds or (op_name(n.target) == "add" and _one_reader(graph, path, readers)):
+        own_adds = all(is_add(nodes[u]) and nodes[u].module == path for u in readers)
+        if own_adds or (is_add(n) and _one_reader(graph, path, readers)):
             found[s] = sorted({h for h in held if h and h != "-"})
             found.update({i: found[s] for i in n.inputs if i in sites and i not in found})  # the activation site
     return found
@@ -545,7 +569,7 @@ def _sums_by_child(graph: Graph, pattern: str, adds: set[str]) -> dict[str, list
     out: dict[str, set[int]] = {}
     for n in graph.nodes:
         owner, layer = n.module or "", layer_of(n.module)
-        if op_name(n.target) != "add" or n.name not in adds or not rx.fullmatch(owner) or layer is None:
+        if not is_add(n) or n.name not in adds or not rx.fullmatch(owner) or layer is None:
             continue
         for i in n.inputs:
             p, scaled = value_base(nodes, i), False
@@ -581,6 +605,7 @@ def merge(frags: list[Fragment]) -> list[Fragment]:
                 g.fp32_scaled[source] = sorted({*g.fp32_scaled.get(source, []), *readers})
             g.carry_input = g.carry_input or f.carry_input
             g.rounded_reads = sorted({*g.rounded_reads, *f.rounded_reads})
+            g.rounded_values = sorted({*g.rounded_values, *f.rounded_values})
         else:
             by_key[f.key] = f
     return [*by_key.values(), *refused]
@@ -759,7 +784,7 @@ class _Reach:
     def carried_add(self, u: str) -> list[str] | None:
         """The carry regions of the module whose own residual add `u` is: with them aligned it sums in FP32 (the
         residual carried in FP32, type promotion), as the engine's fused add reads a norm's unrounded output."""
-        if op_name(self.nodes[u].target) != "add":
+        if not is_add(self.nodes[u]):
             return None
         return next((regions for rx, regions in self.carries if rx.match(self.nodes[u].module or "")), None)
 

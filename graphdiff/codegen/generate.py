@@ -52,7 +52,7 @@ from graphdiff.records import (
     ScanResult,
     save_json,
 )
-from graphdiff.runtime import module_regex
+from graphdiff.runtime import TORCH_SDPA, module_regex
 
 MODULE_FILE = "graphdiff_patch.py"
 SDPA_FUNCTION = "transformers.integrations.sdpa_attention.sdpa_attention_forward"
@@ -86,35 +86,87 @@ def _probe(node: Node, gen: torch.Generator, tokens: int = 0, other: int = 0, ou
 def bind_function(frag: Fragment, fn: Callable[..., Any], nodes: dict[str, Node]) -> tuple[list[str], list[int]] | str:
     """Which HF parameter feeds each fragment input, which returned value each output is: found by running
     the HF function and the emitted HF-plan code on the same probe tensors (bit-identical, or no binding)."""
-    params = [p.name for p in inspect.signature(fn).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    params = [p.name for p in positional]
     if len(params) < len(frag.inputs):
         return f"{frag.function} takes {len(params)} positional parameters, the fragment reads {len(frag.inputs)}"
     if not callable(frag.compiled):
         return f"{frag.key}: no emitted function to bind"
+    rest = _settings(positional[len(frag.inputs):])
+    if isinstance(rest, str):
+        return f"{frag.function} also needs {rest}, which no tensor of the fragment is"
     gen = torch.Generator().manual_seed(0)
     probes = [_probe(nodes[i], gen) for i in frag.inputs]
     ours = frag.compiled(*probes, align=frozenset())
+    found = []
     for perm in itertools.permutations(range(len(frag.inputs))):  # perm[k]: HF parameter index of input k
         args: list[torch.Tensor | None] = [None] * len(frag.inputs)
         for k, p in enumerate(perm):
             args[p] = probes[k]
-        try:
-            with torch.no_grad():
-                theirs = fn(*args)
-        except Exception:  # a wrong assignment fails to broadcast: try the next one
-            continue
-        theirs = theirs if isinstance(theirs, tuple) else (theirs,)
-        outs = []
-        for o in ours:
-            hit = [j for j, t in enumerate(theirs) if isinstance(t, torch.Tensor) and t.shape == o.shape
-                   and t.dtype == o.dtype and torch.equal(t, o) and j not in outs]
-            if not hit:
-                break
-            outs.append(hit[0])
-        if len(outs) == len(ours):
-            return [params[p] for p in perm], outs
+        outs = _outputs_reproduced(fn, args, rest, ours)
+        if outs is not None:
+            found.append(([params[p] for p in perm], outs))
+    if found:  # a commutative op binds either way: the one its source line names wins (`residual + out`)
+        return max(found, key=lambda f: _named_operands(frag, f[0]))
     return f"no assignment of {frag.function}'s parameters reproduces it bit for bit with the emitted code"
+
+
+_SETTINGS = {"float": 0.0, "int": 0, "bool": False}  # a setting's value under which the trainer graph was traced
+
+
+def _settings(params: list[inspect.Parameter]) -> dict[str, Any] | str:
+    """Values for a function's parameters after the fragment's tensors that have no default: each a setting its
+    annotation says is a float, int or bool (`dropout_add`'s `prob: float, training: bool`), given the value under
+    which the trainer graph was traced, in eval mode (0, False: no dropout, as the graph has none); or the first
+    parameter that is not such a setting."""
+    out: dict[str, Any] = {}
+    for p in params:
+        if p.default is not p.empty:
+            continue
+        kind = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
+        if kind not in _SETTINGS:
+            return f"its parameter {p.name}"
+        out[p.name] = _SETTINGS[kind]
+    return out
+
+
+def _outputs_reproduced(fn: Callable[..., Any], args: list, rest: dict[str, Any],
+                        ours: tuple) -> list[int] | None:
+    """Which returned value of `fn(*args, **rest)` each of `ours` is, bit for bit; None where one is not."""
+    try:
+        with torch.no_grad():
+            theirs = fn(*args, **rest)
+    except Exception:  # a wrong assignment fails to broadcast: try the next one
+        return None
+    theirs = theirs if isinstance(theirs, tuple) else (theirs,)
+    outs: list[int] = []
+    for o in ours:
+        hit = [j for j, t in enumerate(theirs) if isinstance(t, torch.Tensor) and t.shape == o.shape
+               and t.dtype == o.dtype and torch.equal(t, o) and j not in outs]
+        if not hit:
+            return None
+        outs.append(hit[0])
+    return outs
+
+
+def _named_operands(frag: Fragment, bound: list[str]) -> int:
+    """How many fragment inputs an op reads as an operand its source line names by the parameter bound to it (`out =
+    residual + out`: the add's first operand is `residual`)."""
+    score = 0
+    for n in frag.nodes:
+        try:
+            expr = ast.parse(n.source.code.strip()).body[0] if n.source is not None else None
+        except (SyntaxError, IndexError):
+            continue
+        value = getattr(expr, "value", None)
+        if not isinstance(value, ast.BinOp):
+            continue
+        operands = [o.id if isinstance(o, ast.Name) else "" for o in (value.left, value.right)]
+        for j, a in enumerate(n.call[0][:2]):
+            k = frag.inputs.index(a["node"]) if isinstance(a, dict) and a.get("node") in frag.inputs else -1
+            score += int(k >= 0 and operands[j] == bound[k])
+    return score
 
 
 def other_length_problem(frag: Fragment, nodes: dict[str, Node], tokens: int) -> str:
@@ -185,12 +237,14 @@ def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, st
         lines += ["", "", "# the engine's own attention op forward, FP32 attention's gradient backward",
                   "import warnings", "", f"KV_BLOCK = {attention_splice.KV_BLOCK}", "", "",
                   *prelude.source(attention_splice.ENGINE_PARTS)]
-    # The runtime swaps the attention function transformers' attention interface dispatches to; a model whose
-    # attention calls sdpa in its own code (FalconAttention) never reaches it.
+    # The runtime swaps the attention function transformers' attention interface dispatches to; a module whose
+    # code calls torch's sdpa itself (FalconAttention) gets that call swapped while it runs, by the same function
+    # (sdpa_call adapts the call).
     called_from = Path(site.source.file).name if site is not None and site.source is not None else ""
     if called_from and called_from != SDPA_FILE:
-        splice.problems.append(f"{owner or r.module} calls sdpa in its own code ({called_from}), not through "
-                               "transformers' attention interface, which the patch swaps")
+        splice.function = TORCH_SDPA
+        lines += ["", "", f"# {owner or r.module} calls torch's sdpa in its own code ({called_from})",
+                  *prelude.source((attention_splice.sdpa_call,))]
     return splice, lines
 
 

@@ -54,12 +54,23 @@ def engine_attention_fn() -> Callable[..., tuple[torch.Tensor, None]]:
     return attention
 
 
-def _use_engine_attention(model: torch.nn.Module) -> Callable[[], None]:
+def _use_engine_attention(model: torch.nn.Module, manifest: Path) -> Callable[[], None]:
     """The model's attention layers on the engine's op; returns the undo (transformers' registry and the model's
-    attention implementation back)."""
+    attention implementation back). Attention modules whose own code calls torch's sdpa (the manifest's attention
+    splice says so: FalconAttention, which takes its eager path for any other implementation) get that call swapped."""
+    import functools
+
+    from graphdiff import runtime
+    from graphdiff.codegen.attention_splice import sdpa_call
     from graphdiff.runtime.attention import use_attention
 
-    return use_attention(model, NAME, engine_attention_fn())
+    own = [s for s in runtime.load_manifest(manifest).splices if s.target == "attention"
+           and s.function == runtime.TORCH_SDPA]
+    if not own:
+        return use_attention(model, NAME, engine_attention_fn())
+    patterns = [(runtime.module_regex(s.module), s.module_class) for s in own]
+    modules = [m for n, m in model.named_modules() if any(rx.match(n) and type(m).__name__ == c for rx, c in patterns)]
+    return runtime.sdpa_calls(modules, lambda mod: functools.partial(sdpa_call, engine_attention_fn(), mod))
 
 
 def _child(req: dict, progress: Progress) -> None:
@@ -72,7 +83,7 @@ def _child(req: dict, progress: Progress) -> None:
     why = next((w for m in layers if (w := unsupported(m))), "")
     if why:
         raise GraphdiffError(f"the engine's attention op cannot stand in for this model's: {why}")
-    restore = _use_engine_attention(model)
+    restore = _use_engine_attention(model, Path(req["manifest"]))
     samples = [EngineSample.model_validate(s) for s in json.loads(Path(req["samples"]).read_text())]
     progress(f"patched trainer with the engine's attention op: {len(samples)} sequences")
     try:

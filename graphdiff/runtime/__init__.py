@@ -18,7 +18,9 @@ How the generated code is spliced in (no per-model code; everything comes from t
   (held in FP32) and the child modules the manifest names (`fp32_children`, the input norm) the FP32 value;
 - attention splice (an engine whose attention keeps the softmax probabilities FP32, graphdiff.analysis.opaque): the
   generated attention function is registered with transformers' AttentionInterface and set as the model's
-  attention implementation (HF's sdpa on FP32-upcast q/k/v, output rounded once);
+  attention implementation (HF's sdpa on FP32-upcast q/k/v, output rounded once); an attention module whose own
+  code calls torch's sdpa (FalconAttention) gets that call dispatched to the same function while it runs, as a
+  function splice's (`torch.nn.functional.scaled_dot_product_attention`, or a name its module bound it to);
 - linear splices (a tensor-parallel engine's row-parallel matmuls, `allreduce` regions): the nn.Linear's forward
   computes the partial products over the manifest's `shards` parts of its input dimension, each rounded to the
   weight dtype, summed in FP32 and rounded once (the generated `linear_split_k`), as the engine's ranks and its
@@ -75,6 +77,8 @@ class _State:
 
 
 _ATTR = "_graphdiff_patch"
+TORCH_SDPA = "torch.nn.functional.scaled_dot_product_attention"  # an attention splice's function where a module's
+_TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention  # own code calls torch's sdpa (FalconAttention)
 _FUNCTIONS: dict[str, tuple[Any, int]] = {}  # dotted function -> (original, patched models using it)
 # dotted function -> the replacement of the patched module running now (set by that module's forward hooks)
 _CALLERS: ContextVar[dict[str, Callable] | None] = ContextVar("graphdiff_callers", default=None)
@@ -315,10 +319,19 @@ def _function(original: Callable, splice: ManifestSplice, run: Callable, align: 
 
 def _dispatcher(key: str, original: Callable) -> Callable:
     """Stands in for the module-level function: inside a patched model's calling module it runs that model's
-    replacement; anywhere else (another model in the process, patched or not) what that model needs."""
+    replacement; anywhere else (another model in the process, patched or not) what that model needs. A call the
+    replacement itself makes (an FP32 attention that calls torch's sdpa) runs the original."""
 
     def dispatch(*args: Any, **kwargs: Any) -> Any:
-        return (_CALLERS.get() or {}).get(key, original)(*args, **kwargs)
+        callers = _CALLERS.get() or {}
+        replacement = callers.get(key)
+        if replacement is None:
+            return original(*args, **kwargs)
+        token = _CALLERS.set({k: v for k, v in callers.items() if k != key})
+        try:
+            return replacement(*args, **kwargs)
+        finally:
+            _CALLERS.reset(token)
 
     dispatch.__wrapped__ = original  # type: ignore[attr-defined]  # a function attribute, as functools sets it
     dispatch.__name__ = getattr(original, "__name__", "dispatch")
@@ -422,10 +435,38 @@ def _patch_carry(p: _Patching, splice: ManifestSplice, targets: _Targets) -> Non
 
 
 def _patch_attention(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
-    """Aligned, and the model has the modules: the model's attention runs the generated function."""
-    if p.aligned(splice) and targets:
-        _require(splice)
-        p.state.undo.append(_use_attention(p.model, getattr(p.gen, splice.torch_fn)))
+    """Aligned, and the model has the modules: the model's attention runs the generated function (where the module
+    calls torch's sdpa in its own code, that call, while the module runs)."""
+    if not (p.aligned(splice) and targets):
+        return
+    _require(splice)
+    fn = getattr(p.gen, splice.torch_fn)
+    if splice.function != TORCH_SDPA:
+        p.state.undo.append(_use_attention(p.model, fn))
+        return
+    p.state.undo.append(sdpa_calls([mod for _, mod in targets], lambda mod: functools.partial(p.gen.sdpa_call, fn,
+                                                                                              mod)))
+
+
+def sdpa_calls(modules: Sequence[torch.nn.Module], replacement: Callable[[torch.nn.Module], Callable]
+               ) -> Callable[[], None]:
+    """While each of `modules` runs forward, the torch sdpa calls its own code makes (through
+    `torch.nn.functional`, or a name its module bound it to) run `replacement(module)`; returns the undo."""
+    state = _State(Path(), [])
+    owners = {torch.nn.functional.__name__: "scaled_dot_product_attention"}
+    for mod in modules:  # a module that bound sdpa to a name of its own (`from torch.nn.functional import ...`)
+        found = vars(sys.modules.get(type(mod).__module__) or ModuleType("none"))
+        owners.update({type(mod).__module__: k for k, v in found.items() if v is _TORCH_SDPA})
+    for owner, name in owners.items():
+        _swap_in(importlib.import_module(owner), name, TORCH_SDPA, state)
+    for mod in modules:
+        state.undo.append(_calls_replacement(mod, TORCH_SDPA, replacement(mod)))
+
+    def undo() -> None:
+        for step in reversed(state.undo):
+            step()
+
+    return undo
 
 
 def _patch_moe(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
@@ -477,16 +518,23 @@ def _patch_function(p: _Patching, splice: ManifestSplice, targets: _Targets) -> 
         return
     key = splice.function
     owner_name, fn_name = key.rsplit(".", 1)
-    owner = importlib.import_module(owner_name)
-    if key not in _FUNCTIONS:  # one dispatcher per function and process; the replacement is per model
-        _FUNCTIONS[key] = (getattr(owner, fn_name), 0)
-        setattr(owner, fn_name, _dispatcher(key, _FUNCTIONS[key][0]))
-    original, users = _FUNCTIONS[key]
-    _FUNCTIONS[key] = (original, users + 1)
-    p.state.undo.append(functools.partial(_unpatch, key, owner, fn_name))
+    original = _swap_in(importlib.import_module(owner_name), fn_name, key, p.state)
     replacement = _function(original, splice, _chooser(p.gen, splice), p.align)
     for _, mod in targets:
         p.state.undo.append(_calls_replacement(mod, key, replacement))
+
+
+def _swap_in(owner: ModuleType, fn_name: str, key: str, state: _State) -> Callable:
+    """`owner.fn_name` replaced by the dispatcher of `key` (one per binding and process; the replacement is per
+    model), undone when its last patched model is; returns the original."""
+    binding = f"{owner.__name__}.{fn_name}"
+    if binding not in _FUNCTIONS:
+        _FUNCTIONS[binding] = (getattr(owner, fn_name), 0)
+        setattr(owner, fn_name, _dispatcher(key, _FUNCTIONS[binding][0]))
+    original, users = _FUNCTIONS[binding]
+    _FUNCTIONS[binding] = (original, users + 1)
+    state.undo.append(functools.partial(_unpatch, binding, owner, fn_name))
+    return original
 
 
 _PATCH = {"carry": _patch_carry, "attention": _patch_attention, "router": _patch_moe, "experts": _patch_moe,
