@@ -69,7 +69,8 @@ def _stored(graph: Graph, records: dict[str, KernelRecord], outputs: dict[str, d
     in the buffer (`outputs`: kernel -> buffer -> node), else the one the capture names."""
     out = {}
     for k in graph.kernels:
-        written = records.get(k.id, {}).get("out", {}) if k.kind == "generated" else {}
+        record = records.get(k.id) if k.kind == "generated" else None
+        written: dict = dict(record.get("out", {})) if record else {}
         held = {**{a.name: a.node for a in k.args if a.role in ("out", "inout") and a.node}, **outputs.get(k.id, {})}
         out.update({node: written[buf] for buf, node in held.items() if isinstance(written.get(buf), torch.Tensor)})
     return out
