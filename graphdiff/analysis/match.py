@@ -81,6 +81,16 @@ def align_module_roots(train: Graph, engine_graphs: list[Graph]) -> dict[str, st
     return renames
 
 
+def margin_and_confidence(scored: list[tuple]) -> tuple[float, float]:
+    """Candidates sorted by distance (first field), best first: the next distinct candidate's distance (the
+    tolerance when there is none) and the match's confidence, 1 at distance 0, 0 at the tolerance, lowered when the
+    runner-up is close."""
+    best = scored[0][0]
+    distinct = [s for s in scored[1:] if s[0] > best * 1.5 + 1e-6]
+    margin = distinct[0][0] if distinct else TOLERANCE
+    return margin, max(0.0, 1.0 - best / TOLERANCE) * min(1.0, margin / max(TOLERANCE / 5, 1e-9))
+
+
 def op_kind(node: Node) -> str:
     name = op_name(node.target)
     return "cast" if name in CASTS else name
@@ -151,9 +161,7 @@ def match_values(train: Graph, train_values: dict[str, object], engine: Graph,
             unmatched.append(t.name)
             continue
         best = scored[0]
-        distinct = [s for s in scored[1:] if s[0] > best[0] * 1.5 + 1e-6]
-        margin = distinct[0][0] if distinct else TOLERANCE
-        confidence = max(0.0, 1.0 - best[0] / TOLERANCE) * min(1.0, margin / max(TOLERANCE / 5, 1e-9))
+        margin, confidence = margin_and_confidence(scored)
         evidence = (f"layer {layer_of(t.module)}, module {enodes[best[3]].module or '?'}, {v.numel()} values; "
                     f"sorted-value distance {best[0]:.2e} (runner-up {margin:.2e})")
         matches.append(Match(t.name, best[3], best[0], round(confidence, 3), evidence, margin))
@@ -204,9 +212,7 @@ def match_repeated(train: Graph, train_values: dict[str, object], engine: Graph,
         if not scored or scored[0][0] > TOLERANCE:
             continue
         best = scored[0]
-        distinct = [s for s in scored[1:] if s[0] > best[0] * 1.5 + 1e-6]
-        margin = distinct[0][0] if distinct else TOLERANCE
-        confidence = max(0.0, 1.0 - best[0] / TOLERANCE) * min(1.0, margin / max(TOLERANCE / 5, 1e-9))
+        margin, confidence = margin_and_confidence(scored)
         out.append(Match(name, best[3], best[0], round(confidence, 3),
                          f"layer {layer_of(t.module)}, module {enodes[best[3]].module or '?'}: the value once "
                          f"({part[2].numel()} of {v.numel()} values, {part[1]} times along dim {part[0]}); "

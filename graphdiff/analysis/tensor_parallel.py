@@ -34,7 +34,15 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from graphdiff.analysis.match import TOLERANCE, Match, match_repeated, modules_compatible, op_kind, sorted_fingerprint
+from graphdiff.analysis.match import (
+    TOLERANCE,
+    Match,
+    margin_and_confidence,
+    match_repeated,
+    modules_compatible,
+    op_kind,
+    sorted_fingerprint,
+)
 from graphdiff.analysis.match import match_values as match_replicated
 from graphdiff.analysis.opaque import extern_rule
 from graphdiff.analysis.rounding import is_view
@@ -127,9 +135,7 @@ def match_shards(train: Graph, train_values: dict[str, object], engine: Graph,
         best = scored[0]
         if best[0] > TOLERANCE:
             continue
-        distinct = [s for s in scored[1:] if s[0] > best[0] * 1.5 + 1e-6]
-        margin = distinct[0][0] if distinct else TOLERANCE
-        confidence = max(0.0, 1.0 - best[0] / TOLERANCE) * min(1.0, margin / max(TOLERANCE / 5, 1e-9))
+        margin, confidence = margin_and_confidence(scored)
         out.append(Match(name, best[3], best[0], round(confidence, 3),
                          f"layer {layer_of(t.module)}, module {enodes[best[3]].module or '?'}: rank {rank}'s shard "
                          f"({v.numel() // tp} of {v.numel()} values, part {rank} of {tp} along dim {best[4]}); "
