@@ -167,3 +167,19 @@ def test_installed_inductor_emits_the_same_math_calls(kernels) -> None:
     assert math_calls(sources[0]) == math_calls(kernels["model.norm"]) == ["tl.sum", "/", "libdevice.rsqrt"]
     assert "triton_heuristics.persistent_reduction" in sources[0]
     assert math_calls(sources[1]) == math_calls(kernels["model.layers.*.mlp.act_fn"]) == ["libdevice.exp", "/"]
+
+
+def test_a_condition_is_lowered_as_a_bool_mask() -> None:
+    """`where`'s condition (xIELU's `x > 0`) reaches Inductor as a bool tensor: Inductor lowers it, no fallback."""
+    from graphdiff.records import Node
+
+    def value(name: str, dtype: str) -> Node:
+        return Node(name=name, op="placeholder", target="", dtype=dtype, shape=[4, 8])
+
+    where = Node(name="w", op="call_function", target="aten.where.self", inputs=["cond", "a", "b"], dtype="float32",
+                 shape=[4, 8], call=[[{"node": "cond"}, {"node": "a"}, {"node": "b"}], {}])
+    nodes = {n.name: n for n in (value("cond", "bool"), value("a", "float32"), value("b", "float32"), where)}
+    before = list(inductor_lowering._reason)
+    steps = inductor_lowering.lower(where, nodes, {k: f"v_{k}" for k in nodes}, "y")
+    assert inductor_lowering._reason == before
+    assert any("where" in s.expr and "v_cond" in s.expr for s in steps), [s.expr for s in steps]

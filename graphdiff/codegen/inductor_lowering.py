@@ -159,13 +159,14 @@ class _Recorder:
 
 
 def _fake_args(n: Node, nodes: dict[str, Node]) -> tuple[list, list[str]]:
-    """The node's positional arguments with node references as FP32 tensors, and which variables they are."""
+    """The node's positional arguments with node references as FP32 tensors (a mask, `where`'s condition: bool), and
+    which variables they are."""
     out: list[object] = []
     refs: list[str] = []
     for a in n.call[0]:
         if isinstance(a, dict) and "node" in a:
             shape = [s if isinstance(s, int) else 8 for s in (nodes[a["node"]].shape or [])]
-            out.append(torch.empty(shape, dtype=torch.float32))
+            out.append(torch.empty(shape, dtype=torch.bool if nodes[a["node"]].dtype == "bool" else torch.float32))
             refs.append(a["node"])
         elif isinstance(a, (int, float, bool)) or (isinstance(a, list) and all(isinstance(x, int) for x in a)):
             out.append(a)
@@ -218,7 +219,7 @@ def _lower(ind: dict, n: Node, nodes: dict[str, Node], var: dict[str, str], out:
         boxes: dict[str, Any] = {}  # Inductor's TensorBoxes
         for node in gm.graph.nodes:
             if node.op == "placeholder":
-                layout = ir.FixedLayout(torch.device("cpu"), torch.float32, list(node.meta["val"].shape))
+                layout = ir.FixedLayout(torch.device("cpu"), node.meta["val"].dtype, list(node.meta["val"].shape))
                 boxes[node.name] = ir.TensorBox.create(ir.InputBuffer(name=f"in{len(boxes)}", layout=layout))
             elif node.op == "call_function":
                 if node.target not in lowerings:
