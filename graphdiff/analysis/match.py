@@ -81,14 +81,17 @@ def align_module_roots(train: Graph, engine_graphs: list[Graph]) -> dict[str, st
     return renames
 
 
-def margin_and_confidence(scored: list[tuple]) -> tuple[float, float]:
-    """Candidates sorted by distance (first field), best first: the next distinct candidate's distance (the
-    tolerance when there is none) and the match's confidence, 1 at distance 0, 0 at the tolerance, lowered when the
-    runner-up is close."""
-    best = scored[0][0]
-    distinct = [s for s in scored[1:] if s[0] > best * 1.5 + 1e-6]
+def best_match(name: str, scored: list[tuple], layer: int | None, module: str | None, what: str) -> Match:
+    """The match to the best of `scored` (candidates sorted by distance, best first: distance, ..., engine node in
+    the fourth field), with its margin over the next distinct candidate and its confidence, 1 at distance 0, 0 at the
+    tolerance, lowered when the runner-up is close; `what` describes the compared values after the engine module."""
+    best = scored[0]
+    distinct = [s for s in scored[1:] if s[0] > best[0] * 1.5 + 1e-6]
     margin = distinct[0][0] if distinct else TOLERANCE
-    return margin, max(0.0, 1.0 - best / TOLERANCE) * min(1.0, margin / max(TOLERANCE / 5, 1e-9))
+    confidence = max(0.0, 1.0 - best[0] / TOLERANCE) * min(1.0, margin / max(TOLERANCE / 5, 1e-9))
+    return Match(name, best[3], best[0], round(confidence, 3),
+                 f"layer {layer}, module {module or '?'}{what}; sorted-value distance {best[0]:.2e} "
+                 f"(runner-up {margin:.2e})", margin)
 
 
 def op_kind(node: Node) -> str:
@@ -160,11 +163,7 @@ def match_values(train: Graph, train_values: dict[str, object], engine: Graph,
         if not scored:
             unmatched.append(t.name)
             continue
-        best = scored[0]
-        margin, confidence = margin_and_confidence(scored)
-        evidence = (f"layer {layer_of(t.module)}, module {enodes[best[3]].module or '?'}, {v.numel()} values; "
-                    f"sorted-value distance {best[0]:.2e} (runner-up {margin:.2e})")
-        matches.append(Match(t.name, best[3], best[0], round(confidence, 3), evidence, margin))
+        matches.append(best_match(t.name, scored, layer, enodes[scored[0][3]].module, f", {v.numel()} values"))
     return matches, unmatched
 
 
@@ -211,10 +210,7 @@ def match_repeated(train: Graph, train_values: dict[str, object], engine: Graph,
                         if modules_compatible(t.module, enodes[e].module, True))
         if not scored or scored[0][0] > TOLERANCE:
             continue
-        best = scored[0]
-        margin, confidence = margin_and_confidence(scored)
-        out.append(Match(name, best[3], best[0], round(confidence, 3),
-                         f"layer {layer_of(t.module)}, module {enodes[best[3]].module or '?'}: the value once "
-                         f"({part[2].numel()} of {v.numel()} values, {part[1]} times along dim {part[0]}); "
-                         f"sorted-value distance {best[0]:.2e} (runner-up {margin:.2e})", margin))
+        out.append(best_match(name, scored, layer_of(t.module), enodes[scored[0][3]].module,
+                              f": the value once ({part[2].numel()} of {v.numel()} values, {part[1]} times along "
+                              f"dim {part[0]})"))
     return out

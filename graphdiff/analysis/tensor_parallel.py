@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from graphdiff.analysis.match import (
     TOLERANCE,
     Match,
-    margin_and_confidence,
+    best_match,
     match_repeated,
     modules_compatible,
     op_kind,
@@ -135,11 +135,9 @@ def match_shards(train: Graph, train_values: dict[str, object], engine: Graph,
         best = scored[0]
         if best[0] > TOLERANCE:
             continue
-        margin, confidence = margin_and_confidence(scored)
-        out.append(Match(name, best[3], best[0], round(confidence, 3),
-                         f"layer {layer_of(t.module)}, module {enodes[best[3]].module or '?'}: rank {rank}'s shard "
-                         f"({v.numel() // tp} of {v.numel()} values, part {rank} of {tp} along dim {best[4]}); "
-                         f"sorted-value distance {best[0]:.2e} (runner-up {margin:.2e})", margin))
+        out.append(best_match(name, scored, layer_of(t.module), enodes[best[3]].module,
+                              f": rank {rank}'s shard ({v.numel() // tp} of {v.numel()} values, part {rank} of {tp} "
+                              f"along dim {best[4]})"))
     return out
 
 
