@@ -10,6 +10,7 @@ otherwise.
 from __future__ import annotations
 
 from graphdiff.analysis.regions import module_pattern
+from graphdiff.codegen.norm_order import calls_children
 from graphdiff.records import Graph, Node, Region, ScanResult, layer_of
 from graphdiff.runtime import module_regex
 
@@ -23,7 +24,7 @@ def math_regions(scan: ScanResult, graph: Graph) -> list[Region]:
     nodes = graph.node_map()
     by_pattern: dict[str, dict[str, list[str]]] = {}
     for module, names in scan.inductor_math.items():
-        if any(rx.fullmatch(module) for rx in covered) or _calls_children(graph, module):
+        if any(rx.fullmatch(module) for rx in covered) or calls_children(graph, module):
             continue
         by_pattern.setdefault(module_pattern(module), {})[module] = names
     regions = []
@@ -57,7 +58,3 @@ def seed_node(scan: ScanResult, graph: Graph, region: Region, layers: list[int] 
 def recorded(scan: ScanResult) -> set[str]:
     """Every trainer node the scan found computed by Inductor's math (`ScanResult.inductor_math`)."""
     return {n for names in scan.inductor_math.values() for n in names}
-
-
-def _calls_children(graph: Graph, module: str) -> bool:
-    return any((n.module or "").startswith(module + ".") for n in graph.nodes)

@@ -27,7 +27,7 @@ def order_regions(scan: ScanResult, graph: Graph) -> list[Region]:
     with_rows = {n.module for n in graph.nodes if n.module and is_row_op(n, nodes)}
     by_pattern: dict[str, dict[str, int]] = {}
     for module, lanes in scan.ordered_sums.items():
-        if module in ordered_by_region or module not in with_rows or _calls_children(graph, module):
+        if module in ordered_by_region or module not in with_rows or calls_children(graph, module):
             continue
         by_pattern.setdefault(module_pattern(module), {})[module] = lanes
     return [Region(name=f"{pattern}#{KIND}", kind=KIND, module=pattern,
@@ -79,5 +79,6 @@ def seed_node(graph: Graph, region: Region, layers: list[int] | None = None) -> 
     return found[0] if found else None
 
 
-def _calls_children(graph: Graph, module: str) -> bool:
+def calls_children(graph: Graph, module: str) -> bool:
+    """Does the module call submodules (its forward then cannot be re-emitted as one leaf's)?"""
     return any((n.module or "").startswith(module + ".") for n in graph.nodes)
