@@ -311,7 +311,7 @@ Progress = Callable[[str], None]  # a long step's one-line messages ("engine: co
 # What a region of sites computes (analysis.plan.classify decides it), in the order reports list regions.
 RegionKind = Literal["rope", "qk_norm", "attention", "router", "expert_combine", "gated_act", "embedding_scale",
                      "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "sum_order", "math",
-                     "other"]
+                     "stored_copy", "other"]
 REGION_KINDS: tuple[RegionKind, ...] = get_args(RegionKind)
 
 
@@ -772,6 +772,9 @@ class ManifestSplice(BaseModel):
     # carry with torch_fn carry_fp32_rounded: child modules (paths relative to the module) that read the incoming
     # activation in FP32 while the module's own ops read it rounded (a piecewise engine's BF16 graph boundary)
     fp32_children: list[str] = Field(default_factory=list)
+    # carry with torch_fn carry_fp32: child modules that read the incoming activation as the engine's stored BF16 copy
+    # while the module's own ops read it in FP32 (OLMo 2's attention projections; carry_rounded_child)
+    rounded_children: list[str] = Field(default_factory=list)
     # carry: child modules (paths relative to the module) whose output the module's own code scales before the
     # residual add; the engine fuses the scale into its FP32 sum, so the child's output reaches it in FP32
     fp32_outputs: list[str] = Field(default_factory=list)

@@ -186,4 +186,6 @@ def test_exact_runs_the_blocks_one_output_linears_as_the_engines_gemm(tmp_path: 
             scan.engine_experts["one_output_gemm"] = recorded
         module = make_patch(scan, train, exact=True).module
         assert f"MOE_ONE_OUTPUT_GEMM = {want}" in module and "def linear_engine_op(" in module
-    assert "linear_engine_op" not in make_patch(scan, train).module  # portable: no engine GEMM
+    scan.engine_experts["one_output_gemm"] = "_C.onednn_mm"
+    portable = make_patch(scan, train).module  # no engine GEMM: the runtime must not look for one
+    assert "linear_engine_op" not in portable and "MOE_ONE_OUTPUT_GEMM = False" in portable

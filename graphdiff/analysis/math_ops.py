@@ -25,16 +25,20 @@ LAYOUT_GUESS = 0.5  # more differing elements than this: the two values are not 
 
 def math_differences(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]]], engine_graphs: list[Graph],
                      engine_values: dict[str, dict], records: dict[str, KernelRecord],
-                     replay: list[KernelEvidence]) -> dict[str, list[str]]:
+                     replay: list[KernelEvidence], every_shape: list[KernelEvidence] | None = None
+                     ) -> dict[str, list[str]]:
     """HF module -> its trainer nodes (`MATH_OPS`) whose engine value, computed in an Inductor-generated kernel,
     equals Inductor's form of the op on the engine's input and not ATen's eager op. `matched` and `engine_values` are
     per engine graph; `records`, the kernels' recorded calls (kernel id -> buffers) at the shape `replay` (their
     evidence: which node each stored buffer holds) replayed, give the engine's values as it stored them (not as the
     replay predicts them, which computes with Inductor's math itself). A value the kernel holds in FP32 and does not
-    store (a rotary embedding's cos) is judged by its kernel's replay: bit-exact as predicted, not with ATen's math
-    (`KernelEvidence.aten_math_bitexact`)."""
+    store (a rotary embedding's cos) is judged by its kernel's replays (`every_shape`, default `replay`): bit-exact as
+    predicted and not with ATen's math (`KernelEvidence.aten_math_bitexact`) at some shape (OLMo 2's cos departs
+    from ATen's only at positions past the first few)."""
     nodes = tgraph.node_map()
-    evidence = {r.kernel: r for r in replay}
+    evidence: dict[str, list[KernelEvidence]] = {}
+    for r in every_shape if every_shape is not None else replay:
+        evidence.setdefault(r.kernel, []).append(r)
     found: dict[str, list[str]] = {}
     for g in engine_graphs:
         kinds = {k.id: k.kind for k in g.kernels}
@@ -51,15 +55,15 @@ def math_differences(tgraph: Graph, matched: dict[str, tuple[list[Match], list[s
                 x = _engine_input(nodes, n.inputs[0], engine_of, values)
                 hit = x is not None and _inductor_only(n, nodes[n.inputs[0]], form, x, stored[twin])
             else:
-                hit = _replayed_with_inductor_math(evidence.get(kernel_of[twin]))
+                hit = any(_replayed_with_inductor_math(e) for e in evidence.get(kernel_of[twin], []))
             if hit and n.name not in found.setdefault(n.module, []):
                 found[n.module].append(n.name)
     return {m: v for m, v in sorted(found.items()) if v}
 
 
-def _replayed_with_inductor_math(e: KernelEvidence | None) -> bool:
+def _replayed_with_inductor_math(e: KernelEvidence) -> bool:
     """Does the kernel's replay reproduce its stores with Inductor's math and not with ATen's?"""
-    return e is not None and e.predicted_bitexact == 1.0 and e.aten_math_bitexact is not None \
+    return e.predicted_bitexact == 1.0 and e.aten_math_bitexact is not None \
         and e.aten_math_bitexact < 1.0
 
 

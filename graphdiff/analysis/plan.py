@@ -634,7 +634,8 @@ def mark_recomputed_reads(train: Graph, plan: list[Decision], engine_graphs: lis
     RoPE kernel's `q * cos` reads a q/k norm's output unrounded while the kernel storing the rotate-half copy rounds
     it. Those consumers read it in FP32 in the engine: where the trainer rounds the value, a site on the trainer's
     side (where it holds it in FP32, a patched trainer, none); the consumers reading the stored copy (or an exact
-    op of it that is stored) are `read_rounded_by`."""
+    op of it that is stored) are `read_rounded_by`. One kernel reads it so too where it stores only part of the
+    value or exact ops of it (OLMo 2's RoPE: the k norm's rotate-half halves stored, `k * cos` in a later loop)."""
     graphs = {g.name: g for g in engine_graphs}
     by_node, consumers = _matched_consumers(train, plan)
     for t in plan:
@@ -642,7 +643,8 @@ def mark_recomputed_reads(train: Graph, plan: list[Decision], engine_graphs: lis
             continue
         graph = graphs.get(t.evidence.engine_graph)
         base = value_base(graph.node_map(), t.evidence.engine_node) if graph is not None else None
-        if graph is None or base is None or not is_low(base.dtype) or len(graph.computed_in().get(base.name, ())) < 2:
+        if graph is None or base is None or not is_low(base.dtype) or not (
+                len(graph.computed_in().get(base.name, ())) > 1 or _stored_only_in_part(graph, base)):
             continue
         fp32, rounded = _recomputed_readers(graph, base, [by_node[u] for u in consumers(t.node) if u in by_node])
         if fp32:
@@ -656,9 +658,25 @@ def mark_recomputed_reads(train: Graph, plan: list[Decision], engine_graphs: lis
             t.site = t.train.rounds
 
 
+def _stored_only_in_part(graph: Graph, base: Node) -> bool:
+    """Is `base` computed in one generated kernel that stores none of it whole, only views of parts or exact ops of it
+    (a concatenation's halves)? Its other readers in that kernel then read it in registers, in FP32."""
+    kernels = graph.computed_in().get(base.name, set())
+    if len(kernels) != 1 or not any(k.id in kernels and k.kind == "generated" for k in graph.kernels):
+        return False
+    nodes = graph.node_map()
+    for k in graph.kernels:
+        for a in k.args:
+            stored = value_base(nodes, a.node) if a.node and a.role in ("out", "inout") else None
+            if stored is not None and stored.name == base.name:
+                return False
+    return True
+
+
 def _recomputed_readers(graph: Graph, base: Node, readers: list[Decision]) -> tuple[list[Decision], list[Decision]]:
     """The matched consumers of `base`'s value split: those whose engine op computes (not an exact op) in a kernel
-    that recomputes `base` and reads it there directly, unrounded; and the others (they read a stored copy)."""
+    that recomputes `base` and reads it there directly, unrounded (whether it rounds its own result or not: OLMo 2's
+    next residual sum); and the others (they read a stored copy)."""
     enodes, computed = graph.node_map(), graph.computed_in()
     own = computed.get(base.name, set())
     fp32, rounded = [], []
@@ -666,7 +684,7 @@ def _recomputed_readers(graph: Graph, base: Node, readers: list[Decision]) -> tu
         e = enodes.get(d.evidence.engine_node) if d.evidence.engine_graph == graph.name else None
         direct = e is not None and any((b := value_base(enodes, i)) is not None and b.name == base.name
                                        for i in e.inputs)
-        if (direct and e is not None and d.engine is not None and not d.engine.on_grid
+        if (direct and e is not None and d.engine is not None and (d.engine.rounds or not d.engine.on_grid)
                 and computed.get(e.name, set()) & own
                 and op_name(e.target) not in EXACT | CASTS):
             fp32.append(d)

@@ -592,5 +592,5 @@ def _engine_reads(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]
                 norm_rereads=norm_rereads(tgraph, engine_graphs, matched),
                 norm_reads_stored=norm_reads_stored(tgraph, engine_graphs), rounded_sums=sums[0], stored_sums=sums[1],
                 inductor_math=math_differences(tgraph, matched, engine_graphs, engine_values, records,
-                                               [r for r in replay if r.shape in ("", ref)]))
+                                               [r for r in replay if r.shape in ("", ref)], replay))
 

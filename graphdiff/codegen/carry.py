@@ -3,11 +3,12 @@
 `carry_fp32` (every patch carries it) keeps the residual stream FP32 across layers, `carry_fp32_output` a child's
 output FP32 where the layer scales, sums or gates it before its own add; `carry_fp32_rounded`,
 `carry_fp32_child` and `carry_done` (ROUNDED_PARTS, carried where a region needs them) hold it as a piecewise
-engine does at a graph boundary; `RoundedSums` and its hooks (SUM_PARTS) round the layer's own residual sums where
-the engine stores them in BF16; `ScaledOutputs` and its hooks (SCALED_PARTS) hand a child's output, scaled by the
-module's own code, to the child modules that read it in FP32 (a scaled embedding into the first layer). The generated
-module carries their source (prelude.source); the runtime registers
-them by these names.
+engine does at a graph boundary; `carry_hold`, `carry_rounded_child` and `carry_release` (HELD_PARTS) hand children
+the stored BF16 copy of an activation the module's own code reads in FP32; `RoundedSums` and its hooks (SUM_PARTS)
+round the layer's own residual sums where the engine stores them in BF16; `ScaledOutputs` and its hooks
+(SCALED_PARTS) hand a child's output, scaled by the module's own code, to the child modules that read it in FP32 (a
+scaled embedding into the first layer). The generated module carries their source (prelude.source); the runtime
+registers them by these names.
 """
 
 from __future__ import annotations
@@ -64,6 +65,33 @@ def carry_done(module: torch.nn.Module, args: tuple, output: object) -> None:
 
 
 ROUNDED_PARTS = (carry_fp32_rounded, carry_fp32_child, carry_done)
+
+
+def carry_hold(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook, after carry_fp32: keep the incoming FP32 activation for the children that read its stored
+    copy (carry_rounded_child)."""
+    module.__dict__["_graphdiff_held"] = args[0] if args else kwargs.get("hidden_states")
+
+
+def carry_rounded_child(parent: torch.nn.Module, child: torch.nn.Module, args: tuple, kwargs: dict
+                        ) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of a child module that reads the parent's incoming activation as the engine's stored BF16
+    copy while the parent's own code reads it in FP32 (OLMo 2's attention projections beside its residual add)."""
+    held = parent.__dict__.get("_graphdiff_held")
+    if not isinstance(held, torch.Tensor):
+        return None
+    if args and args[0] is held:
+        return (held.to(torch.bfloat16), *args[1:]), kwargs
+    named = next((k for k, v in kwargs.items() if v is held), None)
+    return (args, {**kwargs, named: held.to(torch.bfloat16)}) if named is not None else None
+
+
+def carry_release(module: torch.nn.Module, args: tuple, output: object) -> None:
+    """Forward hook: drop the parent's reference to its input."""
+    module.__dict__.pop("_graphdiff_held", None)
+
+
+HELD_PARTS = (carry_hold, carry_rounded_child, carry_release)
 
 
 class RoundedSums(torch.overrides.TorchFunctionMode):

@@ -21,11 +21,11 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import takewhile
-from pathlib import Path
 from typing import Any, Literal
 
 from graphdiff.analysis.rounding import is_view
-from graphdiff.codegen import math_order, norm_order
+from graphdiff.codegen import copy_reads, math_order, norm_order
+from graphdiff.codegen.copy_reads import dotted_module
 from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site, layer_of
 from graphdiff.replay.inductor_math import INDUCTOR_MATH
@@ -70,6 +70,7 @@ class Fragment:
     # piecewise graph split), these child modules read it in FP32
     carry_rounded: bool = False
     fp32_children: list[str] = field(default_factory=list)
+    rounded_children: list[str] = field(default_factory=list)  # children reading the stored copy (carry_rounded_child)
     fp32_outputs: list[str] = field(default_factory=list)  # carry: children whose scaled or summed output stays FP32
     # carry: child whose output the module's own code scales -> the children reading the product, handed it in FP32
     fp32_scaled: dict[str, list[str]] = field(default_factory=dict)
@@ -105,15 +106,6 @@ class Fragment:
     notes: list[str] = field(default_factory=list)
     # the emitted PyTorch function, once emitted (codegen uses it to verify bindings)
     compiled: Callable[..., Any] | None = None
-
-
-def dotted_module(file: str) -> str | None:
-    """'.../site-packages/transformers/models/qwen3/modeling_qwen3.py' -> 'transformers.models.qwen3.modeling_qwen3'"""
-    parts = Path(file).with_suffix("").parts
-    if "transformers" not in parts:
-        return None
-    i = len(parts) - 1 - parts[::-1].index("transformers")
-    return ".".join(parts[i:])
 
 
 def _mark_reads(scan: ScanResult, graph: Graph, region: Region, frag: Fragment) -> None:
@@ -170,7 +162,7 @@ def layer_groups(scan: ScanResult, region: Region, graph: Graph | None = None) -
     """The region's layers in groups that share one rounding plan, first layer first; [[]] when one code serves every
     layer: its layers do not differ, or one engine kernel code serves them all (then a site seen in only some layers
     is weak evidence, and the union is generated; `_representative_sites`)."""
-    if region.kind == math_order.KIND:  # one splice serves every layer: Inductor's math is the engine's in each
+    if region.kind in (math_order.KIND, copy_reads.KIND):  # one splice serves every layer alike
         return [[]]
     rereads = norm_order.layer_groups(scan, region)  # a norm kernel that reads its input back from its store
     if region.kind == norm_order.KIND:
@@ -313,16 +305,18 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     src = first.source
     path = first.module or ""
     module_class = first.module_type or ""
-    if src is not None and src.function != "forward" and seed is None and not _module_method(src.file, src.function,
-                                                                                                 module_class):
+    own_frame = region.kind == copy_reads.KIND  # the helper the seed is in, alone
+    if src is not None and src.function != "forward" and (seed is None or own_frame) and not _module_method(
+            src.file, src.function, module_class):
         dotted = dotted_module(src.file)
         frag = Fragment(key=f"{dotted}.{src.function}", target="function", module=region.module,
                         module_class=module_class, function=f"{dotted}.{src.function}")
         if dotted is None:
             frag.problems.append(f"{src.function} is not defined in a transformers module ({src.file})")
         # The function and its helpers (rotate_half): same module instance, any frame but the caller's forward.
-        frag.nodes = [nodes[n] for n in _grow(graph, site_nodes, lambda n: n.module == path and n.source is not None
-                                              and n.source.function != "forward")]
+        frag.nodes = [nodes[n] for n in _grow(graph, site_nodes or [first.name], lambda n: (
+            n.module == path and n.source is not None and n.source.function != "forward"
+            and (not own_frame or n.source.function == src.function)))]
     else:
         frag = Fragment(key=region.module, target="module", module=region.module, module_class=module_class)
         frag.nodes = [n for n in graph.nodes if n.op == "call_function" and n.module == path]
@@ -337,7 +331,8 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
             for source, reader in handed.values():
                 frag.fp32_scaled.setdefault(source, []).append(reader)
             frag.carry_input = not site_nodes or any(s not in handed for s in site_nodes)
-            frag.carry_rounded, frag.fp32_children = _carry_reads(scan, graph, region, layers)
+            frag.carry_rounded, frag.fp32_children, frag.rounded_children = _carry_reads(scan, graph, region,
+                                                                                         layers)
             frag.rounded_sums = rounded_sums(scan, graph, region.module)
             frag.stored_sums = stored_sums(scan, graph, region.module)
     frag.inputs, frag.outputs = _boundary(graph, [n.name for n in frag.nodes])
@@ -366,6 +361,8 @@ def _seed(scan: ScanResult, graph: Graph, region: Region, layers: list[int] | No
     module, one whose engine computes an op with Inductor's math at that op's module."""
     if region.kind == norm_order.KIND:
         return norm_order.seed_node(graph, region, layers)
+    if region.kind == copy_reads.KIND:
+        return copy_reads.seed_node(scan, graph, region, layers)
     return math_order.seed_node(scan, graph, region, layers) if region.kind == math_order.KIND else None
 
 
@@ -521,20 +518,27 @@ def _gate_child(nodes: dict[str, Node], users: dict[str, list[str]], path: str, 
 
 
 def _carry_reads(scan: ScanResult, graph: Graph, region: Region, layers: list[int] | None = None
-                 ) -> tuple[bool, list[str]]:
-    """Does the carry module's own code read its incoming activation rounded in the engine, and which of its child
-    modules read it in FP32 there? A piecewise engine stores the residual stream in BF16 where it is live across a
-    graph split (attention): the layer's residual add reads that copy, its input norm the FP32 sum in the graph
-    that computed it (the plan's `read_rounded_by`)."""
+                 ) -> tuple[bool, list[str], list[str]]:
+    """How the carry module reads its incoming activation where the engine holds it in FP32 and stores a BF16 copy
+    (the plan's `read_rounded_by`): does its own code read the copy, which of its child modules read the FP32 value
+    then, and which children read the copy while its own code reads FP32? A piecewise engine stores the residual
+    stream in BF16 where it is live across a graph split (attention): the layer's residual add reads that copy, its
+    input norm the FP32 sum in the graph that computed it. OLMo 2's engine recomputes the last layer's sum in FP32 for
+    the next layer's residual add and feeds its attention projections the stored copy."""
     nodes, users = graph.node_map(), graph.users()
     node_of = {d.id: d.node for d in scan.plan}
     pattern = module_regex(region.module)
-    rounded, children = False, set()
+    inside = re.compile(pattern.pattern.removesuffix("$") + r"(?=\.)")  # a child module of a carried one
+    rounded, children, copy_readers = False, set(), set()
     for d in scan.plan:
         readers = {node_of[i] for i in d.evidence.read_rounded_by if i in node_of}
         own = sorted(r for r in readers if pattern.match(nodes[r].module or "")
                      and (not layers or layer_of(nodes[r].module) in layers))
         if not own:
+            for r in readers:
+                m = inside.match(nodes[r].module or "")
+                if m and not _within(d.module, m.group(0)) and (not layers or layer_of(m.group(0)) in layers):
+                    copy_readers.add((nodes[r].module or "")[m.end() + 1:].split(".")[0])
             continue
         owner = nodes[own[0]].module or ""
         if _within(d.module, owner):  # the layer's own sum (`stored_sums`), not its incoming activation
@@ -544,7 +548,7 @@ def _carry_reads(scan: ScanResult, graph: Graph, region: Region, layers: list[in
             module = nodes[u].module or ""
             if u not in readers and module.startswith(owner + "."):
                 children.add(module[len(owner) + 1:].split(".")[0])
-    return rounded, sorted(children)
+    return rounded, sorted(children), sorted(copy_readers)
 
 
 def rounded_sums(scan: ScanResult, graph: Graph, pattern: str) -> dict[str, list[int]]:

@@ -27,6 +27,7 @@ from graphdiff.codegen import (
     attention_order,
     attention_splice,
     carry,
+    copy_reads,
     emit_torch,
     emit_triton,
     inductor_lowering,
@@ -412,6 +413,7 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
         splice.torch_fn = ("carry_scaled" if not frag.carry_input else
                            "carry_fp32_rounded" if frag.carry_rounded else "carry_fp32")
         splice.fp32_children = list(frag.fp32_children)
+        splice.rounded_children = [] if frag.carry_rounded else list(frag.rounded_children)
         splice.fp32_outputs = list(frag.fp32_outputs)
         splice.fp32_scaled = {c: list(r) for c, r in frag.fp32_scaled.items()}
         splice.rounded_sums = dict(frag.rounded_sums)
@@ -420,6 +422,10 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
             body += ["", "", f"# carry {frag.key}: regions {', '.join(frag.regions)}; FP32 for "
                      f"{', '.join(frag.fp32_children) or 'no child'}, rounded for the module's own ops",
                      *prelude.source(carry.ROUNDED_PARTS)]
+        if splice.rounded_children:
+            body += ["", "", f"# carry {frag.key}: regions {', '.join(frag.regions)}; FP32 for the module's own ops, "
+                     f"the stored BF16 copy for {', '.join(splice.rounded_children)}",
+                     *prelude.source(carry.HELD_PARTS)]
         for sums, what in ((frag.rounded_sums, "rounded to BF16, where the engine stores it"),
                            (frag.stored_sums, "read rounded by the layer's later adds (the engine's stored copy)")):
             if sums:
@@ -489,12 +495,14 @@ def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Regi
     moe = [_moe_splice(r, graph, scan.engine_experts if exact else None) for r in moe_regions]
     parts.splices += moe
     parts.status.update({s.regions[0]: "; ".join(s.problems) for s in moe if s.problems})
-    if moe_regions:
-        parts.body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.analysis.moe_engine)",
-                       *moe_engine.moe_constants(scan.engine_experts), "", "",
-                       *prelude.source(moe_engine.PATCH_PARTS)]
     engine_experts = any(s.torch_fn == moe_engine.ENGINE_EXPERTS_FN and not s.problems for s in moe)
     engine_router = any(s.torch_fn == moe_engine.ENGINE_ROUTER_FN and not s.problems for s in moe)
+    if moe_regions:  # the one-output linears by the engine's GEMM only beside the engine's experts op
+        constants = {**scan.engine_experts, "one_output_gemm": scan.engine_experts.get("one_output_gemm", "")
+                     if engine_experts else ""}
+        parts.body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.analysis.moe_engine)",
+                       *moe_engine.moe_constants(constants), "", "",
+                       *prelude.source(moe_engine.PATCH_PARTS)]
     if engine_experts:
         parts.body += ["", "", "# the engine's own fused-MoE op forward, the same computation's gradient backward",
                        *prelude.source(moe_engine.ENGINE_PARTS)]
@@ -576,6 +584,7 @@ def make_patch(scan: ScanResult, train: Capture, regions: list[str] | None = Non
     graph = train.graphs[0]
     scan = norm_order.with_order_regions(scan, graph)  # norms with no site that the engine sums in its own order
     scan = math_order.with_math_regions(scan, graph)  # ops with no site the engine computes by Inductor's math
+    scan = copy_reads.with_copy_regions(scan, graph)  # helpers that read the engine's stored copy of an FP32 value
     # the engine's attention op also where it rounds as sdpa does (no site): its key order is still its own
     more = attention_order.order_regions(scan, graph) if attention == "engine" else []
     if exact:

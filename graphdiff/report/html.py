@@ -42,6 +42,7 @@ KIND_HELP = {
     "logit_scale": "the logits scaled or soft-capped by a constant on their way out",
     "sum_order": "no rounding site: a norm the engine sums in its own lane order, the trainer in ATen's",
     "math": "no rounding site: an op the engine computes with Inductor's math library, the trainer with ATen's",
+    "stored_copy": "no rounding site: a helper reads the engine's stored BF16 copy of a value held in FP32",
     "other": "not one of the known patterns",
 }
 ME_VALUES = {"train": 1, "engine": 2}  # Model Explorer node value: which side rounds

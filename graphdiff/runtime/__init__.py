@@ -700,6 +700,7 @@ def _carry(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state:
         return
     if splice.torch_fn != "carry_fp32_rounded":
         state.undo.append(mod.register_forward_pre_hook(gen.carry_fp32, with_kwargs=True).remove)
+        _held(gen, splice, mod, state)
         return
     for child in splice.fp32_children:
         sub = _child(mod, child, splice)
@@ -707,6 +708,19 @@ def _carry(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state:
     state.undo.append(mod.register_forward_pre_hook(gen.carry_fp32_rounded, with_kwargs=True).remove)
     state.undo.append(mod.register_forward_hook(gen.carry_done).remove)
     state.undo.append(lambda: mod.__dict__.pop("_graphdiff_carry", None))
+
+
+def _held(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state: _State) -> None:
+    """The hooks that hand the named children the stored BF16 copy of the module's FP32 incoming activation
+    (`rounded_children`)."""
+    if not splice.rounded_children:
+        return
+    for child in splice.rounded_children:
+        hook = functools.partial(gen.carry_rounded_child, mod)
+        state.undo.append(_child(mod, child, splice).register_forward_pre_hook(hook, with_kwargs=True).remove)
+    state.undo.append(mod.register_forward_pre_hook(gen.carry_hold, with_kwargs=True).remove)
+    state.undo.append(mod.register_forward_hook(gen.carry_release, always_call=True).remove)
+    state.undo.append(lambda: mod.__dict__.pop("_graphdiff_held", None))
 
 
 def _scaled(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state: _State) -> None:

@@ -1,0 +1,102 @@
+"""OLMo 2 at the engine, from the recorded 3-layer tiny OLMo 2 scan (fixtures/scans/tiny-olmo2-3, recorded from a real
+run: fixtures/scans/README.md).
+
+vLLM runs OLMo 2 through its Transformers backend, compiled by Inductor. What the engine's kernels do there that the
+patch must do too: the q and k norms' outputs reach `x * cos` in FP32 while `rotate_half` reads the halves a kernel
+stores in BF16 (the k norm's in the same kernel, in a later loop); each layer's last residual sum is recomputed in
+FP32 by the next layer's first residual add while the next layer's attention projections read its stored BF16 copy;
+the rotary embedding's cos and sin are Inductor's vectorized math, which parts from ATen's past the first positions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphdiff import runtime
+from graphdiff.analysis.plan import mark_recomputed_reads
+from graphdiff.artifacts import ScanDir
+from graphdiff.capture.hf import load_hf_model
+from graphdiff.codegen import generate
+from graphdiff.models.tiny import make_tiny
+from tests.conftest import FIXTURES
+
+OLMO2 = FIXTURES / "scans" / "tiny-olmo2-3"
+K_NORM = "model.layers.0.self_attn.k_norm/modeling_olmo2.py:64/_to_copy.0"
+LAST_SUM = "model.layers.0/modeling_olmo2.py:314/add.0"
+STORED_COPY = "model.layers.*.self_attn#stored_copy"
+
+
+@pytest.fixture(scope="module")
+def patch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("olmo2") / "patch"
+    generate(OLMO2, out)
+    return out
+
+
+def test_a_value_read_in_fp32_beside_its_stored_copy_is_a_site() -> None:
+    """The plan's rule, re-run on the recorded graphs from the engine state a stored value first gets."""
+    scan_dir = ScanDir(OLMO2)
+    scan, train, engine = scan_dir.load_scan(), scan_dir.load_train(), scan_dir.load_engine_graphs()
+    assert engine is not None
+    plan = [d.model_copy(deep=True) for d in scan.plan]
+    for d in plan:
+        if d.id in (K_NORM, LAST_SUM):
+            assert d.site and d.engine is not None and d.engine.dtype == "float32"
+            d.engine = d.engine.model_copy(update=dict(dtype="bfloat16", rounds=True, on_grid=True, how="rounded"))
+            d.site, d.evidence.read_rounded_by = False, []
+    mark_recomputed_reads(train.graphs[0], plan, engine.graphs)
+    found = {d.id: d for d in plan}
+    # the k norm: one kernel stores only its rotate-half halves and reads it in FP32 for `k * cos`
+    k_norm = found[K_NORM]
+    assert k_norm.site and k_norm.engine is not None and not k_norm.engine.rounds
+    assert sorted(r.rsplit("/", 1)[1] for r in k_norm.evidence.read_rounded_by) == ["cat.1", "neg.1"]
+    # layer 0's output: layer 1's residual add reads it in FP32, though that add's own sum is stored rounded
+    last = found[LAST_SUM]
+    assert last.site and last.engine is not None and not last.engine.rounds
+    assert {r.split("/")[0] for r in last.evidence.read_rounded_by} == {
+        f"model.layers.1.self_attn.{p}_proj" for p in "qkv"}
+
+
+def test_the_readers_of_stored_copies_and_the_rotary_math_are_generated(patch: Path) -> None:
+    manifest = json.loads((patch / "manifest.json").read_text())
+    assert {r["name"]: r["reason"] for r in manifest["regions"] if not r["generated"]} == {}
+    copy = next(s for s in manifest["splices"] if STORED_COPY in s["regions"])
+    assert copy["target"] == "function" and copy["function"].endswith("modeling_olmo2.rotate_half")
+    source = (patch / "graphdiff_patch.py").read_text()
+    rotate = source[source.index("def torch_rotate_half("):]
+    rotate = rotate[:rotate.index("\n    return")]
+    assert "x2_stored = _round(x2, torch.bfloat16)" in rotate and "x1_stored = _round(x1, torch.bfloat16)" in rotate
+    carry = next(s for s in manifest["splices"] if s["target"] == "carry")
+    assert carry["rounded_children"] == ["self_attn"] and "def carry_rounded_child(" in source
+    rotary = source[source.index("def torch_model_rotary_emb("):]
+    assert "inductor_math('cos', emb)" in rotary[:rotary.index("\n    return")]
+
+
+def test_the_attention_reads_the_stored_copy_of_an_fp32_residual(patch: Path, tmp_path: Path) -> None:
+    model = load_hf_model(make_tiny("olmo2", tmp_path / "model", layers=3))
+    layer = model.model.layers[1]
+    seen: dict[str, torch.dtype] = {}
+
+    def record(name: str):  # noqa: ANN202 - a forward pre-hook
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            seen.setdefault(name, (args[0] if args else kwargs["hidden_states"]).dtype)
+        return hook
+
+    # registered first: they see what the module is called with, before the patch's own hooks
+    hooks = [layer.register_forward_pre_hook(record("layer"), with_kwargs=True),
+             layer.self_attn.q_proj.register_forward_pre_hook(record("q_proj"), with_kwargs=True)]
+    runtime.apply(model, patch)
+    try:
+        ids = torch.randint(0, model.config.vocab_size, (1, 12))
+        out = model(input_ids=ids).logits
+        out.float().logsumexp(-1).sum().backward()
+    finally:
+        runtime.remove(model)
+        for h in hooks:
+            h.remove()
+    assert seen == {"layer": torch.float32, "q_proj": torch.bfloat16}
+    assert torch.isfinite(out).all() and model.model.layers[1].self_attn.q_proj.weight.grad is not None
+    assert "_graphdiff_held" not in layer.__dict__
