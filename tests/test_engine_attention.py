@@ -325,3 +325,28 @@ def test_a_registered_attention_gets_the_sliding_window_mask():
     (sliding, window, softcap), (full, no_window, _) = seen
     assert window == 16 and no_window is None and softcap == 50.0 and full is None
     assert torch.equal(sliding[0, 0], _hf_window_mask(40, 16)[0, 0] == 0)
+
+
+def test_the_fp32_splice_takes_a_softcap_as_this_builds_op_computes_it(monkeypatch: pytest.MonkeyPatch):
+    """The FP32 splice (the portable patch's attention) on Gemma 2's softcap, with ENGINE_EXP as a patch sets it for
+    this ops build (the polynomial exp on `_C` / `_C_AVX512`, the C library's on `_C_AVX2`) and its store: the
+    engine's op on >= 99.95% of outputs (measured: 100% on `_C`, 99.99% `_C_AVX512`, 99.97% `_C_AVX2`, whose 8-lane
+    vectors sum in another order); the other exp parts from it on > 0.1% (99.83%)."""
+    if _isa() != "vec":
+        pytest.skip("the vec kernel's FP32 probabilities; amx rounds them")
+    from graphdiff.analysis.opaque import exp_polynomial, truncates_output
+    from graphdiff.codegen import attention_splice
+
+    info = {"backend": "CPU_ATTN", "build": _build()}
+    splice = (attention_splice.attention_fp32_inputs_truncated if truncates_output(info)
+              else attention_splice.attention_fp32_inputs)
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, h, 272, 64, generator=gen).to(torch.bfloat16) for h in (4, 2, 2))
+    engine = attention_splice.vllm_cpu_attention(q, k, v, 0.125, 50.0)
+    same = {}
+    for polynomial in (True, False):
+        monkeypatch.setattr(attention_splice, "ENGINE_EXP", polynomial)
+        with torch.no_grad():
+            out, _ = splice(_Layer(), q, k, v, None, scaling=0.125, softcap=50.0)
+        same[polynomial] = float((out == engine).float().mean())
+    assert same[exp_polynomial(info)] >= 0.9995 and same[not exp_polynomial(info)] < 0.999

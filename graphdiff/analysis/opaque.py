@@ -127,6 +127,13 @@ def truncates_output(info: dict[str, str]) -> bool:
     return info.get("backend") == "CPU_ATTN" and stores_truncate(info.get("build", ""))
 
 
+def exp_polynomial(info: dict[str, str]) -> bool:
+    """Does the engine's attention op compute exp (its softmax, its softcap's tanh) by vLLM CPU's AVX-512 polynomial
+    (`fast_exp`, csrc/cpu/cpu_attn_macros.h: the `_C` and `_C_AVX512` builds) rather than the C library's
+    (`_C_AVX2`)?"""
+    return info.get("backend") == "CPU_ATTN" and info.get("build") in ("_C", "_C_AVX512")
+
+
 def attention_rule(info: dict[str, str]) -> AttentionRule | None:
     for rule in RULES:
         if rule.backend == info.get("backend") and rule.isa in (None, info.get("isa")):

@@ -12,6 +12,12 @@ scanner; round_toward_zero is in its prelude), so these are the functions the pa
   splice takes. It imports vLLM's op library (`vllm._custom_ops`, not an engine) when it first runs: a trainer that
   runs vLLM beside it (colocated RL trainers) has it; elsewhere `runtime.apply` refuses the splice.
 
+A logit softcap is computed as the engine's op computes it (`softcap_like_engine`): scores times 1/softcap, a tanh
+built from the op's own exp (`exp_like_engine`, vLLM CPU's AVX-512 polynomial, on its `_C` and `_C_AVX512` builds:
+`ENGINE_EXP`, which a patch sets from its scan), times softcap. HF's `tanh(s / softcap) * softcap` parts from it by
+several ulp of a score where the form's e - 1/e cancels (scores small against the cap), and that moves 0.2% of
+Gemma 2's attention outputs by a BF16 ulp (0.02% with the engine's form).
+
 A layer's sliding window and logit softcap come from the kwargs transformers' attention layers pass
 (`sliding_window`, `softcap`; Gemma 2/3, Exaone 4 give `sliding_window=None` on their full layers): the engine
 passes the same config values to its op (vLLM's `per_layer_sliding_window`, `logits_soft_cap`), and a window W
@@ -27,6 +33,7 @@ import torch
 from graphdiff.codegen.prelude import round_toward_zero
 
 KV_BLOCK = 128  # the KV-cache block size of vLLM's CPU attention backend
+ENGINE_EXP = True  # the engine's attention op computes exp by vLLM CPU's AVX-512 polynomial (a patch sets it per build)
 
 
 def attention_isa(dim: int) -> str:
@@ -116,24 +123,82 @@ def _causal_window_mask(q_len: int, kv_len: int, window: int | None, device: tor
     return allowed & (key > query - window) if window else allowed
 
 
+def _fma32(a: torch.Tensor, b: torch.Tensor | float, c: torch.Tensor | float) -> torch.Tensor:
+    """a * b + c rounded once to FP32, as an FMA instruction does (the FP32 product is exact in FP64; the FP64 sum
+    rounds first only where it needs more than 53 bits)."""
+    b, c = (torch.as_tensor(t, dtype=torch.float64) for t in (b, c))
+    return (a.double() * b + c).float()
+
+
+def exp_like_engine(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) in FP32 as vLLM CPU's attention op computes it on its AVX-512 builds (`fast_exp`, csrc/cpu/
+    cpu_attn_macros.h): n = floor(x log2(e) + 1/2), a degree-5 polynomial in r = x - n ln2 (FMAs), times 2^(n-1)
+    made from exponent bits, times 2; 0 where x < ln(FLT_MIN)."""
+    log2e, ln2 = float.fromhex("0x1.715476p+0"), float.fromhex("0x1.62e430p-1")
+    low, high = float.fromhex("-0x1.5d58a0p+6"), float.fromhex("0x1.62e430p+6")
+    x = x.float()
+    clamped = x.clamp(low, high)
+    n = torch.floor(_fma32(clamped, log2e, 0.5))
+    r = _fma32(-n, ln2, clamped)
+    poly = torch.full_like(r, float.fromhex("0x1.0f9f9cp-7"))
+    for c in ("0x1.573a1ap-5", "0x1.555a80p-3", "0x1.fffdc6p-2", "0x1.fffff6p-1", "0x1p+0"):
+        poly = _fma32(r, poly, float.fromhex(c))
+    half_power = ((n.int() - 1 + 127) << 23).view(torch.float32).masked_fill(x < low, 0.0)
+    return poly * half_power * 2
+
+
+def softcap_like_engine(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """softcap * tanh(scores / softcap) in FP32 as vLLM CPU's attention op computes it (`apply_softcap`, csrc/cpu/
+    cpu_attn_impl.hpp): x = scores * (1 / softcap); on its AVX-512 builds (ENGINE_EXP) tanh(x) = (e - 1/e) / (e + 1/e)
+    with e its exp (`exp_like_engine`), else the C library's tanh; times softcap."""
+    x = scores.float() * torch.tensor(1.0 / softcap, dtype=torch.float32)
+    if not ENGINE_EXP:
+        return torch.tanh(x) * softcap
+    e = exp_like_engine(x)
+    inverse = 1.0 / e
+    return (e - inverse) / (e + inverse) * softcap
+
+
+def attention_like_engine(scores: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """P@V from FP32 scores (masked ones -inf) as the engine's op computes it: exp(scores - row max) by its exp
+    (`exp_like_engine` on AVX-512 builds), P@V on these unnormalized probabilities, divided by their row sum after
+    it, where the engine divides."""
+    shifted = scores - scores.amax(-1, keepdim=True)
+    probabilities = exp_like_engine(shifted) if ENGINE_EXP else shifted.exp()
+    return torch.matmul(probabilities, value) / probabilities.sum(-1, keepdim=True)
+
+
+def _masked(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Scores under a bool (True: attend) or additive attention mask, as HF's eager attention applies either."""
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        return scores.masked_fill(~attention_mask, float("-inf"))
+    return scores if attention_mask is None else scores + attention_mask[..., :scores.shape[-1]]
+
+
 def _softcapped_fp32(module, query, key, value, attention_mask, scaling=None, softcap=None, dropout=0.0,
                      **kwargs):
-    """HF's eager attention (Gemma 2's `eager_attention_forward`, op for op) on FP32 inputs: sdpa has no softcap.
-    No mask means causal attention, as sdpa takes it."""
+    """Attention with a logit softcap on FP32 inputs (sdpa has none): forward as the engine's op computes it (its
+    softcap and exp, `softcap_like_engine`, `attention_like_engine`), gradient HF's eager attention's (Gemma 2's
+    `eager_attention_forward`, op for op; its forward too under dropout, which the engine has not). No mask means
+    causal attention, as sdpa takes it."""
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = (t[:, :, None].expand(t.shape[0], t.shape[1], groups, *t.shape[2:]).flatten(1, 2)
                   for t in (key, value))  # HF's repeat_kv: its backward sums the group as HF's eager does
     scores = torch.matmul(query, key.transpose(2, 3)) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
-    scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is None and getattr(module, "is_causal", True):
         attention_mask = _causal_window_mask(query.shape[2], key.shape[2], None, query.device)
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, float("-inf"))
-    elif attention_mask is not None:
-        scores = scores + attention_mask[..., :key.shape[2]]
-    weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
+    dropped = bool(dropout) and module.training
+    if not dropped:
+        with torch.no_grad():
+            engine = attention_like_engine(_masked(softcap_like_engine(scores, softcap), attention_mask), value)
+        if not torch.is_grad_enabled():
+            return engine.transpose(1, 2).contiguous(), None
+    weights = torch.nn.functional.softmax(_masked(torch.tanh(scores / softcap) * softcap, attention_mask), dim=-1,
+                                          dtype=torch.float32)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+    out = torch.matmul(weights, value)
+    out = out if dropped else engine + (out - out.detach())  # the engine's values, HF's gradient
+    return out.transpose(1, 2).contiguous(), weights
 
 
 def _attention_in_fp32(module, query, key, value, attention_mask, **kwargs):
@@ -234,7 +299,7 @@ def sdpa_call(attention, module, query, key, value, attn_mask=None, dropout_p=0.
     return out.transpose(1, 2)
 
 
-FP32_PARTS = (_causal_window_mask, _softcapped_fp32, _attention_in_fp32, attention_fp32_inputs,
-              attention_fp32_inputs_truncated)
+FP32_PARTS = (_causal_window_mask, _fma32, exp_like_engine, softcap_like_engine, attention_like_engine, _masked,
+              _softcapped_fp32, _attention_in_fp32, attention_fp32_inputs, attention_fp32_inputs_truncated)
 ENGINE_PARTS = (attention_isa, kv_cache, vllm_cpu_attention, engine_attention_op, _EngineAttention, _causal_only,
                 layer_window, attention_engine_op)

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 
 from graphdiff.analysis import moe_engine
-from graphdiff.analysis.opaque import truncates_output
+from graphdiff.analysis.opaque import exp_polynomial, truncates_output
 from graphdiff.artifacts import ScanDir
 from graphdiff.codegen import (
     attention_order,
@@ -228,7 +228,9 @@ def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, st
                             torch_fn=(attention_splice.attention_fp32_inputs_truncated if truncates_output(engine)
                                       else attention_splice.attention_fp32_inputs).__name__,
                             triton_problem="calls torch's sdpa on FP32 inputs")
-    lines = ["", "", f"# attention: region {r.name}", *prelude.source(attention_splice.FP32_PARTS)]
+    lines = ["", "", f"# attention: region {r.name}",
+             "# the engine's attention op computes exp (a softcap's tanh) by vLLM CPU's AVX-512 polynomial",
+             f"ENGINE_EXP = {exp_polynomial(engine)}", "", "", *prelude.source(attention_splice.FP32_PARTS)]
     if form == "engine":
         splice.torch_fn, splice.imports = attention_splice.attention_engine_op.__name__, ["vllm._custom_ops"]
         splice.triton_problem = "runs the engine's own attention op (vLLM CPU)"
