@@ -100,3 +100,22 @@ def test_the_attention_reads_the_stored_copy_of_an_fp32_residual(patch: Path, tm
     assert seen == {"layer": torch.float32, "q_proj": torch.bfloat16}
     assert torch.isfinite(out).all() and model.model.layers[1].self_attn.q_proj.weight.grad is not None
     assert "_graphdiff_held" not in layer.__dict__
+
+
+def test_the_portable_attention_reads_an_fp32_handoff_as_the_engine_stores_it(patch: Path) -> None:
+    """The portable patch hands the q norm's FP32 output on through HF's RoPE (no cast back: OLMo 2 casts to the
+    input's dtype), and its FP32 attention splice reads q, k and v rounded to BF16, as the engine's op loads them."""
+    from graphdiff.codegen.attention_splice import _attention_in_fp32, attention_fp32_inputs
+
+    source = (patch / "graphdiff_patch.py").read_text()
+    q_norm = source[source.index("def torch_model_layers_N_self_attn_q_norm("):]
+    assert "to_copy if a0 and 'model.layers.*.self_attn#attention' in align" in q_norm[:q_norm.index("\n\n\n")]
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal = True
+    query, key, value = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    rounded = [t.to(torch.bfloat16) for t in (query, key, value)]
+    out = attention_fp32_inputs(module, query, key, value.to(torch.bfloat16), None)[0]
+    assert out.dtype == torch.bfloat16 and torch.equal(out, attention_fp32_inputs(module, *rounded, None)[0])
+    unrounded = _attention_in_fp32(module, query, key, rounded[2], None)[0].to(torch.bfloat16)
+    assert not torch.equal(out, unrounded)  # these inputs tell the two apart

@@ -212,9 +212,17 @@ def _attention_in_fp32(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def stored_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Attention inputs as the engine stores them: an FP32 one (a patch's FP32 handoff) rounded to BF16."""
+    return tuple(t.to(torch.bfloat16) if t.dtype == torch.float32 else t for t in tensors)
+
+
 def attention_fp32_inputs(module, query, key, value, attention_mask, **kwargs):
     """Attention as the engine computes it (softmax probabilities kept FP32 into P@V): HF's sdpa on FP32-upcast
-    q/k/v, the output rounded once to the value dtype. Registered as a transformers attention function."""
+    q/k/v, the output rounded once to the value dtype. The engine reads q, k and v as it stores them, in BF16: one the
+    trainer hands on in FP32 (OLMo 2's RoPE of an FP32 norm output) is rounded first. Registered as a transformers
+    attention function."""
+    query, key, value = stored_inputs(query, key, value)
     out, weights = _attention_in_fp32(module, query, key, value, attention_mask, **kwargs)
     return out.to(value.dtype), weights
 
@@ -222,6 +230,7 @@ def attention_fp32_inputs(module, query, key, value, attention_mask, **kwargs):
 def attention_fp32_inputs_truncated(module, query, key, value, attention_mask, **kwargs):
     """As attention_fp32_inputs, the output stored by truncation (round toward zero), as the engine's attention op
     stores it on CPUs without AVX-512 BF16; the gradient passes the truncation as it passes a cast."""
+    query, key, value = stored_inputs(query, key, value)
     out, weights = _attention_in_fp32(module, query, key, value, attention_mask, **kwargs)
     return round_toward_zero(out).to(value.dtype), weights
 
@@ -300,6 +309,7 @@ def sdpa_call(attention, module, query, key, value, attn_mask=None, dropout_p=0.
 
 
 FP32_PARTS = (_causal_window_mask, _fma32, exp_like_engine, softcap_like_engine, attention_like_engine, _masked,
-              _softcapped_fp32, _attention_in_fp32, attention_fp32_inputs, attention_fp32_inputs_truncated)
+              _softcapped_fp32, _attention_in_fp32, stored_inputs, attention_fp32_inputs,
+              attention_fp32_inputs_truncated)
 ENGINE_PARTS = (attention_isa, kv_cache, vllm_cpu_attention, engine_attention_op, _EngineAttention, _causal_only,
                 layer_window, attention_engine_op)

@@ -308,15 +308,7 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     own_frame = region.kind == copy_reads.KIND  # the helper the seed is in, alone
     if src is not None and src.function != "forward" and (seed is None or own_frame) and not _module_method(
             src.file, src.function, module_class):
-        dotted = dotted_module(src.file)
-        frag = Fragment(key=f"{dotted}.{src.function}", target="function", module=region.module,
-                        module_class=module_class, function=f"{dotted}.{src.function}")
-        if dotted is None:
-            frag.problems.append(f"{src.function} is not defined in a transformers module ({src.file})")
-        # The function and its helpers (rotate_half): same module instance, any frame but the caller's forward.
-        frag.nodes = [nodes[n] for n in _grow(graph, site_nodes or [first.name], lambda n: (
-            n.module == path and n.source is not None and n.source.function != "forward"
-            and (not own_frame or n.source.function == src.function)))]
+        frag = _function_fragment(graph, region, first, site_nodes or [first.name], own_frame)
     else:
         frag = Fragment(key=region.module, target="module", module=region.module, module_class=module_class)
         frag.nodes = [n for n in graph.nodes if n.op == "call_function" and n.module == path]
@@ -353,6 +345,22 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
     frag.notes += notes
     if layers:
         frag.key, frag.layers = f"{frag.key}@layers {','.join(map(str, layers))}", list(layers)
+    return frag
+
+
+def _function_fragment(graph: Graph, region: Region, first: Node, seeds: list[str], own_frame: bool) -> Fragment:
+    """The helper function `first` is computed in, grown from `seeds`: with the helpers it calls (rotate_half) in the
+    same module instance, any frame but the caller's forward; or, `own_frame`, that function's own ops alone."""
+    src, nodes, path = first.source, graph.node_map(), first.module or ""
+    assert src is not None
+    dotted = dotted_module(src.file)
+    frag = Fragment(key=f"{dotted}.{src.function}", target="function", module=region.module,
+                    module_class=first.module_type or "", function=f"{dotted}.{src.function}")
+    if dotted is None:
+        frag.problems.append(f"{src.function} is not defined in a transformers module ({src.file})")
+    frag.nodes = [nodes[n] for n in _grow(graph, seeds, lambda n: (
+        n.module == path and n.source is not None and n.source.function != "forward"
+        and (not own_frame or n.source.function == src.function)))]
     return frag
 
 

@@ -594,10 +594,10 @@ def make_patch(scan: ScanResult, train: Capture, regions: list[str] | None = Non
     wanted = _wanted(scan, regions, more)
     parts = _Parts()
     _add_opaque(parts, scan, graph, wanted, attention, exact)
-    engine_op = frozenset(r for s in parts.splices if s.target == "attention" and not s.problems
-                          and s.torch_fn == attention_splice.attention_engine_op.__name__ for r in s.regions)
+    # every attention splice reads q, k and v as the engine stores them (rounding an FP32 one): they may reach it FP32
+    stored_in = frozenset(r for s in parts.splices if s.target == "attention" and not s.problems for r in s.regions)
     experts = {s.module: s.regions[0] for s in parts.splices if s.target == "experts" and not s.problems}
-    frags = cut_fragments(scan, graph, [r.name for r in wanted], engine_op, experts)
+    frags = cut_fragments(scan, graph, [r.name for r in wanted], stored_in, experts)
     _add_fragments(parts, frags, graph.node_map(), len(train.prompt_tokens))
     source = render_module(scan, parts.body, any(s.triton_fn for s in parts.splices))
     return Patch(_manifest(scan, wanted, parts, frags, source), source)
