@@ -12,6 +12,10 @@ from collections import defaultdict
 from graphdiff.ops import op_name
 from graphdiff.records import REGION_KINDS, Region, RegionKind, Site
 
+# Regions whose engine side is one opaque op: the patch calls a function that computes as the registry says the op
+# does, instead of re-emitting the trainer's fragment (attention, MoE routing and experts).
+OPAQUE_KINDS = ("attention", "router", "expert_combine", "allreduce")
+
 
 def module_pattern(module: str | None) -> str:
     """The module path with its layer index as `*` (`model.layers.3.mlp` -> `model.layers.*.mlp`)."""

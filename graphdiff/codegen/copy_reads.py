@@ -13,13 +13,11 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from graphdiff.analysis.regions import module_pattern
+from graphdiff.analysis.regions import OPAQUE_KINDS, module_pattern
 from graphdiff.records import Graph, Node, Region, ScanResult, layer_of
 from graphdiff.runtime import module_regex
 
 KIND = "stored_copy"
-# Region kinds whose splice re-emits no code of the module they are named after (an opaque op swapped in)
-_SWAPPED = ("attention", "router", "expert_combine", "allreduce")
 
 
 def dotted_module(file: str) -> str | None:
@@ -48,7 +46,7 @@ def readers(scan: ScanResult, graph: Graph) -> list[Node]:
     function of a module that no region re-emits, in graph order."""
     nodes = graph.node_map()
     node_of = {d.id: d.node for d in scan.plan}
-    covered = [module_regex(r.module) for r in scan.regions if r.kind not in (*_SWAPPED, KIND)]
+    covered = [module_regex(r.module) for r in scan.regions if r.kind not in (*OPAQUE_KINDS, KIND)]
     names = {node_of[i] for d in scan.plan for i in d.evidence.read_rounded_by if i in node_of}
     found = [nodes[n] for n in names if n in nodes]
     return sorted((n for n in found if _helper(n) and not any(rx.fullmatch(n.module or "") for rx in covered)),

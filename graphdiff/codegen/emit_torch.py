@@ -14,9 +14,10 @@ import math
 from graphdiff.analysis.rounding import is_view
 from graphdiff.codegen.fragment import Fragment, rounding
 from graphdiff.codegen.names import arguments, value_names
-from graphdiff.ops import CASTS, is_low, op_name
+from graphdiff.ops import is_low, op_name
 from graphdiff.records import Node
 from graphdiff.replay.inductor_math import math_form
+from graphdiff.replay.kernels import value_base
 from graphdiff.replay.sum_order import LAYER_NORM_FN, MEAN_FN, SUM_FN
 
 BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -182,15 +183,6 @@ def store_readers(frag: Fragment, nodes: dict[str, Node]) -> dict[str, tuple[str
     return found
 
 
-def _value_chain(nodes: dict[str, Node], name: str) -> set[str]:
-    """`name` and the nodes it views or casts, down to the op computing the value (`value_base`)."""
-    chain, n = {name}, nodes.get(name)
-    while n is not None and n.inputs and (op_name(n.target) in CASTS or is_view(n)):
-        n = nodes.get(n.inputs[0])
-        chain |= {n.name} if n is not None else set()
-    return chain
-
-
 def stored_reads(frag: Fragment, n: Node, nodes: dict[str, Node]) -> list[str]:
     """The inputs of `n` (a `rounded_reads` node) that are a fragment input or views of one: what it reads rounded."""
     if n.name not in frag.rounded_reads:
@@ -201,8 +193,9 @@ def stored_reads(frag: Fragment, n: Node, nodes: dict[str, Node]) -> list[str]:
         src = i
         while src in inside and is_view(nodes[src]) and nodes[src].inputs:
             src = nodes[src].inputs[0]
-        if src in frag.inputs and src not in frag.params and is_low(nodes[src].dtype) \
-                and _value_chain(nodes, src) & set(frag.rounded_values):
+        base = value_base(nodes, src)
+        if src in frag.inputs and src not in frag.params and is_low(nodes[src].dtype) and base is not None \
+                and base.name in frag.rounded_values:
             out.append(i)
     return out
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from itertools import takewhile
 from typing import Any, Literal
 
+from graphdiff.analysis.regions import OPAQUE_KINDS
 from graphdiff.analysis.rounding import is_view
 from graphdiff.codegen import copy_reads, math_order, norm_order
 from graphdiff.codegen.copy_reads import dotted_module
@@ -34,9 +35,6 @@ from graphdiff.replay.sum_order import is_row_op
 from graphdiff.runtime import module_regex
 
 Target = Literal["module", "function", "carry"]
-# Regions whose engine side is one opaque op: the patch calls a function that computes as the registry says the op
-# does, instead of re-emitting the trainer's fragment (attention, MoE routing and experts).
-OPAQUE_KINDS = ("attention", "router", "expert_combine", "allreduce")
 Rounding = tuple[Literal["always", "unless-aligned", "if-aligned"], str]  # (when, region)
 
 
@@ -99,7 +97,7 @@ class Fragment:
     # gets it in FP32 (`evidence.read_rounded_by` of a value made outside): they read it rounded (a no-op unless a
     # patch holds it FP32)
     rounded_reads: list[str] = field(default_factory=list)
-    rounded_values: list[str] = field(default_factory=list)  # the values made outside that they read so
+    rounded_values: list[str] = field(default_factory=list)  # the ops computing the values they read so
     # the scanned decoder layers this splice serves (a group of layers sharing one rounding plan); [] = every layer
     layers: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -112,7 +110,7 @@ def _mark_reads(scan: ScanResult, graph: Graph, region: Region, frag: Fragment) 
     """How the engine reads the fragment's values otherwise than eager: by Inductor's math, through a stored copy,
     from a low-precision table."""
     frag.inductor_math, (frag.rounded_reads, frag.rounded_values) = (_inductor_math(scan, frag.nodes),
-                                                                     _rounded_reads(scan, frag))
+                                                                     _rounded_reads(scan, graph, frag))
     frag.table_inputs = _table_inputs(scan, graph, region, frag.inputs)
 
 
@@ -398,10 +396,11 @@ def _viewed_sites(frag: Fragment, nodes: dict[str, Node]) -> dict[str, str]:
     return out
 
 
-def _rounded_reads(scan: ScanResult, frag: Fragment) -> tuple[list[str], list[str]]:
+def _rounded_reads(scan: ScanResult, graph: Graph, frag: Fragment) -> tuple[list[str], list[str]]:
     """The fragment's non-carry nodes that read a value from outside it through the engine's stored copy while the
-    engine's other readers hold it in FP32 (`read_rounded_by`), and those values (a reader's other inputs it reads
-    as they are: Falcon's last residual add reads the residual rounded, the block's sum in FP32)."""
+    engine's other readers hold it in FP32 (`read_rounded_by`), and the ops computing those values (`value_base`: a
+    reader's other inputs it reads as they are: Falcon's last residual add reads the residual rounded, the block's sum
+    in FP32; OLMo 2's `rotate_half` reads the q norm's product through its cast)."""
     if frag.target == "carry":
         return [], []
     node_of = {d.id: d.node for d in scan.plan}
@@ -409,7 +408,9 @@ def _rounded_reads(scan: ScanResult, frag: Fragment) -> tuple[list[str], list[st
     pairs = [(node_of[i], d.node) for d in scan.plan if d.node not in inside for i in d.evidence.read_rounded_by
              if i in node_of]
     readers = {r for r, _ in pairs if r in inside}
-    return [n.name for n in frag.nodes if n.name in readers], sorted({v for r, v in pairs if r in inside})
+    nodes = graph.node_map()
+    values = {b.name for r, v in pairs if r in inside and (b := value_base(nodes, v)) is not None}
+    return [n.name for n in frag.nodes if n.name in readers], sorted(values)
 
 
 def _bind_params(frag: Fragment, nodes: dict[str, Node], path: str) -> None:

@@ -415,7 +415,7 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
         splice.torch_fn = ("carry_scaled" if not frag.carry_input else
                            "carry_fp32_rounded" if frag.carry_rounded else "carry_fp32")
         splice.fp32_children = list(frag.fp32_children)
-        splice.rounded_children = [] if frag.carry_rounded else list(frag.rounded_children)
+        splice.rounded_children = list(frag.rounded_children) if splice.torch_fn == "carry_fp32" else []
         splice.fp32_outputs = list(frag.fp32_outputs)
         splice.fp32_scaled = {c: list(r) for c, r in frag.fp32_scaled.items()}
         splice.rounded_sums = dict(frag.rounded_sums)
@@ -500,8 +500,7 @@ def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Regi
     engine_experts = any(s.torch_fn == moe_engine.ENGINE_EXPERTS_FN and not s.problems for s in moe)
     engine_router = any(s.torch_fn == moe_engine.ENGINE_ROUTER_FN and not s.problems for s in moe)
     if moe_regions:  # the one-output linears by the engine's GEMM only beside the engine's experts op
-        constants = {**scan.engine_experts, "one_output_gemm": scan.engine_experts.get("one_output_gemm", "")
-                     if engine_experts else ""}
+        constants = scan.engine_experts if engine_experts else {**scan.engine_experts, "one_output_gemm": ""}
         parts.body += ["", "", "# MoE: routing and experts as the engine computes them (graphdiff.analysis.moe_engine)",
                        *moe_engine.moe_constants(constants), "", "",
                        *prelude.source(moe_engine.PATCH_PARTS)]
