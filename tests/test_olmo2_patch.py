@@ -10,6 +10,7 @@ the rotary embedding's cos and sin are Inductor's vectorized math, which parts f
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,18 @@ def test_the_portable_attention_reads_an_fp32_handoff_as_the_engine_stores_it(pa
     assert out.dtype == torch.bfloat16 and torch.equal(out, attention_fp32_inputs(module, *rounded, None)[0])
     unrounded = _attention_in_fp32(module, query, key, rounded[2], None)[0].to(torch.bfloat16)
     assert not torch.equal(out, unrounded)  # these inputs tell the two apart
+
+
+def test_the_summary_line_claims_no_more_replay_than_scan_json_holds(tmp_path: Path) -> None:
+    """One kernel call replays at 99.9977% (the q RoPE kernel at 512 tokens): the summary line and the report's card
+    say 99.99%, a lower bound, not 100.00%."""
+    from graphdiff.report.headline import bound_percent, headline
+    from graphdiff.report.html import write_report
+
+    scan = ScanDir(OLMO2).load_scan()
+    worst = min(r.predicted_bitexact for r in scan.replay if not r.error)
+    assert 0.9999 < worst < 1.0
+    assert "≥ 99.99% bit-identical on every generated kernel" in headline(scan)[0]
+    assert bound_percent(0.999977, lower=False) == "100.00%" and bound_percent(1.0) == "100.00%"
+    report = write_report(OLMO2, "html", out=tmp_path / "report.html")[0].read_text()
+    assert re.findall(r'class="n">([^<]*)</div><div class="l">kernel replay', report) == ["99.99%"]

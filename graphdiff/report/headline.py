@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from graphdiff.analysis.regions import module_pattern
 from graphdiff.records import ScanResult, layer_of
+
+
+def bound_percent(fraction: float, lower: bool = True) -> str:
+    """`fraction` as a percentage with two decimals, rounded so that it stays a true bound: down for a lower bound
+    (99.9977% is "99.99%", never "100.00%"), up for an upper one."""
+    hundredths = fraction * 10000
+    return f"{(math.floor(hundredths) if lower else math.ceil(hundredths)) / 100:.2f}%"
 
 
 def replay_claim(scan: ScanResult) -> str:
@@ -19,12 +27,12 @@ def replay_claim(scan: ScanResult) -> str:
     worst = min(r.predicted_bitexact for r in ok)
     naive = max(r.naive_bitexact for r in ok)
     if not scan.not_replayed and not scan.unexplained:
-        return (f"kernel replay{where}: predicted rounding model ≥ {worst:.2%} bit-identical on every generated "
-                f"kernel (naive round-after-every-op ≤ {naive:.2%})")
+        return (f"kernel replay{where}: predicted rounding model ≥ {bound_percent(worst)} bit-identical on every "
+                f"generated kernel (naive round-after-every-op ≤ {bound_percent(naive, lower=False)})")
     good = sum(r.predicted_bitexact >= 0.999 for r in ok)
     return (f"kernel replay{where}: predicted rounding model ≥ 99.9% bit-identical on {good} of {len(scan.replay)} "
-            f"kernel calls (worst {worst:.2%}); {len(scan.not_replayed)} not replayed, {len(scan.unexplained)} "
-            "unexplained (below)")
+            f"kernel calls (worst {bound_percent(worst)}); {len(scan.not_replayed)} not replayed, "
+            f"{len(scan.unexplained)} unexplained (below)")
 
 
 def headline(scan: ScanResult) -> list[str]:

@@ -23,7 +23,7 @@ from graphdiff.errors import GraphdiffError
 from graphdiff.records import Capture, Graph, KLResult, Region, ScanResult, Site
 from graphdiff.report import graphs as rg
 from graphdiff.report.gap import compared, gap_table
-from graphdiff.report.headline import headline
+from graphdiff.report.headline import bound_percent, headline
 
 TEMPLATES = Path(__file__).parent / "templates"
 FORMATS = ("html", "dot", "svg", "model-explorer")
@@ -289,7 +289,7 @@ def html_context(scan: ScanResult, train: Capture | None, engine: Capture | None
         "colors": {"train": rg.TRAIN_COLOR, "engine": rg.ENGINE_COLOR},
         "counts": {"train": sum(s.rounded_on == "train" for s in scan.sites),
                    "engine": sum(s.rounded_on == "engine" for s in scan.sites)},
-        "replay_min": min((r.predicted_bitexact for r in ok), default=None),
+        "replay_min": min((r.predicted_bitexact for r in ok), default=None), "bound_percent": bound_percent,
         "naive_max": max((r.naive_bitexact for r in ok), default=None),
         "position": position_view(scan.kl),
         # the scan's own tokens, then the gap's samples (kl: unpatched and patched trainer)
