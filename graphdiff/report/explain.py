@@ -14,6 +14,7 @@ from pathlib import Path
 from graphdiff.artifacts import ScanDir
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import Decision, KernelEvidence, ScanResult, SideRef, Site
+from graphdiff.report.headline import bound_percent
 
 
 def find_site(scan: ScanResult, query: str) -> Site:
@@ -72,8 +73,8 @@ def explain_lines(scan_dir: Path, scan: ScanResult, site: Site) -> list[str]:
     if reps:
         for r in reps:
             lines.append(f"kernel   {e.kernel} @ {r.shape}: " + (f"not replayed ({r.error})" if r.error else
-                         f"predicted {r.predicted_bitexact:.2%} / naive {r.naive_bitexact:.2%} bit-identical over "
-                         f"{r.elements} low-precision elements"))
+                         f"predicted {bound_percent(r.predicted_bitexact)} / naive {bound_percent(r.naive_bitexact)} "
+                         f"bit-identical over {r.elements} low-precision elements"))
         first = next((r for r in reps if not r.error), reps[0])
         lines.append(f"replay   {replay_command(scan_dir, e.kernel, first.shape)}")
     elif e.kernel:
