@@ -773,7 +773,7 @@ def position_table(result) -> Table | None:  # noqa: ANN001 - KLResult
 
 
 def print_kl(result) -> None:  # noqa: ANN001 - KLResult
-    from graphdiff.report.gap import regions_label
+    from graphdiff.report.gap import floor_note, regions_label
 
     t = Table(title=f"log-prob gap, diff = logp_engine - logp_train: {result.model} ({result.architecture}), "
                     f"{result.prompts} prompts x {result.max_tokens} tokens")
@@ -793,6 +793,8 @@ def print_kl(result) -> None:  # noqa: ANN001 - KLResult
     positions = position_table(result)
     if positions is not None:
         out.print(positions)
+    if (note := floor_note(result)) is not None:
+        out.print(f"[yellow]floor:[/] {note}")
     if result.sources_note:
         out.print(f"[yellow]note:[/] {result.sources_note}")
     for region in result.left_out:

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar, get_args
 
-from pydantic import BaseModel, Field, PrivateAttr
+from pydantic import BaseModel, Field, PrivateAttr, field_validator
 
 from graphdiff.errors import GraphdiffError
+from graphdiff.sources import import_path
 
 if TYPE_CHECKING:  # the kernel buffer records hold tensors; the data model itself needs no torch
     import torch
@@ -32,12 +33,19 @@ Side = Literal["train", "engine"]
 AttentionForm = Literal["fp32", "engine"]
 
 class Source(BaseModel):
-    """Where a node came from in the user's (or library's) Python code."""
+    """Where a node came from in the user's (or library's) Python code. `file` is the file's import path
+    (`transformers/models/qwen3/modeling_qwen3.py`), never the recording machine's absolute path: a recorded absolute
+    path is cut to its import path as it is read (graphdiff.sources resolves it in the installed package)."""
 
     file: str
     line: int
     code: str = ""
     function: str = ""
+
+    @field_validator("file")
+    @classmethod
+    def _import_path(cls, file: str) -> str:
+        return import_path(file)
 
 
 NodeOp = Literal["placeholder", "call_function", "get_attr", "output"]  # the torch.fx opcodes of an ATen graph

@@ -1,6 +1,6 @@
 """`--exact` against the real engine (vLLM CPU): a mixture-of-experts patch whose experts run the engine's own
-fused-MoE op forward (and the same computation's gradient backward) gives the engine's log-probs bit for bit wherever
-the engine's decode equals its own prefill scoring, and chooses no other expert than the engine on any token.
+fused-MoE op forward (and the same computation's gradient backward) gives the engine's prefill log-probs bit for bit
+(its gap to the engine's decode is the engine's own floor), and chooses no other expert than the engine on any token.
 
 One engine start: the scan's capture samples 4 seeded prompts x 160 tokens and records its expert choices."""
 
@@ -26,17 +26,18 @@ SAMPLE = SampleAsk(count=4, prompt_tokens=16, max_tokens=160)
 
 
 def _assert_at_engine_floor(samples: list, patched: list, plain: list) -> None:
-    """Where the engine's decode equals its own prefill (its floor is 0), the patched trainer's log-prob is the
-    engine's on every token and the unpatched trainer's is not on some."""
-    at_floor = same = differ_plain = 0
+    """The patched trainer's log-prob is the engine's prefill scoring of the same sequence on every token (one forward
+    over the sequence: the trainer's own task), so its gap to the engine's decode is the engine's own floor (decode vs
+    prefill, batch variance: 0 where the engine's one-row and many-row kernels agree); the unpatched trainer departs.
+    Holds on every CPU kind, whatever the floor."""
+    tokens = same = differ_plain = 0
     for s, mine, unpatched in zip(samples, patched, plain):
         engine, prefill_lp = torch.tensor(s.logprobs), torch.tensor(s.prefill_logprobs)
-        exact = engine == prefill_lp
-        at_floor += int(exact.sum())
-        same += int((mine.float() == engine)[exact].sum())
-        differ_plain += int((unpatched.float() != engine)[exact].sum())
-    assert at_floor > 0.9 * SAMPLE.count * SAMPLE.max_tokens and differ_plain > 0  # the unpatched trainer departs
-    assert same == at_floor, f"{at_floor - same} of {at_floor} tokens at the engine's floor differ"
+        tokens += len(engine)
+        same += int((mine.float() == prefill_lp).sum())
+        differ_plain += int((unpatched.float() != prefill_lp).sum())
+    assert tokens == SAMPLE.count * SAMPLE.max_tokens and differ_plain > 0  # the unpatched trainer departs
+    assert same == tokens, f"{tokens - same} of {tokens} tokens differ from the engine's prefill scoring"
 
 
 # the fused-MoE op stores by build (the `_C_AVX512` and `_C_AVX2` experts leave no site): .ci/run runs it as each kind
@@ -162,7 +163,7 @@ def test_a_one_output_linear_runs_as_the_engines_gemm_with_the_linears_gradient(
 def test_exact_dense_tail_gives_the_engines_logprobs(tmp_path, arch):
     """GPT-2 and OPT (issue 35, the dense tail): with the embedding sum held FP32 into the first layer, the last
     layer's norm reading every pass from its stored input and the stored residual sums read through OPT's reshape,
-    the `--exact` patch gives the engine's log-probs bit for bit wherever the engine's decode equals its own prefill;
+    the `--exact` patch gives the engine's prefill log-probs bit for bit (its gap to the decode is the engine's floor);
     the unpatched trainer does not."""
     model = make_tiny(arch, tmp_path / "model", layers=3)
     d = ScanDir(tmp_path / "scan")

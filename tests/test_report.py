@@ -280,6 +280,29 @@ def test_the_gap_by_position_is_plotted_with_the_floor_and_its_sources(scan_dir:
     assert "share of the patched ms: attention order" in text and "94%" in text
 
 
+def test_the_engines_own_floor_is_named_where_its_decode_differs_from_its_prefill(scan_dir: Path) -> None:
+    """Where the engine's decode differs from its own prefill scoring (batch variance, as on AMX), the report and
+    `kl` say on what share of tokens and that no trainer patch removes it; where the floor is 0 they say nothing."""
+    from graphdiff.records import KLResult
+    from graphdiff.report.gap import floor_note
+
+    def meas(exact: float, **kw: object) -> dict:
+        return {"engine_mode": "compiled", "trainer_mode": "eager", "regions": None, "k1": 0.0, "k3": 1e-5,
+                "rms": 0.004, "max_abs": 0.1, "bitexact_fraction": exact, "tokens": 2048, "sequences": 8,
+                "position": [{"start": 0, "stop": 256, "tokens": 2048, "k1": 0.0, "rms": 0.004,
+                              "bitexact_fraction": exact}], **kw}
+
+    raw = json.loads((scan_dir / "scan.json").read_text())
+    raw["kl"] = _kl(max_tokens=256, bucket=256, measurements=[meas(0.0), meas(0.5, regions=["a"])],
+                    floor=meas(0.68, trainer_mode="engine-prefill"))
+    assert floor_note(KLResult.model_validate(raw["kl"])) is not None
+    (scan_dir / "scan.json").write_text(json.dumps(raw))
+    text = write_report(scan_dir)[0].read_text()
+    assert "differs from its own prefill scoring of the same sequences on 655 of 2048 tokens (32.0%" in text
+    raw["kl"]["floor"]["bitexact_fraction"] = 1.0
+    assert floor_note(KLResult.model_validate(raw["kl"])) is None
+
+
 def test_moe_routing_agreement_is_tabled_and_absent_for_a_dense_model(scan_dir: Path) -> None:
     assert "MoE routing agreement" not in write_report(scan_dir)[0].read_text()
     raw = json.loads((scan_dir / "scan.json").read_text())

@@ -11,8 +11,8 @@ with those reads rounded (`Fragment.rounded_reads`; a no-op on a BF16 input) and
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 
+from graphdiff import sources
 from graphdiff.analysis.regions import OPAQUE_KINDS, module_pattern
 from graphdiff.records import Graph, Node, Region, ScanResult, layer_of
 from graphdiff.runtime import module_regex
@@ -21,12 +21,10 @@ KIND = "stored_copy"
 
 
 def dotted_module(file: str) -> str | None:
-    """'.../site-packages/transformers/models/qwen3/modeling_qwen3.py' -> 'transformers.models.qwen3.modeling_qwen3'"""
-    parts = Path(file).with_suffix("").parts
-    if "transformers" not in parts:
-        return None
-    i = len(parts) - 1 - parts[::-1].index("transformers")
-    return ".".join(parts[i:])
+    """A transformers module's dotted name from its recorded file ('transformers/models/qwen3/modeling_qwen3.py' ->
+    'transformers.models.qwen3.modeling_qwen3'); None for a file of another package."""
+    dotted = sources.dotted_module(file)
+    return dotted if dotted is not None and dotted.split(".")[0] == "transformers" else None
 
 
 def _helper(n: Node) -> bool:

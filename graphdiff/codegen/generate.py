@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 
+from graphdiff import sources
 from graphdiff.analysis import moe_engine
 from graphdiff.analysis.opaque import exp_polynomial, truncates_output
 from graphdiff.artifacts import ScanDir
@@ -282,13 +283,17 @@ METADATA = frozenset({"dtype", "device", "shape", "ndim"})  # attributes that re
 
 
 def _forward_def(frag: Fragment) -> ast.FunctionDef | None:
-    """The module's `forward` as written: the definition in its source file holding the fragment's lines."""
+    """The module's `forward` as written: the definition in its installed source file holding the fragment's
+    lines."""
     src = next((n.source for n in frag.nodes if n.source is not None and n.source.function == "forward"), None)
     if src is None:
         return None
+    text = sources.read_source(src.file)  # the installed package's file, found by module
     try:
-        tree = ast.parse(Path(src.file).read_text())
-    except (OSError, SyntaxError, ValueError):
+        tree = ast.parse(text) if text is not None else None
+    except (SyntaxError, ValueError):
+        tree = None
+    if tree is None:
         return None
     return next((f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "forward"
                  and f.lineno <= src.line <= (f.end_lineno or f.lineno)), None)
@@ -597,6 +602,9 @@ def make_patch(scan: ScanResult, train: Capture, regions: list[str] | None = Non
     stored_in = frozenset(r for s in parts.splices if s.target == "attention" and not s.problems for r in s.regions)
     experts = {s.module: s.regions[0] for s in parts.splices if s.target == "experts" and not s.problems}
     frags = cut_fragments(scan, graph, [r.name for r in wanted], stored_in, experts)
+    for frag in frags:  # a splice bound against the installed code's lines: they must be the recorded ones
+        files = {n.source.file for n in frag.nodes if n.source is not None}
+        frag.problems += sorted(filter(None, (sources.version_mismatch(f, train.versions) for f in files)))
     _add_fragments(parts, frags, graph.node_map(), len(train.prompt_tokens))
     source = render_module(scan, parts.body, any(s.triton_fn for s in parts.splices))
     return Patch(_manifest(scan, wanted, parts, frags, source), source)

@@ -15,8 +15,8 @@ import inspect
 import itertools
 import keyword
 import re
-from pathlib import Path
 
+from graphdiff import sources
 from graphdiff.codegen import prelude
 from graphdiff.codegen.fragment import Fragment
 from graphdiff.ops import op_name
@@ -76,9 +76,12 @@ def assigned(code: str) -> str | None:
 
 def _parameter_in_source(file: str, cls: str) -> str | None:
     """The first parameter (after self) of the `forward` class `cls` defines in `file`, read from its source."""
+    text = sources.read_source(file)
     try:
-        tree = ast.parse(Path(file).read_text())
-    except (OSError, SyntaxError, ValueError):
+        tree = ast.parse(text) if text is not None else None
+    except (SyntaxError, ValueError):
+        return None
+    if tree is None:
         return None
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name == cls:
@@ -90,11 +93,9 @@ def _parameter_in_source(file: str, cls: str) -> str | None:
 
 def _parameter_of_class(file: str, cls: str) -> str | None:
     """The first parameter (after self) of `cls.forward`, inherited or not, from the installed module `file` is."""
-    parts = Path(file).with_suffix("").parts
-    root = next((r for r in ("transformers", "torch") if r in parts), None)
-    if root is None:
+    dotted = sources.dotted_module(file)
+    if dotted is None or dotted.split(".")[0] not in ("transformers", "torch"):
         return None
-    dotted = ".".join(parts[len(parts) - 1 - parts[::-1].index(root):]).removesuffix(".__init__")
     try:
         forward = getattr(importlib.import_module(dotted), cls).forward
         params = [p.name for p in inspect.signature(forward).parameters.values()

@@ -177,7 +177,7 @@ def parse_fx_graph(text: str) -> list[Node]:
 def _is_model_graph(nodes: list[Node]) -> bool:
     # Graphs of the model proper trace through the engine's model code; other compiled
     # helpers (e.g. the sampler) do not.
-    return any(n.source and ("/model_executor/" in n.source.file or "/transformers/models/" in n.source.file)
+    return any(n.source and any(p in f"/{n.source.file}" for p in ("/model_executor/", "/transformers/models/"))
                for n in nodes)
 
 

@@ -32,6 +32,20 @@ def measurement_label(m: KLMeasurement, substituted: bool = False) -> str:
         ", engine's attention op" if substituted else "")
 
 
+def floor_note(kl: KLResult) -> str | None:
+    """Where the engine's decode differs from its own prefill scoring: on what share of tokens, why, and what that
+    means for a patch (None where the floor is 0 or was not measured)."""
+    fl = kl.floor
+    if fl is None or fl.bitexact_fraction >= 1.0:
+        return None
+    differ = round((1 - fl.bitexact_fraction) * fl.tokens)
+    return (f"the engine's own floor: its decode differs from its own prefill scoring of the same sequences on "
+            f"{differ} of {fl.tokens} tokens ({1 - fl.bitexact_fraction:.1%}; RMS {fl.rms:.4f}). The engine computes "
+            "a one-row decode step and a many-row prefill in different orders (batch variance), which no trainer "
+            "patch removes: a trainer at the engine equals its prefill scoring, "
+            "and its gap to the decode is this floor")
+
+
 def compared(kl: KLResult) -> tuple[KLMeasurement | None, KLMeasurement | None]:
     """The compiled engine against the eager trainer: unpatched, and patched."""
     meas = [m for m in kl.measurements if m.engine_mode == "compiled" and m.trainer_mode == "eager"]

@@ -179,7 +179,7 @@ def _label(n: Node, inputs: dict[str, str], badge: str, note: str) -> str:
 
 def _tooltip(n: Node) -> str:
     src = n.source
-    where = f"{src.file.split('site-packages/')[-1]}:{src.line}  {src.code}" if src else ""
+    where = f"{src.file}:{src.line}  {src.code}" if src else ""
     shape = f"  [{_shape(n)}] {n.dtype}" if n.shape is not None else ""
     return f"{n.name} = {n.target}({n.args}){shape}" + (f"\n{where}" if where else "")
 

@@ -22,7 +22,7 @@ from graphdiff.artifacts import ScanDir
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import Capture, Graph, KLResult, Region, ScanResult, Site
 from graphdiff.report import graphs as rg
-from graphdiff.report.gap import compared, gap_table
+from graphdiff.report.gap import compared, floor_note, gap_table
 from graphdiff.report.headline import bound_percent, headline
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -149,10 +149,6 @@ def _slug(name: str, used: set[str]) -> str:
     return slug
 
 
-def short_path(file: str) -> str:
-    return file.split("site-packages/")[-1]
-
-
 KL_RUN = ("prompts", "max_tokens", "temperature", "seed", "method")  # how the gap was measured
 SERIES = (("unpatched", "#d93025"), ("patched", "#1a73e8"), ("patched, the engine's attention op", "#188038"),
           ("floor: engine decode vs its prefill", "#5f6368"))
@@ -206,7 +202,8 @@ def position_view(kl: KLResult | None) -> dict | None:
         return [(label, color, [(b.start, getattr(b, key)) for b in m.position]) for label, color, m in named]
 
     x_label = f"continuation position (bucket start; {kl.bucket} tokens per bucket)"
-    notes = [kl.sources_note, *(f"in the patched gap, not patched: {r}" for r in kl.left_out), kl.departure_note]
+    notes = [floor_note(kl), kl.sources_note, *(f"in the patched gap, not patched: {r}" for r in kl.left_out),
+             kl.departure_note]
     return {"buckets": table.buckets, "table": table.rows, "note": " · ".join(n for n in notes if n),
             "rms": rg.line_chart(series("rms"), "RMS of logp_engine − logp_train", x_label, "{:.3f}"),
             "exact": rg.line_chart(series("bitexact_fraction"), "bit-identical fraction", x_label, "{:.0%}", 1.0)}
@@ -249,7 +246,7 @@ def _sources(sites: list[Site], side: str) -> list[dict]:
         ref = s.train if side == "train" else s.engine
         if ref and ref.source:
             key = (ref.source.file, ref.source.line)
-            entry = seen.setdefault(key, {"file": short_path(ref.source.file), "line": ref.source.line,
+            entry = seen.setdefault(key, {"file": ref.source.file, "line": ref.source.line,
                                           "code": ref.source.code, "function": ref.source.function, "nodes": []})
             entry["nodes"].append(ref.node)
     return list(seen.values())
