@@ -636,7 +636,9 @@ def print_patch(manifest) -> None:  # noqa: ANN001 - Manifest
         s = next((s for s in manifest.splices if r.name in s.regions), None)
         triton = "-" if s is None else ("yes" if s.triton_fn else (s.triton_problem or "n/a (hook)"))
         effect = "-" if r.effect is None else f"{r.effect.delta * 1e4:+.2f}" + (
-            f" [{r.effect.ci[0] * 1e4:+.2f}, {r.effect.ci[1] * 1e4:+.2f}]" if r.effect.ci else "")
+            f" [{r.effect.ci[0] * 1e4:+.2f}, {r.effect.ci[1] * 1e4:+.2f}]" if r.effect.ci else "") + (
+            f"; equal to the engine {r.effect.equal_with} (without {r.effect.equal_without})"
+            if r.effect.decided_by == "equality" else "")
         t.add_row(r.name, r.kind, "-" if s is None else f"{s.target} {s.key}", "yes" if r.generated else r.reason,
                   triton, "yes" if r.generated and r.enabled else "no", effect)
     out.print(t)

@@ -815,6 +815,11 @@ class RegionEffect(BaseModel):
     delta: float  # with - without: < 0 narrows the gap
     ci: tuple[float, float] | None = None  # 95% bootstrap interval of delta over sequences
     tokens: int
+    # what kept or left it out: "k3" (the measured gap) or, for an `--exact` patch, "equality" (whether removing it
+    # makes more of the trainer's log-probs equal the engine's prefill scoring)
+    decided_by: Literal["k3", "equality"] = "k3"
+    equal_with: int | None = None  # tokens equal to the engine's prefill scoring with every enabled region
+    equal_without: int | None = None  # ... with every enabled region but this one
     model_config = {"populate_by_name": True}
 
 
@@ -860,6 +865,7 @@ class Manifest(BaseModel):
     regions: list[ManifestRegion]
     splices: list[ManifestSplice]
     replaced: list[str] = Field(default_factory=list)  # HF module classes and functions replaced
+    exact: bool = False  # made with --exact: the gate keeps a region by equality with the engine, not by k3
     notes: list[str] = Field(default_factory=list)
 
 

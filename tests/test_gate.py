@@ -15,7 +15,7 @@ from graphdiff.codegen import generate
 from graphdiff.measure.gate import select_regions
 from graphdiff.measure.logprobs import train_logprobs, trainer
 from graphdiff.models.tiny import make_tiny
-from graphdiff.records import EngineSample
+from graphdiff.records import EngineSample, save_json
 from graphdiff.runtime import load_manifest
 from tests.conftest import FIXTURES
 
@@ -89,3 +89,39 @@ def test_a_patch_whose_effect_other_samples_could_reverse_ships_nothing(setup):
     manifest = select_regions(base, path, [long_, short])
     assert not any(r.enabled for r in manifest.regions), [r.name for r in manifest.regions if r.enabled]
     assert any("measurably" in n and "interval" in n for n in manifest.notes), manifest.notes
+
+
+def test_an_exact_patch_keeps_a_region_by_equality_with_the_engine_not_by_noise(setup):
+    """`--exact`: the same noisy samples as above (one sequence at the engine, one not) ship every region, since
+    removing any makes fewer tokens equal the engine's prefill scoring; a region the engine does not compute (the
+    'engine' leaves it out) is left out by the same count, and each effect says equality decided."""
+    root, base, regions = setup
+    path = _copy(root, "exact")
+    manifest = load_manifest(path)
+    manifest.exact = True
+    save_json(manifest, path)
+    gen = torch.Generator().manual_seed(3)
+    long_ = EngineSample(prompt=[5, 9, 100, 7], tokens=torch.randint(3, 2000, (40,), generator=gen).tolist(),
+                         logprobs=[])
+    short = EngineSample(prompt=[1, 2], tokens=[8, 1500, 3], logprobs=[])
+    for s, applied in ((long_, regions), (short, [])):
+        with trainer(base, "eager", path if applied else None, applied) as model:
+            s.logprobs = train_logprobs(model, [s])[0].tolist()
+        s.prefill_logprobs = list(s.logprobs)
+    kept = select_regions(base, path, [long_, short])
+    assert {r.name for r in kept.regions if r.enabled} == set(regions), kept.notes
+    assert all(r.effect.decided_by == "equality" for r in kept.regions if r.effect)
+
+    widening = "model.layers.*.mlp.act_fn#gated_act"
+    path = _copy(root, "exact-one-out")
+    manifest = load_manifest(path)
+    manifest.exact = True
+    save_json(manifest, path)
+    samples = _engine(base, path, [r for r in regions if r != widening])
+    for s in samples:
+        s.prefill_logprobs = list(s.logprobs)
+    chosen = select_regions(base, path, samples)
+    assert {r.name for r in chosen.regions if r.enabled} == set(regions) - {widening}
+    left = next(r for r in chosen.regions if r.name == widening)
+    assert left.effect.equal_without > left.effect.equal_with
+    assert any(f"{widening} left out: without it" in n for n in chosen.notes), chosen.notes

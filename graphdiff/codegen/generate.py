@@ -607,7 +607,9 @@ def make_patch(scan: ScanResult, train: Capture, regions: list[str] | None = Non
         frag.problems += sorted(filter(None, (sources.version_mismatch(f, train.versions) for f in files)))
     _add_fragments(parts, frags, graph.node_map(), len(train.prompt_tokens))
     source = render_module(scan, parts.body, any(s.triton_fn for s in parts.splices))
-    return Patch(_manifest(scan, wanted, parts, frags, source), source)
+    manifest = _manifest(scan, wanted, parts, frags, source)
+    manifest.exact = exact
+    return Patch(manifest, source)
 
 
 def write_patch(patch: Patch, out_dir: Path) -> Manifest:

@@ -6,6 +6,12 @@ paired bootstrap interval over sequences); while one widens the gap, the worst i
 again. If what remains does not narrow the gap against the unpatched trainer measurably (k3 and RMS lower, and
 the 95% interval of the k3 change below zero), nothing is enabled. The manifest records every region's effect and
 which are enabled; `runtime.apply` applies the enabled ones unless told otherwise.
+
+A patch that claims exactness (`--exact`) is judged by equality, not by a gap estimate: a region is left out only
+where removing it makes more of the trainer's log-probs equal the engine's prefill scoring of the same sequences (the
+trainer's own task: one forward over each sequence), and the regions together ship where they make more tokens equal
+than no patch does. Sampling noise in k3 cannot drop a region the engine's computation needs; each region's effect
+says which criterion decided.
 """
 
 from __future__ import annotations
@@ -24,15 +30,18 @@ BOOTSTRAP = 400
 
 
 def _gap(base: torch.nn.Module, manifest: Path, regions: Sequence[str], samples: Sequence[EngineSample]
-         ) -> tuple[np.ndarray, np.ndarray, float]:
-    """Per-sequence k3 sums and token counts, and the RMS of the diff, with `regions` applied."""
+         ) -> tuple[np.ndarray, np.ndarray, float, int]:
+    """Per-sequence k3 sums and token counts, the RMS of the diff, and how many tokens equal the engine's prefill
+    scoring bit for bit, with `regions` applied."""
     engine = engine_logprobs(samples)
     with trainer(base, "eager", manifest if regions else None, list(regions)) as model:
         train = train_logprobs(model, samples)
     k3 = per_token(engine, train, "k3")
     diff = torch.cat(per_token(engine, train))
+    prefill = engine_logprobs(samples, prefill=all(len(s.prefill_logprobs) == len(s.tokens) for s in samples))
+    equal = sum(int((p == t.float()).sum()) for p, t in zip(prefill, train))
     return (np.array([float(x.sum()) for x in k3]), np.array([x.numel() for x in k3]),
-            float(diff.pow(2).mean().sqrt()))
+            float(diff.pow(2).mean().sqrt()), equal)
 
 
 @dataclass(frozen=True)
@@ -44,7 +53,7 @@ class Gap:
 
 def gap(base: torch.nn.Module, manifest: Path, regions: Sequence[str], samples: Sequence[EngineSample]) -> Gap:
     """k3 and the RMS of the diff over every sampled token, with `regions` of `manifest` applied."""
-    k3, counts, rms = _gap(base, manifest, regions, samples)
+    k3, counts, rms, _ = _gap(base, manifest, regions, samples)
     return Gap(float(k3.sum() / counts.sum()), rms, int(counts.sum()))
 
 
@@ -64,51 +73,67 @@ def select_regions(base: torch.nn.Module, manifest_path: Path, samples: Sequence
     manifest = load_manifest(manifest_path)
     enabled = [r.name for r in manifest.regions if r.generated]
     tokens = sum(len(s.tokens) for s in samples)
+    by = "equality" if manifest.exact else "k3"
     progress(f"measuring the patch region by region on {len(samples)} engine samples ({tokens} tokens)")
-    none_k3, counts, none_rms = _gap(base, manifest_path, [], samples)
+    none_k3, counts, none_rms, none_equal = _gap(base, manifest_path, [], samples)
     effects: dict[str, RegionEffect] = {}
     left_out: list[str] = []
     while enabled:
-        full, _, _ = _gap(base, manifest_path, enabled, samples)
-        worst, worst_delta = None, 0.0
+        full, _, _, full_equal = _gap(base, manifest_path, enabled, samples)
+        worst, worst_harm = None, 0.0
         for r in enabled:
             progress(f"without {r}")
-            without, _, _ = _gap(base, manifest_path, [x for x in enabled if x != r], samples)
+            without, _, _, equal = _gap(base, manifest_path, [x for x in enabled if x != r], samples)
             delta = float((full.sum() - without.sum()) / counts.sum())
             effects[r] = RegionEffect(metric="k3", without=float(without.sum() / counts.sum()),
                                       with_=float(full.sum() / counts.sum()), delta=delta,
-                                      ci=_interval(full, without, counts), tokens=int(counts.sum()))
-            if delta > worst_delta:
-                worst, worst_delta = r, delta
+                                      ci=_interval(full, without, counts), tokens=int(counts.sum()),
+                                      decided_by=by, equal_with=full_equal, equal_without=equal)
+            harm = float(equal - full_equal) if by == "equality" else delta
+            if harm > worst_harm:
+                worst, worst_harm = r, harm
         if worst is None:
             break
         enabled.remove(worst)
         left_out.append(worst)
-    final_k3, _, final_rms = _gap(base, manifest_path, enabled, samples) if enabled else (none_k3, counts, none_rms)
+    final_k3, _, final_rms, final_equal = (_gap(base, manifest_path, enabled, samples) if enabled
+                                           else (none_k3, counts, none_rms, none_equal))
     notes = [n for n in manifest.notes if not n.startswith("measured:")]
     k3_none, k3_final = none_k3.sum() / counts.sum(), final_k3.sum() / counts.sum()
     # narrowed measurably: the 95% interval of the k3 change (sequences resampled, paired) lies below zero, so that
-    # other samples do not see it widen (a change within the noise ships nothing)
+    # other samples do not see it widen (a change within the noise ships nothing); an exact patch: more tokens equal
     low, high = _interval(final_k3, none_k3, counts) if enabled else (0.0, 0.0)
-    if enabled and not (k3_final < k3_none and final_rms <= none_rms and high < 0):
+    narrows = (final_equal > none_equal if by == "equality" else
+               k3_final < k3_none and final_rms <= none_rms and high < 0)
+    if enabled and not narrows:
         notes.append(f"measured: the generated regions together do not narrow the gap measurably (k3 {k3_none:.3g} "
                      f"-> {k3_final:.3g}, change 95% interval [{low:+.2g}, {high:+.2g}]; rms {none_rms:.4f} -> "
-                     f"{final_rms:.4f}): none enabled")
+                     f"{final_rms:.4f}; tokens equal to the engine's prefill {none_equal} -> {final_equal} of "
+                     f"{tokens}): none enabled")
         left_out += enabled
         enabled = []
-        k3_final, final_rms = k3_none, none_rms
+        k3_final, final_rms, final_equal = k3_none, none_rms, none_equal
     for region in manifest.regions:
         region.enabled = region.name in enabled
         region.effect = effects.get(region.name, region.effect)
     for r in left_out:
-        e = effects.get(r)
-        notes.append(f"measured: {r} left out: it widens the gap (k3 {e.delta:+.3g} with it)" if e and e.delta > 0
-                     else f"measured: {r} left out")
+        notes.append(f"measured: {r} left out" + _why_left_out(effects.get(r)))
     notes.append(f"measured: on {len(samples)} engine samples ({tokens} tokens) the enabled regions take k3 "
-                 f"{k3_none:.3g} -> {k3_final:.3g} and rms {none_rms:.4f} -> {final_rms:.4f}")
+                 f"{k3_none:.3g} -> {k3_final:.3g}, rms {none_rms:.4f} -> {final_rms:.4f} and the tokens equal to "
+                 f"the engine's prefill scoring {none_equal} -> {final_equal} (decided by {by})")
     manifest.notes = notes
     save_json(manifest, manifest_path)
     return manifest
+
+
+def _why_left_out(e: RegionEffect | None) -> str:
+    if e is None:
+        return ""
+    if e.decided_by == "equality" and e.equal_without is not None and e.equal_with is not None \
+            and e.equal_without > e.equal_with:
+        return (f": without it {e.equal_without - e.equal_with} more tokens equal the engine's prefill scoring "
+                f"({e.equal_with} -> {e.equal_without})")
+    return f": it widens the gap (k3 {e.delta:+.3g} with it)" if e.delta > 0 else ""
 
 
 GATE_TOKENS = 256  # tokens per sample the patch is measured on when no longer samples are at hand
