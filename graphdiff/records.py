@@ -179,6 +179,11 @@ class Graph(BaseModel):
         return self._computed_in[1]
 
 
+# Capture.attention's fact: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction in the engine's process
+# ("true" / "false"), whether cuBLAS may round a BF16 GEMM's partial sums; absent: not recorded (unknown)
+MATMUL_REDUCED_FACT = "matmul_bf16_reduced_reduction"
+
+
 class Capture(BaseModel):
     """What `graphdiff capture` writes: one side's graph(s) of one model."""
 
@@ -204,7 +209,9 @@ class Capture(BaseModel):
     # again (`scan --engine-dump` passes it on to the patch's measurement and to `kl`)
     compilation_config: dict[str, object] = Field(default_factory=dict)
     startup_s: float | None = None  # engine: how long its start-up (load + compile) took
-    # engine: its attention kernel (opaque to the scan), e.g. {"backend": "CPU_ATTN", "isa": "vec", ...}
+    # engine: its attention kernel (opaque to the scan) and the facts its other opaque kernels are looked up by
+    # (analysis.opaque), e.g. {"backend": "CPU_ATTN", "isa": "vec", "device": "cpu", "build": "_C", "cpu": ...};
+    # on CUDA also MATMUL_REDUCED_FACT; no "device" recorded: a CPU capture
     attention: dict[str, str] = Field(default_factory=dict)
     # engine: parameters it loaded, holding values, that its compiled graphs never read (engine_model.unread_params)
     unread_params: list[str] = Field(default_factory=list)

@@ -146,5 +146,6 @@ def test_the_capture_names_the_collectives_the_registry_describes() -> None:
     from graphdiff.analysis.opaque import EXTERNS
     from graphdiff.capture.collectives import ALLREDUCE_EXTERNS, MATMUL_EXTERNS
 
-    assert {r.op for r in EXTERNS if r.kind == "allreduce"} == set(ALLREDUCE_EXTERNS)
-    assert {r.op for r in EXTERNS if r.kind == "matmul"} == set(MATMUL_EXTERNS)
+    # the collectives analysed are vLLM CPU's (tensor parallelism on CUDA is not analysed yet)
+    assert {r.op for r in EXTERNS if r.kind == "allreduce" and "cpu" in r.devices} == set(ALLREDUCE_EXTERNS)
+    assert {r.op for r in EXTERNS if r.kind == "matmul" and "cpu" in r.devices} == set(MATMUL_EXTERNS)

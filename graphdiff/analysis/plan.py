@@ -269,6 +269,7 @@ class _Evidence:
     rounded: set[str]  # trainer nodes whose low-precision store changes some element
     kernel_inputs: dict[str, set[str]]  # engine kernel id -> the engine nodes it reads
     replays: dict[str, KernelEvidence]
+    device: str = "cpu"  # where the engine's kernels ran: the registry key's device
 
 
 @dataclass
@@ -341,7 +342,7 @@ def _rule_opaque_registry(ev: _Evidence, t: Node, base: dict[str, Any], s: _Stre
     in the engine, a site; except the value that leaves the stretch for a boundary (the op's output), which both
     sides round once."""
     below, above = s.below, s.above
-    if above is None or (extern := _fp32_extern_reading(ev.engine, above.engine)) is None:
+    if above is None or (extern := _fp32_extern_reading(ev.engine, above.engine, ev.device)) is None:
         return None
     kid, rule = extern
     if below is not None and _producing_call(ev.engine, below.engine) != kid:
@@ -369,16 +370,16 @@ def _decided(t: Node, v: object) -> bool:
 
 
 def decide(train: Graph, train_values: dict[str, object], changed: dict[str, float], engine: Graph,
-           er: EngineRounding, matches: list[Match], unmatched: list[str]) -> list[Decision]:
+           er: EngineRounding, matches: list[Match], unmatched: list[str], device: str = "cpu") -> list[Decision]:
     """One decision per floating trainer value this engine graph says something about (and, with no engine
     evidence, the trainer side alone): the first rule that holds, "matched", "inside-kernel", "opaque-registry",
-    else "no-engine-value"."""
+    else "no-engine-value". `device`: where the engine's kernels ran (only the registry's entries for it decide)."""
     enodes = engine.node_map()
     by_train = {m.train: m for m in matches}
     ev = _Evidence(train=train, engine=engine, er=er, by_train=by_train, anchors=_anchors(train, engine, by_train),
                    unmatched=set(unmatched), rounded={n for n, f in changed.items() if f > 0},
                    kernel_inputs={k.id: {i for n in k.nodes for i in enodes[n].inputs} for k in engine.kernels},
-                   replays={r.kernel: r for r in er.replays})
+                   replays={r.kernel: r for r in er.replays}, device=device)
     ids = stable_ids(train)
     out: list[Decision] = []
     for t in train.nodes:
@@ -426,7 +427,7 @@ def _producing_call(engine: Graph, name: str) -> str | None:
     return None
 
 
-def _fp32_extern_reading(engine: Graph, name: str) -> tuple[str, ExternRule] | None:
+def _fp32_extern_reading(engine: Graph, name: str, device: str = "cpu") -> tuple[str, ExternRule] | None:
     """An opaque op the registry says computes in FP32 inside (rounding once per output) that reads the value of
     `name` (or a view of it): then trainer values between that input and the op's outputs are FP32 in the engine."""
     nodes, users = engine.node_map(), engine.users()
@@ -436,7 +437,7 @@ def _fp32_extern_reading(engine: Graph, name: str) -> tuple[str, ExternRule] | N
         for n in frontier:
             for u in users.get(n, []):
                 kid = nodes[u].kernel or ""
-                rule = extern_rule(kid.split(":")[0]) if kid else None
+                rule = extern_rule(kid.split(":")[0], device=device) if kid else None
                 if rule is not None and rule.fp32_inside and rule.kind not in ("matmul", "kv-cache") and \
                         any(k.id == kid and k.kind == "extern" for k in engine.kernels):
                     return kid, rule

@@ -26,7 +26,7 @@ from graphdiff.analysis.departure import first_departure
 from graphdiff.analysis.match import Match, align_module_roots
 from graphdiff.analysis.math_ops import math_differences
 from graphdiff.analysis.moe import engine_experts_op, experts_decisions, experts_nodes, routing_agreement
-from graphdiff.analysis.opaque import attention_decisions, extern_rule
+from graphdiff.analysis.opaque import attention_decisions, engine_device, engine_rule, unregistered_why
 from graphdiff.analysis.plan import (
     classify,
     decide,
@@ -160,23 +160,25 @@ def _site_plan(plan: list[Decision]) -> list[Decision]:
 
 
 def _proof(sites: list[Site], plan: list[Decision], replay: list[KernelEvidence],
-           graphs: list[Graph], build: str = "") -> tuple[list[str], list[str], list[str]]:
-    """Mark unproven sites; returns (kernels not replayed, kernels replaying below PROVEN, unregistered externs)."""
+           graphs: list[Graph], engine: dict[str, str] | None = None) -> tuple[list[str], list[str], list[str]]:
+    """Mark unproven sites; returns (kernels not replayed, kernels replaying below PROVEN, unregistered externs).
+    Externs are looked up by the engine's facts (`engine`: Capture.attention; device, ops build, flags)."""
+    engine = engine or {}
     not_replayed = [f"{r.kernel} @ {r.shape}: {r.error}" for r in replay if r.error]
     bad = {r.kernel for r in replay if r.error or r.predicted_bitexact < PROVEN}
     unexplained = sorted({f"{r.kernel} ({min(x.predicted_bitexact for x in replay if x.kernel == r.kernel):.2%})"
                           for r in replay if not r.error and r.predicted_bitexact < PROVEN})
     externs = {k.id: k for g in graphs for k in g.kernels if k.kind == "extern"}
-    unregistered = sorted({k.name for k in externs.values() if extern_rule(k.name, build) is None})
+    unregistered = sorted({k.name for k in externs.values() if engine_rule(k.name, engine) is None})
     kernel_of = {d.id: d.evidence.kernel for d in plan if d.site}
     for s in sites:
         k = kernel_of.get(s.id, "")
         if k in bad:
             s.proven, s.unproven = False, f"its engine side is computed in {k.split(':')[0]}, which does not replay " \
                                           "bit-exactly under the rounding model"
-        elif k in externs and extern_rule(externs[k].name, build) is None:
+        elif k in externs and engine_rule(externs[k].name, engine) is None:
             s.proven, s.unproven = False, f"its engine side comes from {externs[k].name}, an opaque op no registry " \
-                                          "entry describes"
+                                          f"entry describes: {unregistered_why(externs[k].name, engine)}"
     return not_replayed, unexplained, unregistered
 
 
@@ -209,7 +211,8 @@ def _reference_decisions(engine_cap: Capture, buffers: Buffers, train: TrainSide
         matches, unmatched = tp.match_values(tgraph, train.values, egraph, er.values, tp.tp_size(engine_cap))
         timings["match_s"] = timings.get("match_s", 0.0) + time.perf_counter() - t
         matched[egraph.name] = (matches, unmatched)
-        per_graph.append(decide(tgraph, train.values, train.changed, egraph, er, matches, unmatched))
+        per_graph.append(decide(tgraph, train.values, train.changed, egraph, er, matches, unmatched,
+                                device=engine_device(engine_cap.attention)))
         engine_values[egraph.name] = er.values  # node names repeat across a piecewise engine's graphs
     return per_graph, matched, replay, engine_values
 
@@ -224,7 +227,8 @@ def _shape_decisions(engine_cap: Capture, buffers: Buffers, train: TrainSide, la
         er = engine_rounding(egraph, buffers.get(label, {}))
         replay += _evidence(er, label)
         matches, unmatched = matched.get(egraph.name, ([], []))
-        per_graph.append(decide(tgraph, train.values, train.changed, egraph, er, matches, unmatched))
+        per_graph.append(decide(tgraph, train.values, train.changed, egraph, er, matches, unmatched,
+                                device=engine_device(engine_cap.attention)))
     return per_graph, replay
 
 
@@ -492,7 +496,7 @@ def _opaque_decisions(engine_cap: Capture, train: TrainSide, notes: list[str]) -
                                            tp.primary_graphs(engine_cap.graphs), ids)
     notes += attn_notes
     moe_calls = [(g.name, k.id) for g in engine_cap.graphs for k in g.kernels
-                 if k.kind == "extern" and (r := extern_rule(k.name, engine_cap.attention.get("build", ""))) is not None
+                 if k.kind == "extern" and (r := engine_rule(k.name, engine_cap.attention)) is not None
                  and r.kind == "moe"]
     return attn + (experts_decisions(tgraph, train.values, train.changed, moe_calls, ids) if moe_calls else [])
 
@@ -548,8 +552,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     replay, notes = replay + tp_replay, notes + tp_notes
     timings["shapes_s"] = time.perf_counter() - t
     sites, regions = _sites_and_regions(plan, tgraph, engine_cap, labels)
-    not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs,
-                                                     engine_cap.attention.get("build", ""))
+    not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs, engine_cap.attention)
     _mark_regions(regions, sites, labels, replay)
     routing = _routing(engine_cap, buffers, train, labels[0])
     t = time.perf_counter()

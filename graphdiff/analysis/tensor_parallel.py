@@ -44,7 +44,7 @@ from graphdiff.analysis.match import (
     sorted_fingerprint,
 )
 from graphdiff.analysis.match import match_values as match_replicated
-from graphdiff.analysis.opaque import extern_rule
+from graphdiff.analysis.opaque import engine_device, extern_rule
 from graphdiff.analysis.rounding import is_view
 from graphdiff.capture.collectives import AllReduce, allreduces, buffer_base
 from graphdiff.capture.cpu_kind import stored, stores_truncate
@@ -254,7 +254,7 @@ def allreduce_plan(plan: list[Decision], cap: Capture, buffers: Buffers, train_g
             else:
                 checked[index] = ([], [])
         pred, naive = checked[index]
-        rule = extern_rule(ar.kernel.split(":")[0])
+        rule = extern_rule(ar.kernel.split(":")[0], device=engine_device(cap.attention))
         mm = ar.matmul.split(":")[0]
         name = ar.kernel.split(":")[0]
         d.rule, d.site, d.kind = "opaque-registry", True, "allreduce"

@@ -121,8 +121,10 @@ def forced_kind_applied() -> Iterator[str | None]:
                 os.environ[k] = v
 
 
-def kernel_build() -> str:
-    """The vLLM CPU ops library loaded in this process (`_C`, `_C_AVX512`, `_C_AVX2`), '' if none is."""
+def kernel_build(device: str = "cpu") -> str:
+    """The vLLM ops library loaded in this process for the engine's `device`: on "cpu" the CPU build (`_C`,
+    `_C_AVX512`, `_C_AVX2`); on "cuda" `_C` names the CUDA ops, never a CPU build: the registry keys an op by
+    (device, build), so a capture records both. '' if none is loaded."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
@@ -134,10 +136,10 @@ def kernel_build() -> str:
     return ""
 
 
-def stores_truncate(build: str) -> bool:
+def stores_truncate(build: str, device: str = "cpu") -> bool:
     """Does this vLLM CPU ops build store FP32 -> BF16 by truncation? (`_C_AVX512`, `_C_AVX2`: no AVX-512 BF16
-    conversion instruction; measured against the real ops in tests/test_opaque_ops_engine.py.)"""
-    return build in ("_C_AVX512", "_C_AVX2")
+    conversion instruction; measured against the real ops in tests/test_opaque_ops_engine.py.) No CUDA build does."""
+    return device == "cpu" and build in ("_C_AVX512", "_C_AVX2")
 
 
 def store_like(values: torch.Tensor, build: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

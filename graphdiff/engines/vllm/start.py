@@ -21,7 +21,7 @@ from graphdiff.engines.base import EngineOptions
 from graphdiff.engines.vllm.cpu import as_asked
 from graphdiff.errors import GraphdiffError, first_line
 from graphdiff.models.resolve import architecture, read_config
-from graphdiff.records import Capture, KernelRecord, PackedParam, Shape
+from graphdiff.records import MATMUL_REDUCED_FACT, Capture, KernelRecord, PackedParam, Shape
 
 
 def engine_env(work_dir: Path, debug_dir: Path | None = None) -> dict[str, str]:
@@ -154,6 +154,20 @@ def start_llm(model_dir: Path, kwargs: dict[str, Any], forced_off: list[str]) ->
         raise GraphdiffError(f"vLLM could not start on {model_dir}: {first_line(e)[:400]}") from e
 
 
+def kernel_facts(device: str) -> dict[str, str]:
+    """What decides the engine's opaque kernels besides its attention backend, as the registry keys them
+    (analysis.opaque: op, device, build): the vLLM ops build it loaded; on a CPU the CPU kind (the build decides how
+    an op stores BF16); on CUDA torch's cuBLAS reduced-precision flag (whether a BF16 GEMM may round partial sums)."""
+    build = kernel_build(device)
+    facts = {"build": build} if build else {}
+    if device == "cpu" and build:
+        facts["cpu"] = cpu_kind()
+    if device == "cuda":
+        flag = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        facts[MATMUL_REDUCED_FACT] = str(bool(flag)).lower()
+    return facts
+
+
 def attention_info(model: torch.nn.Module) -> dict[str, str]:
     """The engine's attention kernel, as its first attention layer reports it (its internals are opaque to the
     scan; graphdiff.analysis.opaque knows what some backends round inside)."""
@@ -168,10 +182,7 @@ def attention_info(model: torch.nn.Module) -> dict[str, str]:
             value = getattr(mod, key, None)
             if value is not None:
                 info[key] = str(value)
-        # the CPU kind and the vLLM CPU ops build it loaded: the build decides how the op stores BF16
-        build = kernel_build()
-        if build:
-            info.update(build=build, cpu=cpu_kind())
+        info.update(kernel_facts(info["device"]))
         return info
     return {}
 
