@@ -547,7 +547,9 @@ def departure_line(d, shape: str) -> str:  # noqa: ANN001 - Departure | None
     where = f" from row {d.first_row}" if d.first_row is not None else " (sorted values; layouts differ)"
     return (f"first departure from the engine at {shape}: layer {d.layer} {d.node} ({d.op.removeprefix('aten.')}, "
             f"{d.source or d.module}): {d.differing:.3%} of elements differ{where}; engine {d.engine_node} in "
-            f"{d.kernel.split(':')[0] or '?'}; the {d.equal_before} matched values before it are bit-identical")
+            f"{d.kernel.split(':')[0] or '?'}; the {d.equal_before} matched values before it are bit-identical"
+            + (f"; the {len(d.inputs_agree)} compared values it reads agree, so it arises in the ops between "
+               f"({d.cause})" if d.inputs_agree and d.cause else ""))
 
 
 def print_summary(cap, show_kernels: bool = True) -> None:  # noqa: ANN001 - Capture

@@ -364,4 +364,6 @@ def patched_departure(outcome: ScanOutcome, manifest: Path, gap: KLResult,
     return departure, (f"the rest is over {REST_LIMIT:.0%} of the patched gap at positions {where}; the patched "
                        f"trainer first departs from the engine at layer {departure.layer} {departure.op} "
                        f"({departure.module or departure.node}; {departure.source or 'no source line'}): "
-                       f"{departure.differing:.1%} of its elements differ")
+                       f"{departure.differing:.1%} of its elements differ"
+                       + (f"; the compared values it reads agree, so the difference arises in the ops between "
+                          f"({departure.cause})" if departure.inputs_agree and departure.cause else ""))

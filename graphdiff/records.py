@@ -478,6 +478,11 @@ class Departure(BaseModel):
     first_row: int | None = None  # first differing row (token) of the trainer's value; None: layouts differ
     equal_before: int  # matched values before it that are bit-identical
     source: str = ""  # the trainer's source line
+    # the compared (bit-identical) values it reads through uncompared ops, and those ops with it, in graph order:
+    # where the difference arises; `cause` names the first of them that computes (not a view)
+    inputs_agree: list[str] = Field(default_factory=list)
+    cause_ops: list[str] = Field(default_factory=list)
+    cause: str = ""
 
 
 class ScanResult(BaseModel):

@@ -67,3 +67,23 @@ def test_a_gemm_output_is_named_by_the_extern_that_writes_its_allocation() -> No
     left = first_departure(train, {"mm": a}, {"g": ([Match("mm", "empty_2", 0.0, 1.0, "")], [])}, [engine],
                            {"g": {"empty_2": a + 1}})
     assert left is not None and left.kernel == "torch.ops._C.onednn_mm.default:5"
+
+
+def test_the_departure_names_the_ops_between_the_values_that_agree_and_the_first_that_differs() -> None:
+    """An op whose value is not compared (attention) parts first and a GEMM downstream is the first compared value
+    that differs: the departure says its compared input agrees and names the ops between, attention included."""
+    _, pieces = _graphs()
+    attn = Node(name="attn", op="call_function", target="aten._scaled_dot_product_flash_attention_for_cpu.default",
+                dtype="bfloat16", shape=[2, 4], module="model.layers.0.self_attn", inputs=["q", "q", "q"])
+    view = Node(name="view", op="call_function", target="aten.view.default", dtype="bfloat16", shape=[2, 4],
+                module="model.layers.0.self_attn", inputs=["attn"])
+    train = Graph(name="train", nodes=[X, W, _n("q", "model.layers.0.self_attn.q_proj"), attn, view,
+                                       _n("o", "model.layers.0.self_attn.o_proj", ("view", "w"))])
+    a, b = torch.randn(2, 4).bfloat16(), torch.randn(2, 4).bfloat16()
+    matched = {"piece0": ([Match("q", "arg4_1", 0.0, 1.0, "")], []),
+               "piece1": ([Match("o", "arg4_1", 0.0, 1.0, "")], [])}
+    values = {"piece0": {"arg4_1": a}, "piece1": {"arg4_1": b}}
+    left = first_departure(train, {"q": a, "o": b + 1}, matched, pieces, values)
+    assert left is not None and left.node == "o" and left.inputs_agree == ["q"]
+    assert left.cause_ops == ["attn", "view", "o"]
+    assert left.cause == "self_attn: _scaled_dot_product_flash_attention_for_cpu; o_proj: mm", left.cause

@@ -7,6 +7,12 @@ not bit-identical to its engine counterpart is where a user looks: everything up
 values both graphs hold in low precision are compared (matmul inputs and outputs, norm outputs, attention's
 output: what both sides store), in that dtype; a value held in FP32 on a side is matched only within the
 matcher's tolerance, which does not make it the same value (a mean and the mean plus eps).
+
+The first differing value need not be where the difference arises: an op whose values are not compared (attention,
+whose output both sides may hold otherwise) can part first and hand the difference on to a GEMM downstream. So the
+departure also walks up from that value to the compared values it reads: where those agree, the cause lies in the
+trainer ops between them and it (`cause_ops`, the first that computes rather than moves data named as the cause);
+where one of them differs too, that is reported instead.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from graphdiff.analysis.match import Match
-from graphdiff.records import Departure, Graph, layer_of
+from graphdiff.ops import VIEWS, op_name
+from graphdiff.records import Departure, Graph, Node, layer_of
 
 LOW = ("bfloat16", "float16")
 
@@ -66,7 +73,7 @@ def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[
     pairs = sorted(((m, g) for g, (ms, _) in matched.items() for m in ms), key=lambda p: tgraph.position(p[0].train))
     nodes = tgraph.node_map()
     forward = activation_values(tgraph)
-    equal = 0
+    equal, compared = 0, set()  # compared: the values found bit-identical so far
     for m, g in pairs:
         if m.train not in forward:
             continue
@@ -80,12 +87,48 @@ def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[
         frac, row = differing(t.to(getattr(torch, low)), e.to(getattr(torch, low)))
         if not frac:
             equal += 1
+            compared.add(m.train)
             continue
         n = nodes[m.train]
         kernel, graph = kernel_of.get((g, m.engine), ""), g
+        inputs, between = _upstream(tgraph, m.train, compared)
         return Departure(node=m.train, op=n.target, module=n.module, layer=layer_of(n.module), dtype=str(n.dtype),
                          engine_node=m.engine, engine_graph=graph, kernel=kernel, differing=frac, first_row=row,
-                         equal_before=equal,
-                         source=f"{n.source.file.rsplit('/', 1)[-1]}:{n.source.line} {n.source.code}"
-                         if n.source else "")
+                         equal_before=equal, source=_line(n), inputs_agree=inputs, cause_ops=between,
+                         cause=_computing(nodes, between))
     return None
+
+
+def _computing(nodes: dict[str, Node], between: list[str], most: int = 8) -> str:
+    """The ops of `between` that compute (not views), by module and op, in graph order: `self_attn: sdpa; o_proj:
+    mm`."""
+    by: dict[str, list[str]] = {}
+    for b in between:
+        op = op_name(nodes[b].target)
+        if op not in VIEWS and op not in by.setdefault((nodes[b].module or "").rsplit(".", 1)[-1] or "-", []):
+            by[(nodes[b].module or "").rsplit(".", 1)[-1] or "-"].append(op)
+    parts = [f"{m}: {', '.join(ops)}" for m, ops in by.items() if ops]
+    return "; ".join(parts[:most]) + ("; ..." if len(parts) > most else "")
+
+
+def _line(n: Node) -> str:
+    return f"{n.source.file.rsplit('/', 1)[-1]}:{n.source.line} {n.source.code}" if n.source else ""
+
+
+def _upstream(graph: Graph, name: str, compared: set[str]) -> tuple[list[str], list[str]]:
+    """The compared values `name` reads, through ops whose values were not compared, and those ops (graph order):
+    everything between the last values known equal and the first that differs."""
+    nodes, forward = graph.node_map(), activation_values(graph)
+    reached, between, frontier = set(), set(), [name]
+    while frontier:
+        nxt = []
+        for i in (i for f in frontier for i in nodes[f].inputs if i in nodes and i in forward):
+            if i in reached:
+                continue
+            reached.add(i)
+            if i not in compared and nodes[i].op == "call_function":
+                between.add(i)
+                nxt.append(i)
+        frontier = nxt
+    inputs = sorted(reached & compared, key=graph.position)
+    return inputs, sorted(between | {name}, key=graph.position)
