@@ -525,6 +525,9 @@ def print_scan(result, scan_dir: Path) -> None:  # noqa: ANN001 - ScanResult
     out.print(t)
     if result.shapes:
         out.print("shapes: " + ", ".join(s.label for s in result.shapes) + " (the trainer ran the first)")
+    if result.engine_device and result.engine_device != "cpu":  # the analysis read its buffers on this CPU
+        out.print(f"engine tensors recorded on {result.engine_device}; its kernels replayed on the CPU where their "
+                  "code allows")
     attn = result.engine_attention
     if attn.get("cpu"):  # the CPU kind decides vLLM CPU's kernels: the scan holds for this kind
         out.print(f"engine kernels of a {attn['cpu']} CPU: {attn.get('backend')} ({attn.get('isa')}) attention, "
