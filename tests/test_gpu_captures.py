@@ -105,14 +105,29 @@ def test_every_kernel_is_proven_as_in_the_original(scans: tuple[Any, Any]) -> No
     assert any(f"on {CUDA}" in n for n in result.notes), result.notes
 
 
-def test_the_scan_directory_keeps_the_device(scans: tuple[Any, Any], tmp_path: Path) -> None:
-    """Saved with its buffers now on the CPU, the capture still says where they were recorded (what `replay`,
-    `explain` and `report` read back)."""
-    from graphdiff.engines.vllm.process import load_engine_capture, save_engine_capture
+def test_replay_explain_patch_and_report_read_its_scan_directory(scans: tuple[Any, Any], tmp_path: Path) -> None:
+    """The scan directory as `scan --engine-dump --out` writes it: its capture, saved with the buffers now on the
+    CPU, still says where they were recorded; `replay`, `explain`, `patch` and `report` read it."""
+    from graphdiff.artifacts import ScanDir
+    from graphdiff.codegen.generate import make_patch, write_patch
+    from graphdiff.engines.vllm.process import save_engine_capture
+    from graphdiff.report.explain import explain_lines, find_site, replay_one
+    from graphdiff.report.html import write_report
 
     _, cuda = scans
-    save_engine_capture(cuda.engine.model_copy(deep=True), cuda.buffers, tmp_path)
-    assert load_engine_capture(tmp_path, cuda.model_dir)[0].device == CUDA
+    d = ScanDir(tmp_path / "scan")
+    save_engine_capture(cuda.engine.model_copy(deep=True), cuda.buffers, d.engine_dir)
+    d.save_train(cuda.train.capture)
+    d.save_scan(cuda.result)
+    assert d.load_engine(cuda.model_dir)[0].device == CUDA
+    kernel = next(r for r in cuda.result.replay if r.kernel.startswith("cpp_"))
+    one = replay_one(d.root, kernel.kernel, kernel.shape)
+    assert not one.evidence.error and one.evidence.predicted_bitexact == pytest.approx(kernel.predicted_bitexact)
+    site = cuda.result.sites[0]
+    assert any("proven" in line for line in explain_lines(d.root, d.check_parts(), find_site(cuda.result, site.id)))
+    assert write_patch(make_patch(cuda.result, cuda.train.capture), d.patch_dir).regions
+    (html,) = write_report(d.root)
+    assert f"engine recorded on <b>{CUDA}</b>" in html.read_text()
 
 
 def test_factory_ops_recorded_on_cuda_build_on_the_cpu() -> None:
@@ -141,3 +156,17 @@ def test_a_triton_kernel_replays_on_cuda_only() -> None:
     assert kernel_language(k) == "triton"
     evidence, _, _ = replay_kernel(graph, k, record, {}, set())
     assert evidence.error.startswith(CUDA_ONLY) and evidence.predicted_bitexact == 0.0
+
+
+def test_check_rescans_the_patch_against_the_cuda_capture(scans: tuple[Any, Any], retagged: Path,
+                                                           tmp_path: Path) -> None:
+    """`check --engine-dump`: the patch made from the CUDA capture's scan still holds against that capture."""
+    from graphdiff.check import check
+    from graphdiff.codegen.generate import make_patch, write_patch
+
+    _, cuda = scans
+    write_patch(make_patch(cuda.result, cuda.train.capture), tmp_path / "patch")
+    result = check(tmp_path / "patch", engine_dump=retagged, out=tmp_path / "rescan")
+    assert not [f for f in result.findings if f.kind != "version"], result.findings  # versions: this machine's
+    rescan = json.loads((tmp_path / "rescan" / "scan.json").read_text())
+    assert rescan["engine_device"] == CUDA and not rescan["not_replayed"] and not rescan["unexplained"]
