@@ -170,3 +170,17 @@ def test_check_rescans_the_patch_against_the_cuda_capture(scans: tuple[Any, Any]
     assert not [f for f in result.findings if f.kind != "version"], result.findings  # versions: this machine's
     rescan = json.loads((tmp_path / "rescan" / "scan.json").read_text())
     assert rescan["engine_device"] == CUDA and not rescan["not_replayed"] and not rescan["unexplained"]
+
+
+def test_a_dump_records_its_device_and_its_kernels_code_decides_their_replay() -> None:
+    """The real H200 Triton dump: device `cuda` from its graph, every generated kernel Triton (replays on CUDA only
+    for now); the vLLM CPU dump: `cpu`, C++ kernels."""
+    from graphdiff.engines.dump import import_dump
+    from graphdiff.replay.kernels import cpu_replayable, kernel_language
+
+    for name, device, language in (("inductor-triton-h200-tiny-qwen3-hf", "cuda", "triton"),
+                                   ("vllm-cpu-tiny-qwen3", "cpu", "cpp")):
+        cap = import_dump(FIXTURES / "dumps" / name)
+        kernels = [k for g in cap.graphs for k in g.kernels if k.kind == "generated"]
+        assert cap.device == device and kernels and {kernel_language(k) for k in kernels} == {language}, name
+        assert all(bool(cpu_replayable(k)) == (language == "triton") for k in kernels), name

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from graphdiff.records import Buffers
+from graphdiff.records import Buffers, Graph
 
 
 def load_on_cpu(path: Path, mmap: bool = False) -> tuple[Any, str]:
@@ -39,3 +39,12 @@ def buffers_device(buffers: Buffers) -> str:
                         return str(t.device)
                     found = "cpu"
     return found
+
+
+def graph_device(graphs: list[Graph]) -> str:
+    """The device a capture's graphs build their tensors on (their factory ops' `device` arguments), the same rule
+    as load_on_cpu's; "" where no op names one (a capture without buffers: a TORCH_COMPILE_DEBUG dump)."""
+    kwargs = [n.call[1] for g in graphs for n in g.nodes if len(n.call) > 1 and isinstance(n.call[1], dict)]
+    devices = [v["device"] for kw in kwargs for v in kw.values()
+               if isinstance(v, dict) and isinstance(v.get("device"), str)]
+    return next((d for d in devices if d != "cpu"), "cpu" if devices else "")
