@@ -440,6 +440,9 @@ def check_cmd(
     out_dir: Path | None = typer.Option(None, "--out", help="keep the re-scan here"),
     random_weights: RandomWeights = False,
     device: Device = "cpu",
+    engine_dump: Path | None = typer.Option(None, "--engine-dump", help="re-scan against this engine capture made "
+                                            "elsewhere (`graphdiff capture`, e.g. on a GPU server) instead of "
+                                            "starting the engine"),
 ) -> None:
     """CI gate: exit 0 when the patch still holds, 1 (with why) when it must be regenerated."""
     from graphdiff.artifacts import check_out, check_replaceable
@@ -454,6 +457,8 @@ def check_cmd(
             raise GraphdiffError(f"unknown format {fmt!r}; choose text, json or markdown")
         config = compile_option(compilation_config, optimization_level) if compilation_config else None
         compile_option(None, optimization_level)
+        if shapes and engine_dump is not None:
+            raise GraphdiffError("--shapes: a re-scan against --engine-dump reads the shapes its capture recorded")
         if shapes:
             parse_shapes(shapes, 16)
         if out_dir is not None:
@@ -462,7 +467,7 @@ def check_cmd(
         with progress("re-scanning the patched trainer") as update:
             result = check(manifest, model=model, compilation_config=config, optimization_level=optimization_level,
                            shapes=shapes, out=out_dir, progress=update, random_weights=random_weights,
-                           engine=engine, device=device)
+                           engine=engine, device=device, engine_dump=engine_dump)
     print(render(result, fmt))
     raise typer.Exit(0 if result.ok else 1)
 
@@ -525,6 +530,9 @@ def print_scan(result, scan_dir: Path) -> None:  # noqa: ANN001 - ScanResult
     out.print(t)
     if result.shapes:
         out.print("shapes: " + ", ".join(s.label for s in result.shapes) + " (the trainer ran the first)")
+    if result.engine_device and result.engine_device != "cpu":  # the analysis read its buffers on this CPU
+        out.print(f"engine tensors recorded on {result.engine_device}; its kernels replayed on the CPU where their "
+                  "code allows")
     attn = result.engine_attention
     if attn.get("cpu"):  # the CPU kind decides vLLM CPU's kernels: the scan holds for this kind
         out.print(f"engine kernels of a {attn['cpu']} CPU: {attn.get('backend')} ({attn.get('isa')}) attention, "

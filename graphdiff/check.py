@@ -103,10 +103,10 @@ def _static_findings(path: Path, manifest: Manifest, spec: str) -> CheckResult:
 def check(manifest_path: Path, *, model: str | None = None, compilation_config: dict | None = None,
           optimization_level: int | None = None, shapes: str | None = None, out: Path | None = None,
           progress: Progress = lambda m: None, random_weights: bool = False, engine: str = "vllm",
-          device: str = "cpu") -> CheckResult:
-    """Re-scan the patched trainer against the engine (`engine`: the one the patch was made against, on `device`);
-    findings = why
-    the patch must be regenerated. `out` (the re-scan, kept) is replaced only when the re-scan completes."""
+          device: str = "cpu", engine_dump: Path | None = None) -> CheckResult:
+    """Re-scan the patched trainer against the engine (`engine`: the one the patch was made against, on `device`;
+    or its capture made elsewhere, `engine_dump`, e.g. on a GPU server); findings = why the patch must be
+    regenerated. `out` (the re-scan, kept) is replaced only when the re-scan completes."""
     from graphdiff.artifacts import ScanDir, staged
     from graphdiff.models.prepare import prepare_model
     from graphdiff.pipeline import scan
@@ -121,8 +121,11 @@ def check(manifest_path: Path, *, model: str | None = None, compilation_config: 
     result = _static_findings(path, manifest, spec)
     if any(f.kind == "patch file" for f in result.findings):
         return result
-    asked, level = split_level(manifest.compilation_config if compilation_config is None else compilation_config)
-    level = optimization_level if optimization_level is not None else level
+    if engine_dump is not None:  # the capture records its own config and shapes; one given must be the same
+        asked, level = compilation_config, optimization_level
+    else:
+        asked, level = split_level(manifest.compilation_config if compilation_config is None else compilation_config)
+        level = optimization_level if optimization_level is not None else level
     wanted = parse_shapes(shapes or _shapes(manifest) or "16", 16)
     resolved, _ = prepare_model(spec, manifest.layers_scanned, None, progress, random_weights)
     result.findings += config_findings(manifest, resolved.config)
@@ -134,7 +137,7 @@ def check(manifest_path: Path, *, model: str | None = None, compilation_config: 
         d = ScanDir(where) if where is not None else None
         outcome = scan(spec, layers=manifest.layers_scanned, shapes=wanted, out=d, progress=progress, manifest=path,
                        compilation_config=asked, optimization_level=level, allow_version_mismatch=True,
-                       random_weights=random_weights, engine=engine, device=device)
+                       random_weights=random_weights, engine=engine, device=device, engine_dump=engine_dump)
         if d is not None:  # the re-scan, kept (what the patch leaves: `graphdiff report DIR`, `graphdiff explain`)
             d.save_train(outcome.train.capture)
             d.save_scan(outcome.result)

@@ -104,6 +104,7 @@ def _engine_from_dump(engine_dump: Path, resolved: ResolvedModel, spec: str, com
         raise GraphdiffError(f"{engine_dump} was captured from another checkpoint than {spec} (fingerprint "
                              f"{cap.fingerprint}, this one {model_fingerprint(resolved.path)}): capture this one")
     made_by = cap.versions.get("vllm") or f"{cap.engine}, torch {cap.versions.get('torch', '?')}"
+    made_by += f" on {cap.device}" if cap.device else ""
     notes.append(f"engine side from {engine_dump} (captured with {made_by}); the engine was not started")
     compilation_config, optimization_level = _dump_config(engine_dump, cap, compilation_config, optimization_level)
     return cap, buffers, compilation_config, optimization_level

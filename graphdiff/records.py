@@ -218,6 +218,9 @@ class Capture(BaseModel):
     # engine: the weight its logits are computed with ("lm_head.weight", or "input embedding" where its model has
     # no LM head of its own); "" where not recorded
     logits_weight: str = ""
+    # engine: the device its kernels' tensors lived on when recorded ("cpu", "cuda:0"); "" where not recorded. A fact
+    # about the recording only: the analysis reads the buffers on the CPU, and a kernel's code decides its replay
+    device: str = ""
     notes: list[str] = Field(default_factory=list)
 
 
@@ -502,6 +505,7 @@ class ScanResult(BaseModel):
     engine_config: dict[str, object] = Field(default_factory=dict)  # the engine's effective compilation config
     # the engine's attention kernel as its capture reports it (Capture.attention: backend, isa, CPU kind, ops build)
     engine_attention: dict[str, str] = Field(default_factory=dict)
+    engine_device: str = ""  # where the engine's tensors lived when recorded (Capture.device)
     # the engine's fused-MoE op as its graph calls it (analysis.moe.engine_experts_op): op, activation, isa,
     # padded_intermediate; what `patch --exact` runs in the trainer
     engine_experts: dict[str, str] = Field(default_factory=dict)

@@ -25,6 +25,7 @@ from pathlib import Path
 from graphdiff.capture.assemble import assemble_graph
 from graphdiff.capture.fx import PASS_THROUGH
 from graphdiff.engines.base import EngineOptions
+from graphdiff.engines.saved import graph_device
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import Buffers, Capture, EngineSample, Graph, Node, Progress, Shape, Source
 
@@ -199,8 +200,9 @@ def import_dump(root: Path, model: str = "") -> Capture:
     if not graphs:
         raise GraphdiffError(f"no model graph under {root}: the compiled graphs there do not run model code")
     return Capture(side="engine", engine="dump", model=model or str(root), architecture="unknown",
-                   graphs=graphs, notes=["imported from a TORCH_COMPILE_DEBUG dump: parameter names and module "
-                                         "paths are not recorded there"])
+                   graphs=graphs, device=graph_device(graphs),
+                   notes=["imported from a TORCH_COMPILE_DEBUG dump: parameter names and module paths are not "
+                          "recorded there"])
 
 
 @dataclass

@@ -26,6 +26,7 @@ from graphdiff.replay.sum_order import ordered_op, ordered_sum
 
 LOW = (torch.bfloat16, torch.float16)
 SUM = "#sum"  # values[mean + SUM]: a mean's row sum (what a kernel that computes the mean stores)
+CPU = torch.device("cpu")  # where every replay runs (run_fragment)
 
 
 class DtypeOf(Protocol):
@@ -49,9 +50,10 @@ def to_dtype(name: str | None) -> torch.dtype | None:
     return getattr(torch, name) if name else None
 
 
-def _decode(a: Any, nodes: dict[str, torch.fx.Node], syms: dict[str, int]) -> Any:
+def _decode(a: Any, nodes: dict[str, torch.fx.Node], syms: dict[str, int], device: torch.device | None = None) -> Any:
+    """A recorded argument as the op takes it; every device as `device` where one is given."""
     if isinstance(a, list):
-        return [_decode(x, nodes, syms) for x in a]
+        return [_decode(x, nodes, syms, device) for x in a]
     if not isinstance(a, dict):
         return a
     if "node" in a:
@@ -59,21 +61,23 @@ def _decode(a: Any, nodes: dict[str, torch.fx.Node], syms: dict[str, int]) -> An
     if "dtype" in a:
         return getattr(torch, a["dtype"])
     if "device" in a:
-        return torch.device(a["device"])
+        return device or torch.device(a["device"])
     if "sym" in a:
         return syms[a["sym"]]
     if "float" in a:
         return float(a["float"])
     if "dict" in a:
-        return {k: _decode(v, nodes, syms) for k, v in a["dict"].items()}
+        return {k: _decode(v, nodes, syms, device) for k, v in a["dict"].items()}
     text = a.get("repr", "")
     if text.startswith("torch.") and hasattr(torch, text[6:]):
         return getattr(torch, text[6:])  # memory formats and layouts
     return None
 
 
-def fragment_graph(nodes: Iterable[Node], external: Iterable[str], syms: dict[str, int]) -> torch.fx.GraphModule:
-    """An fx graph computing `nodes` (in order) from placeholders named after `external`."""
+def fragment_graph(nodes: Iterable[Node], external: Iterable[str], syms: dict[str, int],
+                   device: torch.device | None = None) -> torch.fx.GraphModule:
+    """An fx graph computing `nodes` (in order) from placeholders named after `external`; its factory ops (full,
+    arange, ...) build on `device` where one is given, else on the device the graph recorded."""
     g = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
     for name in external:
@@ -82,8 +86,8 @@ def fragment_graph(nodes: Iterable[Node], external: Iterable[str], syms: dict[st
     for n in nodes:
         args, kwargs = n.call[0], n.call[1]
         fx_node = g.call_function(  # kwargs per key: a keyword named dtype/device/node is not an encoded value
-            resolve_target(n.target), tuple(_decode(args, env, syms)),
-            {k: _decode(v, env, syms) for k, v in kwargs.items()},
+            resolve_target(n.target), tuple(_decode(args, env, syms, device)),
+            {k: _decode(v, env, syms, device) for k, v in kwargs.items()},
         )
         fx_node.name = n.name
         env[n.name] = fx_node
@@ -175,10 +179,11 @@ def run_fragment(nodes: list[Node], inputs: dict[str, Any], declared: DtypeOf, p
                  syms: dict[str, int], rounded: set[str] | frozenset[str] = frozenset(),
                  compute: torch.dtype = torch.float32, inductor_math: bool = False,
                  ordered: dict[str, int] | None = None) -> FragmentRun:
-    """Execute `nodes` on `inputs` (external values by name) under `plan`."""
+    """Execute `nodes` on `inputs` (external values by name) under `plan`, on the CPU: the recorded buffers are read
+    there whatever device the engine ran on (a graph recorded on CUDA builds its constants on the CPU too)."""
     names = list(inputs)
     try:
-        gm = fragment_graph(nodes, names, syms)
+        gm = fragment_graph(nodes, names, syms, CPU)
         interp = RoundingInterpreter(gm, declared, plan, rounded, compute, inductor_math, ordered)
         args = []
         for name in names:

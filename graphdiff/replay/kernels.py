@@ -484,17 +484,41 @@ def copy_kernel(graph: Graph, k: Kernel, record: KernelRecord) -> KernelEvidence
                           elements=sum(t.numel() for t in stores), note="a copy: every store equals a load")
 
 
+CUDA_ONLY = "replays on CUDA only"  # a kernel whose code the CPU cannot run yet: never counted as proven
+
+
+def kernel_language(k: Kernel) -> str:
+    """The language of a kernel's recorded code, which decides how it is replayed (the device its tensors lived on
+    does not): "cpp" (Inductor's C++ kernels), "triton", or "" (no code recorded: its ops as ATen computes them)."""
+    code = k.code or ""
+    if 'extern "C"' in code:
+        return "cpp"
+    if "@triton.jit" in code:
+        return "triton"
+    return ""
+
+
+def cpu_replayable(k: Kernel) -> str:
+    """Why the CPU cannot replay the kernel's code ("" where it can): the seam where a Triton replay (Triton's
+    interpreter, its reduction order, libdevice) plugs in."""
+    if kernel_language(k) == "triton":
+        return f"{CUDA_ONLY}: a Triton kernel, which the CPU replay does not run yet"
+    return ""
+
+
 def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str, str], owned: set[str],
                   compute: torch.dtype = torch.float32) -> tuple[KernelEvidence, dict[str, Any], dict[str, str]]:
     """The kernel's replay evidence; under the predicted model, every fragment value; and the read-only input buffers
     it placed for certain (buffer -> FX node), which later kernels reading the same buffer read too."""
-    copied = copy_kernel(graph, k, record)
+    copied = copy_kernel(graph, k, record)  # values only: whatever its code, a copy is proven by its buffers
     if copied is not None:
         return copied, {}, {}
+    if why := cpu_replayable(k):
+        return KernelEvidence(kernel=k.id, predicted_bitexact=0.0, naive_bitexact=0.0, elements=0, error=why), {}, {}
     frag, external = kernel_fragment(graph, k, owned)
     syms = bind_symbols(graph, record)
     frag, external, unread = readable_fragment(graph, k, record, known, frag, external, syms)
-    cpp = 'extern "C"' in (k.code or "")
+    cpp = kernel_language(k) == "cpp"
     if cpp and "welford" not in k.code:
         frag = two_step_variance(frag, graph.node_map())
     lanes = cpp_sum_lanes(k.code or "")

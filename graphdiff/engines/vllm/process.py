@@ -21,6 +21,7 @@ import torch
 from graphdiff import child
 from graphdiff.capture.inductor_hooks import weight_inputs
 from graphdiff.engines.base import Engine, EngineOptions
+from graphdiff.engines.saved import buffers_device, load_on_cpu
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import (
     Buffers,
@@ -73,6 +74,7 @@ def save_engine_capture(cap: Capture, buffers: Buffers, directory: Path) -> Path
             slim[label][kid] = {**rec, "in": ins}
     torch.save(slim, directory / BUFFERS_FILE)
     cap.buffers_file = BUFFERS_FILE
+    cap.device = cap.device or buffers_device(buffers)  # kept once the buffers are read back on the CPU
     return save_json(cap, directory / "capture.json")
 
 
@@ -136,10 +138,10 @@ def load_engine_capture(directory: Path, model_dir: Path | None = None) -> tuple
         raise GraphdiffError(f"{directory / 'capture.json'} is not an engine capture with recorded buffers")
     try:
         # as saved: Buffers, with a WeightRef for each large weight
-        stored: dict[str, dict[str, dict[str, dict[str, Any]]]] = torch.load(directory / cap.buffers_file,
-                                                                              weights_only=False, mmap=True)
+        stored, saved_on = load_on_cpu(directory / cap.buffers_file, mmap=True)
     except Exception as e:
         raise GraphdiffError(f"cannot read {directory / cap.buffers_file}: {type(e).__name__}") from None
+    cap.device = cap.device or saved_on  # a capture older than the field: where its storages were saved from
     source = model_dir or Path(cap.model)
     cache: dict[str, torch.Tensor | None] = {}
     for records in stored.values():

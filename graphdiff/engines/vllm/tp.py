@@ -23,10 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from graphdiff.capture.engine_model import tag_kernel_ids
 from graphdiff.engines.base import EngineOptions
+from graphdiff.engines.saved import load_on_cpu
 from graphdiff.engines.vllm.start import EngineRun, engine_env, engine_process_state, llm_kwargs, start_llm, versions
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import Buffers, Capture, Graph, PackedParam, Shape
@@ -143,20 +142,22 @@ def capture_vllm_tp(model_dir: Path, shapes: list[Shape], options: EngineOptions
         side="engine", engine="vllm", model=str(model_dir), architecture=architecture(config),
         versions=versions(), graphs=graphs, packed=[PackedParam.model_validate(p) for p in metas[0]["packed"]],
         prompt_tokens=list(shapes[0].prompts[0]), shapes=shapes, engine_config=engine_config,
-        attention=metas[0]["attention"], notes=notes,
+        attention=metas[0]["attention"], device=metas[0]["device"], notes=notes,
         unread_params=sorted({n for meta in metas for n in meta.get("unread_params", [])}),
         logits_weight=metas[0].get("logits_weight", ""))
     return EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup)
 
 
 def load_ranks(dirs: list[Path]) -> tuple[list[Graph], Buffers, list[dict]]:
-    """The ranks' saved captures as one: graphs in rank order, buffers merged per shape (kernel ids are unique)."""
+    """The ranks' saved captures as one: graphs in rank order, buffers merged per shape (kernel ids are unique), on
+    the CPU; each rank's meta with the device its buffers were saved from ("device")."""
     graphs: list[Graph] = []
     buffers: Buffers = {}
     metas = []
     for d in dirs:
         graphs += [Graph.model_validate(g) for g in json.loads((d / GRAPHS_FILE).read_text())]
-        for label, records in torch.load(d / BUFFERS_FILE, weights_only=False).items():
+        rank_buffers, saved_on = load_on_cpu(d / BUFFERS_FILE)
+        for label, records in rank_buffers.items():
             buffers.setdefault(label, {}).update(records)
-        metas.append(json.loads((d / META_FILE).read_text()))
+        metas.append({**json.loads((d / META_FILE).read_text()), "device": saved_on})
     return graphs, buffers, metas
