@@ -28,7 +28,7 @@ from graphdiff.replay.forms import two_step_variance
 from graphdiff.replay.inductor_math import INDUCTOR_MATH
 from graphdiff.replay.interpreter import LOW, SUM, bits_equal_fraction, run_fragment, to_dtype
 from graphdiff.replay.reload import SUFFIX, nest_reductions, reload_variant, reloaded_stores, stored_alone
-from graphdiff.replay.sum_order import cpp_sum_lanes, is_row_reduction
+from graphdiff.replay.sum_order import cpp_sum_lanes, is_row_reduction, triton_sum_lanes
 
 MAX_PERMUTATIONS = 120
 FP32_ORDER_TOLERANCE = 1e-5  # FP32 stores agreeing within this (relative) differ only in summation order
@@ -497,7 +497,7 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
     cpp = 'extern "C"' in (k.code or "")
     if cpp and "welford" not in k.code:
         frag = two_step_variance(frag, graph.node_map())
-    lanes = cpp_sum_lanes(k.code or "")
+    lanes = cpp_sum_lanes(k.code or "") or triton_sum_lanes(k.code or "")
     in_frag = {**graph.node_map(), **{n.name: n for n in frag}}
     ordered = {n.name: lanes for n in frag if lanes and is_row_reduction(n, in_frag)}
     plan = _Plan(frag, Declared(graph), frozenset(), syms, cpp, compute, ordered)
