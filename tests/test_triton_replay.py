@@ -12,10 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
-from graphdiff.replay.sum_order import triton_sum_lanes
-from graphdiff.replay.triton_kernels import kernel_sources, parse_kernel
+from graphdiff.replay.sum_order import ordered_sum, triton_sum_lanes
+from graphdiff.replay.triton_kernels import _to_bf16_rtne, _tree_sum, kernel_sources, parse_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT_CODE = ROOT / "fixtures" / "dumps" / "inductor-triton-h200-tiny-qwen3-hf" / "torchinductor" / \
@@ -52,6 +54,16 @@ def test_a_persistent_reduction_sums_its_whole_row_as_a_tree() -> None:
     assert triton_sum_lanes(sources["triton_per_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_14"]) == 256
     assert triton_sum_lanes(sources["triton_red_fused__to_copy_add_embedding_mean_mul_pow_rsqrt_0"]) == 0  # at launch
     assert triton_sum_lanes(sources["triton_poi_fused__unsafe_view_mul_silu_10"]) == 0
+
+
+def test_the_patched_numerics_are_the_gpus_and_the_replays() -> None:
+    """The BF16 conversion rounds a tie to even (the interpreter's own truncates, or rounds it up), and the tree
+    `tl.sum` is the replay's `ordered_sum` with R0_BLOCK lanes, zero padding included."""
+    ties = np.array([0x3F808000, 0x3F818000, 0x3F80C000], dtype=np.uint32).view(np.float32)
+    assert _to_bf16_rtne(ties).tolist() == [0x3F80, 0x3F82, 0x3F81]
+    x = torch.randn(5, 200, generator=torch.Generator().manual_seed(0))
+    tree = torch.from_numpy(_tree_sum(x.numpy(), 1, True))
+    assert torch.equal(tree, ordered_sum(x, [-1], True, 256))
 
 
 @needs_triton
