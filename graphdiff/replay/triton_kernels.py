@@ -4,7 +4,8 @@ A dump's `output_code.py` holds each kernel's source (`async_compile.triton('nam
 `call()` wrapper that allocates the buffers and launches the kernels. Here each kernel is loaded without its
 Inductor heuristics decorator (only `@triton.jit`), launched with the first config Inductor's own heuristics give
 for its size hints, and the wrapper is executed on the CPU (externs: CPU `mm`, math SDPA), recording every kernel
-call's buffers as the replay reads them (`KernelRecord`: inputs before the call, stores after it).
+call's buffers as the replay reads them (`KernelRecord`: inputs before the call, stores after it). The dump's code
+is executed (its kernels, its wrapper, its decorator arguments): run only a dump one would run.
 
 Triton's interpreter must be on before a kernel is decorated: `TRITON_INTERPRET=1` is set before triton is
 imported (the caller's duty; `interpreter_on` checks it). Three things the interpreter does unlike the GPU are
