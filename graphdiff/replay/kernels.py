@@ -28,7 +28,7 @@ from graphdiff.replay.forms import two_step_variance
 from graphdiff.replay.inductor_math import INDUCTOR_MATH
 from graphdiff.replay.interpreter import LOW, SUM, bits_equal_fraction, run_fragment, to_dtype
 from graphdiff.replay.reload import SUFFIX, nest_reductions, reload_variant, reloaded_stores, stored_alone
-from graphdiff.replay.sum_order import cpp_sum_lanes, is_row_reduction
+from graphdiff.replay.sum_order import cpp_sum_lanes, is_row_reduction, triton_sum_lanes
 
 MAX_PERMUTATIONS = 120
 FP32_ORDER_TOLERANCE = 1e-5  # FP32 stores agreeing within this (relative) differ only in summation order
@@ -355,8 +355,26 @@ def readable_fragment(graph: Graph, k: Kernel, record: KernelRecord, known: dict
     b = _bind(graph, k, record, known, frag, external, syms)
     nodes = graph.node_map()
     gone = {e for e in b.loose if not _candidates(nodes[e], b, record, syms)}
-    if not gone:
-        return frag, external, 0
+    return _without(frag, gone) if gone else (frag, external, 0)
+
+
+def passed_values(k: Kernel, known: dict[str, str], frag: list[Node], external: list[str]) \
+        -> tuple[list[Node], list[str]]:
+    """The fragment reading, not recomputing, the listed nodes whose values the kernel is passed in a read-only
+    buffer (a dump lists a fusion group's nodes under each kernel of the group: the GQA copy of K lists the K norm
+    and RoPE that an earlier kernel stored in the buffer it copies). What only fed them is left to
+    `readable_fragment`. Low-precision values only: an FP32 store placed at a mean holds its row sum."""
+    passed = {known[a.name] for a in k.args if a.role == "in" and a.name in known}
+    cut = [n.name for n in frag if n.name in passed and is_low(n.dtype)]
+    if not cut:
+        return frag, external
+    return [n for n in frag if n.name not in cut], list(dict.fromkeys([*external, *cut]))
+
+
+def _without(frag: list[Node], gone: set[str]) -> tuple[list[Node], list[str], int]:
+    """The fragment without the nodes that read, directly or through other fragment nodes, a value in `gone`; its
+    inputs; how many nodes it lost."""
+    gone = set(gone)
     kept = []
     for n in frag:  # graph order: a node's inputs come before it
         if any(i in gone for i in n.inputs):
@@ -365,6 +383,17 @@ def readable_fragment(graph: Graph, k: Kernel, record: KernelRecord, known: dict
             kept.append(n)
     members = {n.name for n in kept}
     return kept, list(dict.fromkeys(i for n in kept for i in n.inputs if i not in members)), len(frag) - len(kept)
+
+
+def fewer_inputs(b: _Binding, frag: list[Node]) -> list[tuple[list[Node], list[str], int]]:
+    """Where the fragment has more unnamed inputs than the kernel has unclaimed buffers, the fragments that read
+    only as many of them (each choice's nodes, inputs, nodes lost): a dump lists a fusion group's nodes under
+    each kernel of the group (the K and V copies for GQA under one SDPA group list both projections, and each
+    copy kernel is passed one buffer)."""
+    if len(b.loose) <= len(b.free):
+        return []
+    choices = itertools.islice(itertools.combinations(b.loose, len(b.free)), MAX_PERMUTATIONS)
+    return [_without(frag, set(b.loose) - set(keep)) for keep in choices]
 
 
 def _best_assignment(graph: Graph, b: _Binding, plan: _Plan, external: list[str],
@@ -517,16 +546,26 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
         return KernelEvidence(kernel=k.id, predicted_bitexact=0.0, naive_bitexact=0.0, elements=0, error=why), {}, {}
     frag, external = kernel_fragment(graph, k, owned)
     syms = bind_symbols(graph, record)
+    frag, external = passed_values(k, known, frag, external)
     frag, external, unread = readable_fragment(graph, k, record, known, frag, external, syms)
     cpp = kernel_language(k) == "cpp"
     if cpp and "welford" not in k.code:
         frag = two_step_variance(frag, graph.node_map())
-    lanes = cpp_sum_lanes(k.code or "")
+    lanes = cpp_sum_lanes(k.code or "") or triton_sum_lanes(k.code or "")
     in_frag = {**graph.node_map(), **{n.name: n for n in frag}}
     ordered = {n.name: lanes for n in frag if lanes and is_row_reduction(n, in_frag)}
     plan = _Plan(frag, Declared(graph), frozenset(), syms, cpp, compute, ordered)
     binding = _bind(graph, k, record, known, frag, external, syms)
     best, error, placed = _best_assignment(graph, binding, plan, external, record)
+    if best is None:  # more unnamed inputs than buffers: the choice of inputs that replays best
+        dropped = 0
+        for fewer, ext, lost in fewer_inputs(binding, frag):
+            trial = _Plan(fewer, plan.declared, plan.rounded, syms, cpp, compute,
+                          {n: v for n, v in ordered.items() if any(f.name == n for f in fewer)})
+            got = _best_assignment(graph, _bind(graph, k, record, known, fewer, ext, syms), trial, ext, record)
+            if got[0] is not None and (best is None or got[0][0] > best[0]):
+                (best, error, placed), plan, frag, external, dropped = got, trial, fewer, ext, lost
+        unread += dropped
     if best is None:
         return KernelEvidence(kernel=k.id, predicted_bitexact=0.0, naive_bitexact=0.0, elements=0, error=error), {}, {}
     _, inputs, outputs, values, _ = best

@@ -124,6 +124,23 @@ def cpp_sum_lanes_each(code: str) -> list[int]:
     return lanes
 
 
+_TRITON_R0_BLOCK = re.compile(r"^\s*R0_BLOCK\s*:\s*tl\.constexpr\s*=\s*(\d+)\s*$", re.M)
+
+
+def triton_sum_lanes(code: str) -> int:
+    """The block an Inductor Triton persistent reduction sums a row over (its `R0_BLOCK`, the whole row padded
+    with zeros to a power of two), summed as a halving tree: `ordered_sum` with that many lanes (0: not a Triton
+    kernel, no `tl.sum`, or a looped reduction, whose R0_BLOCK is chosen at launch).
+
+    The halving tree is the order of a warp's butterfly shuffle with one element of the row per thread (and the
+    order `replay.triton_kernels` runs `tl.sum` in); a GPU thread holding several elements adds them first."""
+    if "@triton.jit" not in code or "tl.sum(" not in code:
+        return 0
+    blocks = {int(m.group(1)) for m in _TRITON_R0_BLOCK.finditer(code)}
+    n = next(iter(blocks)) if len(blocks) == 1 else 0
+    return n if n and not n & (n - 1) else 0
+
+
 _BF16_OUT = re.compile(r"at::BFloat16\*\s+((?:in_)?out_ptr\d+)")
 
 
