@@ -318,6 +318,7 @@ class KernelRecord(_KernelCall, total=False):
     """One kernel call's real buffers in a recorded forward."""
 
     extern: ExternRecord  # tensor-parallel capture: an all-reduce's call
+    launch: dict[str, int]  # a Triton call's block sizes (XBLOCK, R0_BLOCK), where the recording knows them
 
 
 Buffers = dict[str, dict[str, KernelRecord]]  # shape label -> kernel id -> that forward's record of the call

@@ -140,9 +140,10 @@ def test_factory_ops_recorded_on_cuda_build_on_the_cpu() -> None:
     assert run.values["full"].device.type == "cpu" and run.values["full"].sum().item() == 9.0
 
 
-def test_a_triton_kernel_replays_on_cuda_only() -> None:
-    """The kernel's code decides its replay: a Triton kernel is named, never proven, whatever device it ran on."""
-    from graphdiff.replay.kernels import CUDA_ONLY, kernel_language, replay_kernel
+def test_a_looped_triton_reduction_replays_on_cuda_only_and_a_pointwise_one_on_the_cpu() -> None:
+    """The kernel's code decides its replay: a Triton kernel whose order is known (pointwise) is replayed on the CPU;
+    a looped reduction (blocks chosen at launch) is named, never proven, whatever device it ran on."""
+    from graphdiff.replay.kernels import CUDA_ONLY, cpu_replayable, kernel_language, replay_kernel
 
     add = Node(name="add", op="call_function", target="aten.add.Tensor", dtype="bfloat16", shape=[4],
                call=[[{"node": "x"}, {"node": "x"}], {}])
@@ -153,9 +154,12 @@ def test_a_triton_kernel_replays_on_cuda_only() -> None:
                   kernels=[k])
     x = torch.arange(4, dtype=torch.bfloat16)
     record: KernelRecord = {"in": {"in_ptr0": x}, "out": {"out_ptr0": x + x}, "scalars": {}}
-    assert kernel_language(k) == "triton"
-    evidence, _, _ = replay_kernel(graph, k, record, {}, set())
+    assert kernel_language(k) == "triton" and cpu_replayable(k, record) == ""
+    looped = k.model_copy(update={"code": code.replace("    pass", "    for r0_offset in range(0, 4, R0_BLOCK):\n"
+                                                                   "        acc = tl.sum(x, 1)")})
+    evidence, _, _ = replay_kernel(graph, looped, record, {}, set())
     assert evidence.error.startswith(CUDA_ONLY) and evidence.predicted_bitexact == 0.0
+    assert cpu_replayable(looped, {**record, "launch": {"XBLOCK": 1, "R0_BLOCK": 4}}) == ""  # its blocks recorded
 
 
 def test_check_rescans_the_patch_against_the_cuda_capture(scans: tuple[Any, Any], retagged: Path,
@@ -173,8 +177,8 @@ def test_check_rescans_the_patch_against_the_cuda_capture(scans: tuple[Any, Any]
 
 
 def test_a_dump_records_its_device_and_its_kernels_code_decides_their_replay() -> None:
-    """The real H200 Triton dump: device `cuda` from its graph, every generated kernel Triton (replays on CUDA only
-    for now); the vLLM CPU dump: `cpu`, C++ kernels."""
+    """The real H200 Triton dump: device `cuda` from its graph, every generated kernel Triton, the one looped
+    reduction among them replaying on CUDA only; the vLLM CPU dump: `cpu`, C++ kernels."""
     from graphdiff.engines.dump import import_dump
     from graphdiff.replay.kernels import cpu_replayable, kernel_language
 
@@ -183,4 +187,6 @@ def test_a_dump_records_its_device_and_its_kernels_code_decides_their_replay() -
         cap = import_dump(FIXTURES / "dumps" / name)
         kernels = [k for g in cap.graphs for k in g.kernels if k.kind == "generated"]
         assert cap.device == device and kernels and {kernel_language(k) for k in kernels} == {language}, name
-        assert all(bool(cpu_replayable(k)) == (language == "triton") for k in kernels), name
+        looped = {k.name for k in kernels if "r0_offset in" in (k.code or "") and "tl.sum(" in (k.code or "")}
+        assert all(bool(cpu_replayable(k)) == (k.name in looped) for k in kernels), name
+        assert (len(looped) == 1) == (language == "triton"), looped  # the H200 dump's one looped reduction

@@ -527,11 +527,16 @@ def kernel_language(k: Kernel) -> str:
     return ""
 
 
-def cpu_replayable(k: Kernel) -> str:
-    """Why the CPU cannot replay the kernel's code ("" where it can): the seam where a Triton replay (Triton's
-    interpreter, its reduction order, libdevice) plugs in."""
-    if kernel_language(k) == "triton":
-        return f"{CUDA_ONLY}: a Triton kernel, which the CPU replay does not run yet"
+def cpu_replayable(k: Kernel, record: KernelRecord | None = None) -> str:
+    """Why the CPU cannot replay the kernel's code ("" where it can). A Triton kernel replays where its order is
+    known: pointwise, a persistent reduction summing each row as one block's tree (`triton_sum_lanes`), or a looped
+    reduction whose call recorded its launch blocks (`KernelRecord.launch`); otherwise the autotuner chose them at
+    launch and nothing kept them."""
+    code = k.code or ""
+    launch = record.get("launch", {}) if record is not None else {}
+    if kernel_language(k) == "triton" and ("tl.sum(" in code or "welford" in code) and not triton_sum_lanes(code) \
+            and not launch.get("R0_BLOCK"):
+        return f"{CUDA_ONLY}: a looped Triton reduction, whose summation blocks the autotuner chose at launch"
     return ""
 
 
@@ -542,7 +547,7 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
     copied = copy_kernel(graph, k, record)  # values only: whatever its code, a copy is proven by its buffers
     if copied is not None:
         return copied, {}, {}
-    if why := cpu_replayable(k):
+    if why := cpu_replayable(k, record):
         return KernelEvidence(kernel=k.id, predicted_bitexact=0.0, naive_bitexact=0.0, elements=0, error=why), {}, {}
     frag, external = kernel_fragment(graph, k, owned)
     syms = bind_symbols(graph, record)

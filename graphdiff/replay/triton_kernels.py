@@ -235,7 +235,7 @@ class Launcher:
         with gpu_numerics(self.rtne, self.tree_sum):
             self.jit[name][grid(k, args, self.blocks[name])](**args, **self.blocks[name])
         outs = {buf: v.clone() for p, (buf, v) in ptrs.items() if _role(p) in ("out", "inout")}
-        self.records[kernel_id] = {"in": ins, "out": outs, "scalars": scalars}
+        self.records[kernel_id] = {"in": ins, "out": outs, "scalars": scalars, "launch": dict(self.blocks[name])}
 
 
 def _wrapper_source(output_code: str) -> str:
