@@ -243,7 +243,7 @@ def cuda_sdpa(device: str, quick: bool) -> dict:
 
     from graphdiff.replay.cuda_reference import attention_p_bf16
 
-    h, t, d = (2, 64, 64) if quick else (8, 1024, 128)
+    h, t, d = (2, 256, 64) if quick else (8, 1024, 128)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, t, d, generator=gen).to(torch.bfloat16) for _ in range(3))
     scale = d ** -0.5
