@@ -9,7 +9,7 @@ from graphdiff.analysis import moe_engine
 from graphdiff.analysis.moe import engine_experts_op
 from graphdiff.analysis.plan import mark_fp32_reads
 from graphdiff.artifacts import ScanDir
-from graphdiff.codegen import generate
+from graphdiff.codegen import exact_ops, generate
 from graphdiff.codegen.generate import make_patch
 from graphdiff.codegen.moe_order import router_regions
 from graphdiff.records import Graph, Node
@@ -189,3 +189,18 @@ def test_exact_runs_the_blocks_one_output_linears_as_the_engines_gemm(tmp_path: 
     scan.engine_experts["one_output_gemm"] = "_C.onednn_mm"
     portable = make_patch(scan, train).module  # no engine GEMM: the runtime must not look for one
     assert "linear_engine_op" not in portable and "MOE_ONE_OUTPUT_GEMM = False" in portable
+
+
+def test_the_exact_op_per_device_is_data_and_the_cuda_ones_are_named_not_emitted(tmp_path: Path) -> None:
+    for target in ("attention", "experts", "gemm"):
+        assert exact_ops.EXACT_OPS["cpu", target].emitted and exact_ops.not_emitted("cpu", target) is None
+        assert not exact_ops.EXACT_OPS["cuda", target].emitted
+    assert "flash_attn_varlen_func" in str(exact_ops.not_emitted("cuda", "attention"))
+    assert "fused_experts" in str(exact_ops.not_emitted("cuda", "experts"))
+    assert "not emitted" in str(exact_ops.not_emitted("cuda", "gemm"))
+    scan_dir = ScanDir(MIXTRAL)
+    scan, train = scan_dir.load_scan(), scan_dir.load_train()
+    scan.engine_attention = {**scan.engine_attention, "device": "cuda"}  # the same scan as a CUDA engine's
+    by_target = {s.target: s for s in make_patch(scan, train, exact=True).manifest.splices}
+    assert any("flash_attn_varlen_func" in p for p in by_target["attention"].problems)
+    assert any("fused_experts" in p for p in by_target["experts"].problems)

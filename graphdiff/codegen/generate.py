@@ -31,6 +31,7 @@ from graphdiff.codegen import (
     copy_reads,
     emit_torch,
     emit_triton,
+    exact_ops,
     inductor_lowering,
     math_order,
     moe_order,
@@ -235,7 +236,10 @@ def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, st
     if form == "engine":
         splice.torch_fn, splice.imports = attention_splice.attention_engine_op.__name__, ["vllm._custom_ops"]
         splice.triton_problem = "runs the engine's own attention op (vLLM CPU)"
-        if engine.get("backend") != "CPU_ATTN":
+        refusal = exact_ops.not_emitted(engine.get("device", "cpu"), "attention")
+        if refusal:  # a CUDA engine: its attention op is named, not emitted
+            splice.problems.append(refusal)
+        elif engine.get("backend") != "CPU_ATTN":
             splice.problems.append(f"--attention engine runs vLLM CPU's attention op; this engine ran "
                                    f"{engine.get('backend') or 'an unrecorded attention backend'}")
         lines += ["", "", "# the engine's own attention op forward, FP32 attention's gradient backward",
@@ -258,9 +262,10 @@ def _module_class(graph: Graph, pattern: str) -> str:
     return next((n.module_type for n in graph.nodes if n.module and rx.match(n.module) and n.module_type), "") or ""
 
 
-def _moe_splice(r: Region, graph: Graph, engine_experts: dict[str, str] | None) -> ManifestSplice:
+def _moe_splice(r: Region, graph: Graph, engine_experts: dict[str, str] | None, device: str = "cpu") -> ManifestSplice:
     """A router or experts region: the module's forward replaced by the engine's computation (analysis.moe_engine);
-    with `engine_experts` (--exact: how the engine's graph called its fused-MoE op), the experts by that op."""
+    with `engine_experts` (--exact: how the engine's graph called its fused-MoE op), the experts by that op, where
+    `exact_ops` says the op on the engine's `device` is emitted."""
     target: Literal["router", "experts"] = "router" if r.kind == "router" else "experts"
     fn = moe_engine.ROUTER_FN if r.kind == "router" else moe_engine.EXPERTS_FN
     splice = ManifestSplice(key=f"{target} {r.module}", target=target, module=r.module,
@@ -272,7 +277,10 @@ def _moe_splice(r: Region, graph: Graph, engine_experts: dict[str, str] | None) 
     if engine_experts is not None and target == "experts":
         splice.torch_fn, splice.imports = moe_engine.ENGINE_EXPERTS_FN, ["vllm._custom_ops"]
         splice.triton_problem = "runs the engine's own fused-MoE op (vLLM CPU)"
-        if not engine_experts:
+        refusal = exact_ops.not_emitted(device, "experts")
+        if refusal:  # a CUDA engine: its fused-MoE op is named, not emitted
+            splice.problems.append(refusal)
+        elif not engine_experts:
             splice.problems.append("--exact runs the engine's fused-MoE op, and the scan records no `_C.cpu_fused_moe` "
                                    "call in the engine's graph (an engine that fuses its experts otherwise, or a scan "
                                    "older than this graphdiff: rescan)")
@@ -499,7 +507,8 @@ def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Regi
         parts.body += lines if not splice.problems else []
         parts.status[r.name] = "; ".join(splice.problems)
     moe_regions = [r for r in wanted if r.kind in ("router", "expert_combine")]
-    moe = [_moe_splice(r, graph, scan.engine_experts if exact else None) for r in moe_regions]
+    device = scan.engine_attention.get("device", "cpu")
+    moe = [_moe_splice(r, graph, scan.engine_experts if exact else None, device) for r in moe_regions]
     parts.splices += moe
     parts.status.update({s.regions[0]: "; ".join(s.problems) for s in moe if s.problems})
     engine_experts = any(s.torch_fn == moe_engine.ENGINE_EXPERTS_FN and not s.problems for s in moe)
