@@ -38,6 +38,18 @@ def _engine(base, manifest: Path, regions: list[str]) -> list[EngineSample]:
     return seqs
 
 
+def _one_matched_one_not(base, manifest: Path, regions: list[str]) -> list[EngineSample]:
+    """A long sequence whose 'engine' log-probs are the patched trainer's, and a short one's the unpatched one's."""
+    gen = torch.Generator().manual_seed(3)
+    long_ = EngineSample(prompt=[5, 9, 100, 7], tokens=torch.randint(3, 2000, (40,), generator=gen).tolist(),
+                         logprobs=[])
+    short = EngineSample(prompt=[1, 2], tokens=[8, 1500, 3], logprobs=[])
+    for s, applied in ((long_, regions), (short, [])):
+        with trainer(base, "eager", manifest if applied else None, applied) as model:
+            s.logprobs = train_logprobs(model, [s])[0].tolist()
+    return [long_, short]
+
+
 def _copy(root: Path, name: str) -> Path:
     shutil.copytree(root / "patch", root / name)
     return root / name / "manifest.json"
@@ -79,14 +91,7 @@ def test_a_patch_whose_effect_other_samples_could_reverse_ships_nothing(setup):
     interval of the change does not lie below zero and nothing ships (cohere's held-out gap grew by 0.01% so)."""
     root, base, regions = setup
     path = _copy(root, "noise")
-    gen = torch.Generator().manual_seed(3)
-    long_ = EngineSample(prompt=[5, 9, 100, 7], tokens=torch.randint(3, 2000, (40,), generator=gen).tolist(),
-                         logprobs=[])
-    short = EngineSample(prompt=[1, 2], tokens=[8, 1500, 3], logprobs=[])
-    for s, applied in ((long_, regions), (short, [])):
-        with trainer(base, "eager", path if applied else None, applied) as model:
-            s.logprobs = train_logprobs(model, [s])[0].tolist()
-    manifest = select_regions(base, path, [long_, short])
+    manifest = select_regions(base, path, _one_matched_one_not(base, path, regions))
     assert not any(r.enabled for r in manifest.regions), [r.name for r in manifest.regions if r.enabled]
     assert any("measurably" in n and "interval" in n for n in manifest.notes), manifest.notes
 
@@ -100,15 +105,10 @@ def test_an_exact_patch_keeps_a_region_by_equality_with_the_engine_not_by_noise(
     manifest = load_manifest(path)
     manifest.exact = True
     save_json(manifest, path)
-    gen = torch.Generator().manual_seed(3)
-    long_ = EngineSample(prompt=[5, 9, 100, 7], tokens=torch.randint(3, 2000, (40,), generator=gen).tolist(),
-                         logprobs=[])
-    short = EngineSample(prompt=[1, 2], tokens=[8, 1500, 3], logprobs=[])
-    for s, applied in ((long_, regions), (short, [])):
-        with trainer(base, "eager", path if applied else None, applied) as model:
-            s.logprobs = train_logprobs(model, [s])[0].tolist()
+    samples = _one_matched_one_not(base, path, regions)
+    for s in samples:
         s.prefill_logprobs = list(s.logprobs)
-    kept = select_regions(base, path, [long_, short])
+    kept = select_regions(base, path, samples)
     assert {r.name for r in kept.regions if r.enabled} == set(regions), kept.notes
     assert all(r.effect.decided_by == "equality" for r in kept.regions if r.effect)
 
