@@ -42,8 +42,8 @@ def floor_note(kl: KLResult) -> str | None:
     return (f"the engine's own floor: its decode differs from its own prefill scoring of the same sequences on "
             f"{differ} of {fl.tokens} tokens ({1 - fl.bitexact_fraction:.1%}; RMS {fl.rms:.4f}). The engine computes "
             "a one-row decode step and a many-row prefill in different orders (batch variance), which no trainer "
-            "patch removes: a trainer at the engine equals its prefill scoring, "
-            "and its gap to the decode is this floor")
+            "patch removes: a trainer at the engine equals its prefill scoring "
+            "(or its decode, where they differ), and its gap to the decode is at most this floor")
 
 
 def compared(kl: KLResult) -> tuple[KLMeasurement | None, KLMeasurement | None]:
