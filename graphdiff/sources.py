@@ -7,6 +7,7 @@ package is what the trainer runs."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import sys
@@ -89,6 +90,17 @@ def read_source(file: str) -> str | None:
         with open(origin, encoding="utf-8") as f:
             return f.read()
     except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def parse_source(file: str) -> ast.Module | None:
+    """The syntax tree of the installed file a recorded source location names (read and parsed once per file: the
+    codegen reads a module's forward for every splice); None when it cannot be found, read or parsed. Read only."""
+    text = read_source(file)
+    try:
+        return ast.parse(text) if text is not None else None
+    except (SyntaxError, ValueError):
         return None
 
 

@@ -91,7 +91,7 @@ def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[
             continue
         n = nodes[m.train]
         kernel, graph = kernel_of.get((g, m.engine), ""), g
-        inputs, between = _upstream(tgraph, m.train, compared)
+        inputs, between = _upstream(tgraph, m.train, compared, forward)
         return Departure(node=m.train, op=n.target, module=n.module, layer=layer_of(n.module), dtype=str(n.dtype),
                          engine_node=m.engine, engine_graph=graph, kernel=kernel, differing=frac, first_row=row,
                          equal_before=equal, source=_line(n), inputs_agree=inputs, cause_ops=between,
@@ -104,10 +104,10 @@ def _computing(nodes: dict[str, Node], between: list[str], most: int = 8) -> str
     mm`."""
     by: dict[str, list[str]] = {}
     for b in between:
-        op = op_name(nodes[b].target)
-        if op not in VIEWS and op not in by.setdefault((nodes[b].module or "").rsplit(".", 1)[-1] or "-", []):
-            by[(nodes[b].module or "").rsplit(".", 1)[-1] or "-"].append(op)
-    parts = [f"{m}: {', '.join(ops)}" for m, ops in by.items() if ops]
+        op, module = op_name(nodes[b].target), (nodes[b].module or "").rsplit(".", 1)[-1] or "-"
+        if op not in VIEWS and op not in by.get(module, []):
+            by.setdefault(module, []).append(op)
+    parts = [f"{m}: {', '.join(ops)}" for m, ops in by.items()]
     return "; ".join(parts[:most]) + ("; ..." if len(parts) > most else "")
 
 
@@ -115,10 +115,10 @@ def _line(n: Node) -> str:
     return f"{n.source.file.rsplit('/', 1)[-1]}:{n.source.line} {n.source.code}" if n.source else ""
 
 
-def _upstream(graph: Graph, name: str, compared: set[str]) -> tuple[list[str], list[str]]:
+def _upstream(graph: Graph, name: str, compared: set[str], forward: set[str]) -> tuple[list[str], list[str]]:
     """The compared values `name` reads, through ops whose values were not compared, and those ops (graph order):
-    everything between the last values known equal and the first that differs."""
-    nodes, forward = graph.node_map(), activation_values(graph)
+    everything between the last values known equal and the first that differs (`forward`: activation_values)."""
+    nodes = graph.node_map()
     reached, between, frontier = set(), set(), [name]
     while frontier:
         nxt = []

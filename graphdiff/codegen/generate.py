@@ -296,11 +296,7 @@ def _forward_def(frag: Fragment) -> ast.FunctionDef | None:
     src = next((n.source for n in frag.nodes if n.source is not None and n.source.function == "forward"), None)
     if src is None:
         return None
-    text = sources.read_source(src.file)  # the installed package's file, found by module
-    try:
-        tree = ast.parse(text) if text is not None else None
-    except (SyntaxError, ValueError):
-        tree = None
+    tree = sources.parse_source(src.file)  # the installed package's file, found by module
     if tree is None:
         return None
     return next((f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "forward"

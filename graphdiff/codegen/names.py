@@ -76,11 +76,7 @@ def assigned(code: str) -> str | None:
 
 def _parameter_in_source(file: str, cls: str) -> str | None:
     """The first parameter (after self) of the `forward` class `cls` defines in `file`, read from its source."""
-    text = sources.read_source(file)
-    try:
-        tree = ast.parse(text) if text is not None else None
-    except (SyntaxError, ValueError):
-        return None
+    tree = sources.parse_source(file)
     if tree is None:
         return None
     for node in ast.walk(tree):
