@@ -527,15 +527,23 @@ def kernel_language(k: Kernel) -> str:
     return ""
 
 
-def cpu_replayable(k: Kernel, record: KernelRecord | None = None) -> str:
-    """Why the CPU cannot replay the kernel's code ("" where it can). A Triton kernel replays where its order is
-    known: pointwise, a persistent reduction summing each row as one block's tree (`triton_sum_lanes`), or a looped
-    reduction whose call recorded its launch blocks (`KernelRecord.launch`); otherwise the autotuner chose them at
-    launch and nothing kept them."""
+def triton_lanes(k: Kernel, record: KernelRecord | None = None) -> int:
+    """The lanes a Triton kernel sums each row over (`ordered_sum`): a persistent reduction's R0_BLOCK from its code,
+    or a looped one's from its recorded launch (`KernelRecord.launch`: each lane accumulates its chunk across the
+    loop, then the block's tree); 0 where it sums nothing or the launch was not recorded."""
     code = k.code or ""
+    if kernel_language(k) != "triton" or "tl.sum(" not in code:
+        return 0
     launch = record.get("launch", {}) if record is not None else {}
-    if kernel_language(k) == "triton" and ("tl.sum(" in code or "welford" in code) and not triton_sum_lanes(code) \
-            and not launch.get("R0_BLOCK"):
+    return triton_sum_lanes(code) or launch.get("R0_BLOCK", 0)
+
+
+def cpu_replayable(k: Kernel, record: KernelRecord | None = None) -> str:
+    """Why the CPU cannot replay the kernel's code ("" where it can). A Triton kernel replays where its summation
+    order is known (`triton_lanes`: pointwise, a persistent reduction, or a looped one whose launch blocks were
+    recorded); otherwise the autotuner chose its blocks at launch and nothing kept them."""
+    code = k.code or ""
+    if kernel_language(k) == "triton" and ("tl.sum(" in code or "welford" in code) and not triton_lanes(k, record):
         return f"{CUDA_ONLY}: a looped Triton reduction, whose summation blocks the autotuner chose at launch"
     return ""
 
@@ -556,7 +564,7 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
     cpp = kernel_language(k) == "cpp"
     if cpp and "welford" not in k.code:
         frag = two_step_variance(frag, graph.node_map())
-    lanes = cpp_sum_lanes(k.code or "") or triton_sum_lanes(k.code or "")
+    lanes = cpp_sum_lanes(k.code or "") or triton_lanes(k, record)
     in_frag = {**graph.node_map(), **{n.name: n for n in frag}}
     ordered = {n.name: lanes for n in frag if lanes and is_row_reduction(n, in_frag)}
     plan = _Plan(frag, Declared(graph), frozenset(), syms, cpp, compute, ordered)
