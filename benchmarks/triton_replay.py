@@ -60,9 +60,9 @@ def measure() -> dict:
     from graphdiff.analysis.rounding import engine_rounding
     from graphdiff.engines.dump import import_dump
     from graphdiff.models.tiny import make_tiny
-    from graphdiff.replay.triton_kernels import cpu_graph, run_dump
+    from graphdiff.replay.triton_kernels import run_dump
 
-    graph = cpu_graph(import_dump(DUMP).graphs[0])
+    graph = import_dump(DUMP).graphs[0]  # its `device=cuda` arguments: the replay builds on the CPU
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         inputs = graph_inputs(make_tiny("qwen3", Path(tmp) / "model"), graph)

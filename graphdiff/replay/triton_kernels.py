@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphdiff.records import Graph, KernelRecord
+from graphdiff.records import KernelRecord
+from graphdiff.replay.sum_order import ordered_sum
 
 KINDS = ("pointwise", "persistent_reduction", "reduction")
 _RUN = re.compile(r"^(\s*)(\w+)\.run\((.*), stream=\w+\)\s*$")
@@ -168,16 +169,11 @@ def _to_bf16_rtne(x: np.ndarray) -> np.ndarray:
 
 
 def _tree_sum(data: np.ndarray, axis: int, keepdims: bool) -> np.ndarray:
-    """A float sum over `axis` as a halving tree (zero-padded to a power of two)."""
+    """A float sum over `axis` as a halving tree (zero-padded to a power of two): the replay's `ordered_sum` with
+    one lane per element, so the interpreter and the replay sum in one order by one implementation."""
     x = np.moveaxis(data, axis, -1)
-    n = x.shape[-1]
-    width = 1 << max(n - 1, 0).bit_length()
-    if width != n:
-        x = np.concatenate([x, np.zeros((*x.shape[:-1], width - n), x.dtype)], axis=-1)
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    out = x[..., 0]
+    width = 1 << max(x.shape[-1] - 1, 0).bit_length()
+    out = ordered_sum(torch.from_numpy(np.ascontiguousarray(x)), [-1], False, width).numpy()
     return np.expand_dims(out, axis) if keepdims else out
 
 
@@ -291,18 +287,3 @@ def run_dump(output_code: str, inputs: list[torch.Tensor], workdir: Path, rtne: 
     exec(compile(_wrapper_source(output_code), "<output_code call>", "exec"), scope)  # noqa: S102 (the dump's code)
     scope["call"](list(inputs))
     return launch.records
-
-
-def _on_cpu(arg: Any) -> Any:
-    if isinstance(arg, list):
-        return [_on_cpu(a) for a in arg]
-    if isinstance(arg, dict):
-        return {"device": "cpu"} if "device" in arg and len(arg) == 1 else {k: _on_cpu(v) for k, v in arg.items()}
-    return arg
-
-
-def cpu_graph(graph: Graph) -> Graph:
-    """The graph with every device argument the CPU: the replay re-runs a GPU graph's nodes on CPU tensors (an
-    `arange(..., device=cuda)` in a kernel's fragment)."""
-    nodes = [n.model_copy(update={"call": _on_cpu(n.call)}) for n in graph.nodes]
-    return graph.model_copy(update={"nodes": nodes})
