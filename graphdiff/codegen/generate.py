@@ -22,7 +22,7 @@ import torch
 
 from graphdiff import sources
 from graphdiff.analysis import moe_engine
-from graphdiff.analysis.opaque import exp_polynomial, truncates_output
+from graphdiff.analysis.opaque import engine_device, exp_polynomial, truncates_output
 from graphdiff.artifacts import ScanDir
 from graphdiff.codegen import (
     attention_order,
@@ -236,7 +236,7 @@ def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, st
     if form == "engine":
         splice.torch_fn, splice.imports = attention_splice.attention_engine_op.__name__, ["vllm._custom_ops"]
         splice.triton_problem = "runs the engine's own attention op (vLLM CPU)"
-        refusal = exact_ops.not_emitted(engine.get("device", "cpu"), "attention")
+        refusal = exact_ops.not_emitted(engine_device(engine), "attention")
         if refusal:  # a CUDA engine: its attention op is named, not emitted
             splice.problems.append(refusal)
         elif engine.get("backend") != "CPU_ATTN":
@@ -503,7 +503,7 @@ def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Regi
         parts.body += lines if not splice.problems else []
         parts.status[r.name] = "; ".join(splice.problems)
     moe_regions = [r for r in wanted if r.kind in ("router", "expert_combine")]
-    device = scan.engine_attention.get("device", "cpu")
+    device = engine_device(scan.engine_attention)
     moe = [_moe_splice(r, graph, scan.engine_experts if exact else None, device) for r in moe_regions]
     parts.splices += moe
     parts.status.update({s.regions[0]: "; ".join(s.problems) for s in moe if s.problems})
