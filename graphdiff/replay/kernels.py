@@ -557,27 +557,12 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
         return copied, {}, {}
     if why := cpu_replayable(k, record):
         return KernelEvidence(kernel=k.id, predicted_bitexact=0.0, naive_bitexact=0.0, elements=0, error=why), {}, {}
-    frag, external = kernel_fragment(graph, k, owned)
-    syms = bind_symbols(graph, record)
-    frag, external = passed_values(k, known, frag, external)
-    frag, external, unread = readable_fragment(graph, k, record, known, frag, external, syms)
-    cpp = kernel_language(k) == "cpp"
-    if cpp and "welford" not in k.code:
-        frag = two_step_variance(frag, graph.node_map())
-    lanes = cpp_sum_lanes(k.code or "") or triton_lanes(k, record)
-    in_frag = {**graph.node_map(), **{n.name: n for n in frag}}
-    ordered = {n.name: lanes for n in frag if lanes and is_row_reduction(n, in_frag)}
-    plan = _Plan(frag, Declared(graph), frozenset(), syms, cpp, compute, ordered)
+    plan, external, unread, lanes = _replay_plan(graph, k, record, known, owned, compute)
+    frag, syms = plan.frag, plan.syms
     binding = _bind(graph, k, record, known, frag, external, syms)
     best, error, placed = _best_assignment(graph, binding, plan, external, record)
-    if best is None:  # more unnamed inputs than buffers: the choice of inputs that replays best
-        dropped = 0
-        for fewer, ext, lost in fewer_inputs(binding, frag):
-            trial = _Plan(fewer, plan.declared, plan.rounded, syms, cpp, compute,
-                          {n: v for n, v in ordered.items() if any(f.name == n for f in fewer)})
-            got = _best_assignment(graph, _bind(graph, k, record, known, fewer, ext, syms), trial, ext, record)
-            if got[0] is not None and (best is None or got[0][0] > best[0]):
-                (best, error, placed), plan, frag, external, dropped = got, trial, fewer, ext, lost
+    if best is None and (fewer := _best_of_fewer_inputs(graph, k, record, known, binding, plan)) is not None:
+        (best, error, placed), plan, frag, external, dropped = fewer
         unread += dropped
     if best is None:
         return KernelEvidence(kernel=k.id, predicted_bitexact=0.0, naive_bitexact=0.0, elements=0, error=error), {}, {}
@@ -617,6 +602,38 @@ def replay_kernel(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str
                           aten_order_bitexact=aten[0] if aten is not None else None,
                           aten_order_fp32_error=aten[1] if aten is not None else None,
                           aten_math_bitexact=math), values, placed
+
+
+def _replay_plan(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str, str], owned: set[str],
+                 compute: torch.dtype) -> tuple[_Plan, list[str], int, int]:
+    """The kernel's fragment as its code computes it (read values, two-step variance, row sums in its lanes): its
+    plan, inputs, how many listed nodes read values the kernel is not passed, and the lanes its rows are summed in."""
+    frag, external = kernel_fragment(graph, k, owned)
+    syms = bind_symbols(graph, record)
+    frag, external = passed_values(k, known, frag, external)
+    frag, external, unread = readable_fragment(graph, k, record, known, frag, external, syms)
+    cpp = kernel_language(k) == "cpp"
+    if cpp and "welford" not in k.code:
+        frag = two_step_variance(frag, graph.node_map())
+    lanes = cpp_sum_lanes(k.code or "") or triton_lanes(k, record)
+    in_frag = {**graph.node_map(), **{n.name: n for n in frag}}
+    ordered = {n.name: lanes for n in frag if lanes and is_row_reduction(n, in_frag)}
+    return _Plan(frag, Declared(graph), frozenset(), syms, cpp, compute, ordered), external, unread, lanes
+
+
+def _best_of_fewer_inputs(graph: Graph, k: Kernel, record: KernelRecord, known: dict[str, str], binding: _Binding,
+                          plan: _Plan) -> tuple[tuple, _Plan, list[Node], list[str], int] | None:
+    """Where the fragment has more unnamed inputs than the kernel has buffers (`fewer_inputs`): the choice of inputs
+    that replays best, as (its `_best_assignment`, its plan, fragment and inputs, the nodes it lost); None where no
+    choice replays."""
+    found, best = None, None
+    for fewer, ext, lost in fewer_inputs(binding, plan.frag):
+        trial = _Plan(fewer, plan.declared, plan.rounded, plan.syms, plan.cpp, plan.compute,
+                      {n: v for n, v in plan.ordered.items() if any(f.name == n for f in fewer)})
+        got = _best_assignment(graph, _bind(graph, k, record, known, fewer, ext, plan.syms), trial, ext, record)
+        if got[0] is not None and (best is None or got[0][0] > best):
+            found, best = (got, trial, fewer, ext, lost), got[0][0]
+    return found
 
 
 def _aten_math(plan: _Plan, inputs: dict[str, Any], outputs: dict[str, str], record: KernelRecord,
