@@ -32,6 +32,9 @@ VARIANTS: dict[str, tuple[str, dict, int]] = {
                                                 shared_expert_intermediate_size=192), 13),
     "mixtral-6x3": ("mixtral", dict(num_local_experts=6, num_experts_per_tok=3), 14),
     "olmoe-16x4": ("olmoe", dict(num_experts=16, num_experts_per_tok=4), 15),
+    # issue 47's shape: two groups of which one is kept, attention bias, a scaling that is not a power of two
+    "glm4-grouped-8x2": ("glm4_moe", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                          n_shared_experts=1, routed_scaling_factor=1.5, attention_bias=True), 21),
 }
 BIAS_SCALE = 0.05  # the correction bias drawn ~ N(0, 0.05): large enough to change which experts win
 

@@ -719,6 +719,8 @@ class KLResult(BaseModel):
     measurements: list[KLMeasurement]
     # the engine's own floor: its decode log-probs vs its prefill scoring of the same sequences (compiled engine)
     floor: KLMeasurement | None = None
+    # where the floor is not 0: the engine's ops probed for batch variance (measure.floor_ops), varying ones first
+    floor_ops: list[str] = Field(default_factory=list)
     bucket: int = 128  # width of the position buckets (`position`) in tokens
     compilation_config: dict[str, object] = Field(default_factory=dict)  # the compiled engine's, as asked
     attribution: Attribution | None = None

@@ -299,8 +299,16 @@ def test_the_engines_own_floor_is_named_where_its_decode_differs_from_its_prefil
     (scan_dir / "scan.json").write_text(json.dumps(raw))
     text = write_report(scan_dir)[0].read_text()
     assert "differs from its own prefill scoring of the same sequences on 655 of 2048 tokens (32.0%" in text
+    assert "Made by" not in text  # no probe recorded: no kernel named
+    probed = ["down_proj GEMM (onednn_mm, 512 -> 256): 6% of rows differ at M = 2 vs 528",
+              "attention (vLLM CPU decode over the KV cache vs prefill): 0% of decode rows differ at 528 tokens"]
+    note = floor_note(KLResult.model_validate({**raw["kl"], "floor_ops": probed}))
+    assert note is not None and "Made by" in note and "down_proj GEMM (onednn_mm" in note and "attention" not in \
+        note.split("Made by")[1]
+    note = floor_note(KLResult.model_validate({**raw["kl"], "floor_ops": probed[1:]}))
+    assert note is not None and "None of the probed ops" in note
     raw["kl"]["floor"]["bitexact_fraction"] = 1.0
-    assert floor_note(KLResult.model_validate(raw["kl"])) is None
+    assert floor_note(KLResult.model_validate({**raw["kl"], "floor_ops": probed})) is None
 
 
 def test_moe_routing_agreement_is_tabled_and_absent_for_a_dense_model(scan_dir: Path) -> None:

@@ -307,6 +307,21 @@ def _sources(model_dir: Path, manifest: Path, patched: list[str], run: Sequence[
     return sub, gap_sources(fixed, sub, floor_m), ""
 
 
+def _floor_ops(model_dir: Path, floor_m: KLMeasurement | None, prompts: Sequence[list[int]], max_tokens: int,
+               engine: str, progress: Progress) -> list[str]:
+    """Where the engine's decode differs from its own prefill: its ops probed for batch variance at this model's
+    shapes, the decode step's M being the prompts decoding in lockstep (measure.floor_ops)."""
+    if floor_m is None or floor_m.bitexact_fraction >= 1.0 or engine != "vllm":
+        return []
+    from graphdiff.measure.floor_ops import floor_ops
+
+    prompt_len = max(len(p) for p in prompts)
+    try:
+        return floor_ops(model_dir, prompt_len + max_tokens, prompt_len, len(prompts), progress)
+    except GraphdiffError as e:
+        return [f"not probed: {e}"]
+
+
 def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = DEFAULT_MAX_TOKENS, seed: int = 0,
             temperature: float = 1.0, modes: bool = False, manifest: Path | None = None,
             regions: Sequence[str] | None = None, attribute: bool = False, metric: str = "k3", bootstrap: int = 1000,
@@ -360,10 +375,10 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
         model=str(model_dir), architecture=architecture(config), seed=seed, temperature=temperature,
         max_tokens=max_tokens, prompts=len(prompts), method=method(engine, temperature, seed),
         versions={**first.versions, "transformers": transformers.__version__, "graphdiff": graphdiff.__version__},
-        measurements=measurements, floor=floor_m, bucket=BUCKET, engine_attention=substituted, sources=sources,
-        sources_note=sources_note, left_out=left_out(manifest) if manifest is not None else [],
+        measurements=measurements, floor=floor_m, bucket=BUCKET, engine_attention=substituted,
+        sources=sources, sources_note=sources_note, left_out=left_out(manifest) if manifest is not None else [],
         compilation_config=dict(compilation_config or {}), attribution=attribution,
         manifest=str(manifest) if manifest else None,
         timings={"engine_s": round(t_engine - t0, 3), "trainer_s": round(time.perf_counter() - t_engine, 3)},
         reproduce=reproduce, notes=notes, routing=agree,
-    )
+        floor_ops=_floor_ops(model_dir, floor_m, prompts, max_tokens, engine, progress))

@@ -43,7 +43,21 @@ def floor_note(kl: KLResult) -> str | None:
             f"{differ} of {fl.tokens} tokens ({1 - fl.bitexact_fraction:.1%}; RMS {fl.rms:.4f}). The engine computes "
             "a one-row decode step and a many-row prefill in different orders (batch variance), which no trainer "
             "patch removes: a trainer at the engine equals its prefill scoring "
-            "(or its decode, where they differ), and its gap to the decode is at most this floor")
+            "(or its decode, where they differ), and its gap to the decode is at most this floor" + floor_kernels(kl))
+
+
+def floor_kernels(kl: KLResult) -> str:
+    """The floor note's last sentence: the engine's ops whose rows change with the rows beside them (kl.floor_ops)."""
+    varying = [line for line in kl.floor_ops if not line.startswith("not probed") and " 0% of" not in line]
+    if varying:
+        return ". Made by the ops whose row changes with the rows computed beside it (probed at this model's " \
+               "shapes): " + "; ".join(varying)
+    if any(line.startswith("not probed") for line in kl.floor_ops):
+        return f". The engine's ops were {kl.floor_ops[0]}"
+    if kl.floor_ops:
+        return (". None of the probed ops (the dense GEMMs, attention) changes a row with the rows beside it at this "
+                "model's shapes on random inputs: the floor comes from an op not probed or from these inputs")
+    return ""
 
 
 def compared(kl: KLResult) -> tuple[KLMeasurement | None, KLMeasurement | None]:
