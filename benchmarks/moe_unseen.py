@@ -35,6 +35,9 @@ VARIANTS: dict[str, tuple[str, dict, int]] = {
     # issue 47's shape: two groups of which one is kept, attention bias, a scaling that is not a power of two
     "glm4-grouped-8x2": ("glm4_moe", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
                                           n_shared_experts=1, routed_scaling_factor=1.5, attention_bias=True), 21),
+    "glm4-grouped-12x3": ("glm4_moe", dict(n_routed_experts=12, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                           n_shared_experts=2, routed_scaling_factor=2.0, attention_bias=True), 23),
+    "qwen3_moe-12x3": ("qwen3_moe", dict(num_experts=12, num_experts_per_tok=3), 24),
 }
 BIAS_SCALE = 0.05  # the correction bias drawn ~ N(0, 0.05): large enough to change which experts win
 

@@ -88,3 +88,25 @@ def test_the_experts_round_the_activation_product_and_the_output_once() -> None:
             act = torch.relu(gate_up[:6]) * gate_up[6:]
             all_bf16[t] += weights[t, slot].to(torch.bfloat16) * (act @ Experts.down_proj[index[t, slot]].T)
     assert not torch.equal(got, all_bf16), "the probe must make the trainer's extra roundings visible"
+
+
+def test_a_grouped_routers_agreement_compares_its_experts_not_its_groups():
+    """A grouped router (GLM-4-MoE, DeepSeek) takes the top-k of its groups, then of its experts: the agreement
+    compares the trainer's expert choices with the engine's, whatever width its groups' top-k has."""
+    from graphdiff.analysis.moe import routing_agreement
+    from graphdiff.records import Graph, Node
+
+    mod = "model.layers.1.mlp.gate"
+    graph = Graph(name="g", nodes=[Node(name="groups", op="call_function", target="aten.topk.default", module=mod),
+                                   Node(name="experts", op="call_function", target="aten.topk.default", module=mod)])
+    groups = torch.tensor([[0, 1]] * 16)  # 16 tokens, 2 of 4 groups
+    experts = torch.tensor([[0, 2, 5]] * 16)  # 3 experts
+    values = {"groups": (torch.zeros(16, 2), groups), "experts": (torch.zeros(16, 3), experts)}
+    engine = experts.clone()
+    engine[:4] = torch.tensor([7, 2, 5])  # 4 tokens choose another expert
+    (row,) = routing_agreement(graph, values, {1: engine}, "prefill-16")
+    assert (row.layer, row.tokens, row.differing) == (1, 16, 4)
+    (row,) = routing_agreement(graph, values, {1: experts[:, [2, 1, 0]]}, "prefill-16")  # an order is no change
+    assert row.differing == 0
+    (row,) = routing_agreement(graph, values, {1: groups}, "prefill-16")  # only the groups' choice recorded
+    assert row.differing == 0 and row.tokens == 16

@@ -250,16 +250,19 @@ def experts_decisions(graph: Graph, values: dict[str, Any], changed: dict[str, f
 
 def routing_agreement(graph: Graph, values: dict[str, Any], engine_ids: dict[int, torch.Tensor],
                       shape: str) -> list[RoutingAgreement]:
-    """Per layer, the fraction of tokens whose top-k expert set differs between the engine and the trainer."""
-    out = []
+    """Per layer, the fraction of tokens whose top-k expert set differs between the engine and the trainer. A
+    grouped router takes two top-ks (its groups, then its experts): the trainer's last top-k of the engine's width
+    is compared, one row per layer."""
+    found: dict[int, torch.Tensor] = {}
     for n in graph.nodes:
         layer = layer_of(n.module)
         if op_name(n.target) != "topk" or layer is None or layer not in engine_ids:
             continue
         got = values.get(n.name)
-        if not isinstance(got, tuple | list):
-            continue
-        trainer = got[1].reshape(-1, got[1].shape[-1])
+        if isinstance(got, tuple | list) and got[1].shape[-1] == engine_ids[layer].shape[-1]:
+            found[layer] = got[1].reshape(-1, got[1].shape[-1])
+    out = []
+    for layer, trainer in found.items():
         engine = engine_ids[layer].reshape(-1, trainer.shape[-1])
         if engine.shape != trainer.shape:
             continue

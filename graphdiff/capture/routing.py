@@ -31,6 +31,6 @@ def engine_routing(graph: Graph, records: dict[str, KernelRecord]) -> dict[int, 
             continue
         ids = [t for t in rec["in"].values() if isinstance(t, torch.Tensor) and not t.is_floating_point()
                and t.dim() == 2 and t.dtype in (torch.int64, torch.int32)]
-        if len(ids) == 1:
-            out.setdefault(layer, ids[0])
+        if len(ids) == 1:  # a grouped router reads its groups' ids first, its experts' later: the last wins
+            out[layer] = ids[0]
     return out
