@@ -36,6 +36,7 @@ from graphdiff.records import (
     SideState,
     Site,
     layer_of,
+    walk,
 )
 from graphdiff.replay.interpreter import LOW
 from graphdiff.replay.kernels import value_base
@@ -69,22 +70,26 @@ def stable_ids(graph: Graph) -> dict[str, str]:
 def _closure(graph: Graph, start: str, down: bool) -> tuple[set[str], set[str]]:
     """Nodes reachable from `start` without crossing a matmul/attention/embedding/expert op, and the ops of those
     boundary nodes it reaches ("attention", "embedding", "mm", ...; the graph output as "output")."""
-    nodes, users = graph.node_map(), graph.users()
-    seen, frontier, edges = {start}, [start], set()
-    for _ in range(MAX_HOPS):
-        nxt = []
-        for name in frontier:
-            for other in (users.get(name, []) if down else nodes[name].inputs):
-                n = nodes[other]
-                if is_heavy(n.target) or n.op == "output":
-                    edges.add("attention" if is_attention(n.target) else "output" if n.op == "output"
-                              else op_name(n.target))
-                    continue
-                if other not in seen and n.op == "call_function":
-                    seen.add(other)
-                    nxt.append(other)
-        frontier = nxt
+    nodes = graph.node_map()
+
+    def boundary(name: str) -> bool:
+        return is_heavy(nodes[name].target) or nodes[name].op == "output"
+
+    seen, edges = {start}, set()
+    for other in walk([start], _step(graph, down), hops=MAX_HOPS,
+                      through=lambda o: not boundary(o) and nodes[o].op == "call_function"):
+        n = nodes[other]
+        if boundary(other):
+            edges.add("attention" if is_attention(n.target) else "output" if n.op == "output" else op_name(n.target))
+        elif n.op == "call_function":
+            seen.add(other)
     return seen, edges
+
+
+def _step(graph: Graph, down: bool) -> Callable[[str], list[str]]:
+    """A node's users (`down`) or inputs: the step of a walk along the dataflow."""
+    nodes, users = graph.node_map(), graph.users()
+    return (lambda name: users.get(name, [])) if down else (lambda name: nodes[name].inputs)
 
 
 def _scaled_by_constant(n: Node, nodes: dict[str, Node]) -> bool:
@@ -151,14 +156,8 @@ def _representable(v: object) -> bool:
 
 def _same_value_chain(graph: Graph, start: str) -> list[str]:
     users, nodes = graph.users(), graph.node_map()
-    chain, frontier = [start], [start]
-    while frontier:
-        nxt = [u for n in frontier for u in users.get(n, [])
-               if is_view(nodes[u]) or op_name(nodes[u].target) in CASTS]
-        nxt = [u for u in nxt if u not in chain]
-        chain += nxt
-        frontier = nxt
-    return chain
+    return [start, *walk([start], lambda n: [u for u in users.get(n, [])
+                                             if is_view(nodes[u]) or op_name(nodes[u].target) in CASTS])]
 
 
 def _base(engine: Graph, e: str) -> str:
@@ -209,34 +208,20 @@ def train_state(t: Node, value: object, changed: dict[str, float]) -> SideState:
 
 
 def _nearest_matched(graph: Graph, start: str, matched: dict[str, Match], down: bool) -> str | None:
-    nodes, users = graph.node_map(), graph.users()
-    frontier, seen = [start], {start}
-    for _ in range(MAX_HOPS):
-        nxt = []
-        for name in frontier:
-            for other in (users.get(name, []) if down else nodes[name].inputs):
-                if other in matched:
-                    return other
-                if other not in seen and nodes[other].op == "call_function" and not is_heavy(nodes[other].target):
-                    seen.add(other)
-                    nxt.append(other)
-        frontier = nxt
-    return None
+    nodes = graph.node_map()
+    reached = walk([start], _step(graph, down), hops=MAX_HOPS,
+                   through=lambda o: nodes[o].op == "call_function" and not is_heavy(nodes[o].target))
+    return next((other for other in reached if other in matched), None)
 
 
 def _producing_kernel(engine: Graph, name: str) -> str | None:
     """The generated kernel computing a node, looking through glue (views, aliasing concatenation)."""
     nodes = engine.node_map()
     generated = {k.id for k in engine.kernels if k.kind == "generated"}
-    frontier = [name]
-    for _ in range(MAX_HOPS):
-        for n in frontier:
-            if nodes[n].kernel in generated:
-                return nodes[n].kernel
-        frontier = [i for n in frontier if not nodes[n].kernel for i in nodes[n].inputs]
-        if not frontier:
-            return None
-    return None
+    if nodes[name].kernel:
+        return nodes[name].kernel if nodes[name].kernel in generated else None
+    glue = walk([name], lambda n: nodes[n].inputs, through=lambda n: not nodes[n].kernel, hops=MAX_HOPS - 1)
+    return next((nodes[n].kernel for n in glue if nodes[n].kernel in generated), None)
 
 
 def _anchors(train: Graph, engine: Graph, by_train: dict[str, Match]) -> dict[str, Match]:
@@ -295,11 +280,9 @@ def _compared_after_downcast(ev: _Evidence, t: Node) -> bool:
         return False
     tnodes, users = ev.train.node_map(), ev.train.users()
     chain = _same_value_chain(ev.train, t.name)
-    unrounded, frontier = {t.name}, [t.name]  # the chain up to its downcasts: the FP32 value itself
-    while frontier:
-        frontier = [u for n in frontier for u in users.get(n, [])
-                    if u in chain and u not in unrounded and not is_low(tnodes[u].dtype)]
-        unrounded.update(frontier)
+    # the chain up to its downcasts: the FP32 value itself
+    unrounded = {t.name, *walk([t.name], lambda n: [u for u in users.get(n, [])
+                                                    if u in chain and not is_low(tnodes[u].dtype)])}
     if any(u not in chain for c in unrounded for u in users.get(c, [])):
         return False
     return any(is_low(tnodes[c].dtype) and not is_view(tnodes[c]) for c in chain[1:])
@@ -396,55 +379,34 @@ def decide(train: Graph, train_values: dict[str, object], changed: dict[str, flo
 
 def _leaves_for_boundary(train: Graph, name: str) -> bool:
     """Does the value only flow (through exact ops) into matmul/attention-like ops: the end of a stretch?"""
-    nodes, users = train.node_map(), train.users()
-    frontier, seen = [name], {name}
-    while frontier:
-        nxt = []
-        for n in frontier:
-            for u in users.get(n, []):
-                if is_heavy(nodes[u].target) or nodes[u].op == "output":
-                    continue
-                if op_name(nodes[u].target) not in EXACT:
-                    return False
-                if u not in seen:
-                    seen.add(u)
-                    nxt.append(u)
-        frontier = nxt
-    return True
+    nodes = train.node_map()
+
+    def boundary(u: str) -> bool:
+        return is_heavy(nodes[u].target) or nodes[u].op == "output"
+
+    reached = walk([name], _step(train, down=True), through=lambda u: not boundary(u))
+    return all(boundary(u) or op_name(nodes[u].target) in EXACT for u in reached)
 
 
 def _producing_call(engine: Graph, name: str) -> str | None:
     """The kernel call (generated or extern) computing a node, looking through glue."""
     nodes = engine.node_map()
-    frontier = [name]
-    for _ in range(MAX_HOPS):
-        for n in frontier:
-            if nodes[n].kernel:
-                return nodes[n].kernel
-        frontier = [i for n in frontier for i in nodes[n].inputs]
-        if not frontier:
-            return None
-    return None
+    if nodes[name].kernel:
+        return nodes[name].kernel
+    return next((nodes[n].kernel for n in walk([name], lambda n: nodes[n].inputs, hops=MAX_HOPS - 1)
+                 if nodes[n].kernel), None)
 
 
 def _fp32_extern_reading(engine: Graph, name: str, device: str = "cpu") -> tuple[str, ExternRule] | None:
     """An opaque op the registry says computes in FP32 inside (rounding once per output) that reads the value of
     `name` (or a view of it): then trainer values between that input and the op's outputs are FP32 in the engine."""
-    nodes, users = engine.node_map(), engine.users()
-    seen, frontier = {name}, [name]
-    while frontier:
-        nxt = []
-        for n in frontier:
-            for u in users.get(n, []):
-                kid = nodes[u].kernel or ""
-                rule = extern_rule(kid.split(":")[0], device=device) if kid else None
-                if rule is not None and rule.fp32_inside and rule.kind not in ("matmul", "kv-cache") and \
-                        any(k.id == kid and k.kind == "extern" for k in engine.kernels):
-                    return kid, rule
-                if is_view(nodes[u]) and u not in seen:
-                    seen.add(u)
-                    nxt.append(u)
-        frontier = nxt
+    nodes = engine.node_map()
+    for u in walk([name], _step(engine, down=True), through=lambda u: is_view(nodes[u])):
+        kid = nodes[u].kernel or ""
+        rule = extern_rule(kid.split(":")[0], device=device) if kid else None
+        if rule is not None and rule.fp32_inside and rule.kind not in ("matmul", "kv-cache") and \
+                any(k.id == kid and k.kind == "extern" for k in engine.kernels):
+            return kid, rule
     return None
 
 

@@ -28,7 +28,7 @@ from graphdiff.analysis.rounding import is_view
 from graphdiff.codegen import copy_reads, math_order, norm_order
 from graphdiff.codegen.copy_reads import dotted_module
 from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, MATMULS, is_heavy, is_low, op_name
-from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site, layer_of
+from graphdiff.records import Graph, Node, Region, ScanResult, Side, Site, layer_of, walk
 from graphdiff.replay.inductor_math import INDUCTOR_MATH
 from graphdiff.replay.kernels import value_base
 from graphdiff.replay.sum_order import is_row_op
@@ -265,16 +265,12 @@ def _representative_sites(scan: ScanResult, graph: Graph, region: Region,
 
 def _grow(graph: Graph, seeds: list[str], keep) -> list[str]:  # noqa: ANN001 - predicate over Node
     nodes, users = graph.node_map(), graph.users()
-    seen, frontier = set(seeds), list(seeds)
-    while frontier:
-        nxt = []
-        for name in frontier:
-            for other in [*nodes[name].inputs, *users.get(name, [])]:
-                n = nodes[other]
-                if other not in seen and n.op == "call_function" and not is_boundary(n) and keep(n):
-                    seen.add(other)
-                    nxt.append(other)
-        frontier = nxt
+
+    def step(name: str) -> list[str]:
+        return [o for o in [*nodes[name].inputs, *users.get(name, [])]
+                if nodes[o].op == "call_function" and not is_boundary(nodes[o]) and keep(nodes[o])]
+
+    seen = {*seeds, *walk(seeds, step)}
     return [n.name for n in graph.nodes if n.name in seen]
 
 
@@ -804,21 +800,18 @@ class _Reach:
     def reached_attention(self, name: str) -> list[str] | None:
         """The attention regions the unpatched code fed by `name` reaches, if it reaches only them and matmuls and
         computes on the way (through data movement alone, rounding at the boundary is the attention op's rounding)."""
+        def readers(u: str) -> list[str]:  # re-emitted code reads FP32, rounds as the engine: the walk stops there
+            return [w for w in self.users.get(u, []) if not self.matmul(w) and w not in self.patched]
+
         regions: set[str] = set()
-        seen, frontier, computes = {name}, [name], False
-        while frontier:
-            u = frontier.pop()
-            for w in self.users.get(u, []):
-                if w in seen or self.matmul(w) or w in self.patched:  # re-emitted code reads FP32, rounds as the engine
-                    continue
-                seen.add(w)
-                if w in self.attention:
-                    regions.add(self.attention[w])
-                elif is_boundary(self.nodes[w]) or self.nodes[w].op != "call_function":
-                    return None
-                else:
-                    computes = computes or op_name(self.nodes[w].target) not in EXACT | CASTS
-                    frontier.append(w)
+        computes = False
+        for w in walk([name], readers, through=lambda w: w not in self.attention):
+            if w in self.attention:
+                regions.add(self.attention[w])
+            elif is_boundary(self.nodes[w]) or self.nodes[w].op != "call_function":
+                return None
+            else:
+                computes = computes or op_name(self.nodes[w].target) not in EXACT | CASTS
         return sorted(regions) if computes else None
 
 

@@ -54,6 +54,7 @@ from graphdiff.records import (
     Region,
     ScanResult,
     save_json,
+    walk,
 )
 from graphdiff.runtime import TORCH_SDPA, module_regex
 
@@ -336,14 +337,11 @@ def _module_argument(frag: Fragment, fn: ast.FunctionDef) -> str:
 def _variable(frag: Fragment, output: str, nodes: dict[str, Node], ret: ast.Return) -> str | None:
     """The variable an output's value is assigned to before the return statement (`cos` for `cos.to(x.dtype)`):
     the first line, walking back from the output, that assigns a simple variable."""
-    inside, frontier, seen = {n.name for n in frag.nodes}, [output], {output}
-    while frontier:
-        for name in frontier:
-            src = nodes[name].source
-            if src is not None and not _spans(ret, src.line) and (var := names.assigned(src.code)) is not None:
-                return var
-        frontier = [i for name in frontier for i in nodes[name].inputs if i in inside and i not in seen]
-        seen.update(frontier)
+    inside = {n.name for n in frag.nodes}
+    for name in itertools.chain([output], walk([output], lambda n: [i for i in nodes[n].inputs if i in inside])):
+        src = nodes[name].source
+        if src is not None and not _spans(ret, src.line) and (var := names.assigned(src.code)) is not None:
+            return var
     return None
 
 

@@ -44,6 +44,7 @@ from graphdiff.records.graph import (
     cut_layers,
     layer_of,
     load_capture,
+    walk,
 )
 from graphdiff.records.manifest import (
     MANIFEST_VERSION,
@@ -78,5 +79,5 @@ __all__ = [  # every name, as `from graphdiff.records import X` has always found
     "REMAKE", "Region", "RegionEffect", "RegionKind", "Role", "RoutingAgreement", "Rule", "SCHEMA_VERSION",
     "SampleAsk", "SampleRequest", "ScanResult", "Shape", "ShapleyValue", "Side", "SideRef", "SideState", "Site",
     "Source", "TrainerMode", "WeightRef", "cut_layers", "layer_of", "load_capture", "load_versioned",
-    "parse_versioned", "save_json",
+    "parse_versioned", "save_json", "walk",
 ]

@@ -5,6 +5,7 @@ stores) — and the capture that holds one side's graphs of one model."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -162,6 +163,26 @@ class Graph(BaseModel):
             self._computed_in = (len(self.kernels), out)
         return self._computed_in[1]
 
+
+
+def walk(starts: Iterable[str], step: Callable[[str], Iterable[str]], through: Callable[[str], bool] = lambda _: True,
+         hops: int | None = None) -> Iterator[str]:
+    """The nodes reached from `starts` along `step` (a node's inputs, or its users), breadth first, each once, nearest
+    first; the starts themselves are not yielded. The walk goes on from every start, and from a reached node only where
+    `through` holds; at most `hops` steps from the starts (None: no limit). Lazy: a caller may stop at what it seeks."""
+    frontier = list(dict.fromkeys(starts))
+    seen = set(frontier)
+    while frontier and hops != 0:
+        nxt = []
+        for name in frontier:
+            for other in step(name):
+                if other not in seen:
+                    seen.add(other)
+                    yield other
+                    if through(other):
+                        nxt.append(other)
+        frontier = nxt
+        hops = None if hops is None else hops - 1
 
 # Capture.attention's fact: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction in the engine's process
 # ("true" / "false"), whether cuBLAS may round a BF16 GEMM's partial sums; absent: not recorded (unknown)
