@@ -16,7 +16,7 @@ import torch
 
 from graphdiff.analysis.match import Match
 from graphdiff.codegen import carry
-from graphdiff.codegen.fragment import rounded_sums
+from graphdiff.codegen.carry_plan import rounded_sums
 from graphdiff.records import Graph, ManifestSplice, Node, ScanResult
 from graphdiff.runtime import _round_sums
 
@@ -193,7 +193,7 @@ def test_a_stored_sum_of_a_scaled_child_output_is_named_by_the_child() -> None:
     """`residual + self_attn(x)[0] * residual_multiplier` (Granite's second layer, the sum the engine stores): the scan
     names the add, the carry names the direct child whose output the scale reads (the carry holds that output FP32),
     and the mode follows the scale to the add; the later add reads the sum rounded, the norm the FP32 sum."""
-    from graphdiff.codegen.fragment import stored_sums
+    from graphdiff.codegen.carry_plan import stored_sums
 
     layer = "model.layers.1"
     graph = Graph(name="t", nodes=[

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 from graphdiff.codegen import emit_triton, math_order, norm_order
+from graphdiff.codegen.cut import cut_fragments
 from graphdiff.codegen.emit_torch import Unsupported
-from graphdiff.codegen.fragment import Fragment, cut_fragments, ordered_points, rounding_points
+from graphdiff.codegen.fragment import Fragment, ordered_points, rounding_points
 from graphdiff.codegen.generate import load_scan_dir
 from graphdiff.records import Manifest, ManifestSplice, Node
 from graphdiff.replay.interpreter import RoundingInterpreter, fragment_graph
