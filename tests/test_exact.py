@@ -7,7 +7,7 @@ from pathlib import Path
 
 from graphdiff.analysis import moe_engine
 from graphdiff.analysis.moe import engine_experts_op
-from graphdiff.analysis.plan import mark_fp32_reads
+from graphdiff.analysis.reads import mark_fp32_reads
 from graphdiff.artifacts import ScanDir
 from graphdiff.codegen import exact_ops, generate
 from graphdiff.codegen.generate import make_patch

@@ -10,7 +10,7 @@ from itertools import takewhile
 from graphdiff.codegen.fragment import Carry, is_add, within
 from graphdiff.ops import ACTIVATIONS, op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, Side, layer_of
-from graphdiff.replay.kernels import value_base
+from graphdiff.replay.kernel_fragment import value_base
 from graphdiff.runtime import module_regex
 
 

@@ -16,7 +16,7 @@ from graphdiff.codegen.outputs import decide_outputs
 from graphdiff.ops import op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, walk
 from graphdiff.replay.inductor_math import INDUCTOR_MATH
-from graphdiff.replay.kernels import value_base
+from graphdiff.replay.kernel_fragment import value_base
 from graphdiff.replay.sum_order import is_row_op
 
 

@@ -17,7 +17,7 @@ from graphdiff.codegen.names import arguments, value_names
 from graphdiff.ops import is_low, op_name
 from graphdiff.records import Node, walk
 from graphdiff.replay.inductor_math import math_form
-from graphdiff.replay.kernels import value_base
+from graphdiff.replay.kernel_fragment import value_base
 from graphdiff.replay.sum_order import LAYER_NORM_FN, MEAN_FN, SUM_FN
 
 BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}

@@ -11,7 +11,7 @@ from graphdiff.records.files import SCHEMA_VERSION
 from graphdiff.records.gap import Departure, KLResult, RoutingAgreement
 from graphdiff.records.graph import Shape, Side, Source
 
-# What a region of sites computes (analysis.plan.classify decides it), in the order reports list regions.
+# What a region of sites computes (analysis.kinds.classify decides it), in the order reports list regions.
 RegionKind = Literal["rope", "qk_norm", "attention", "router", "expert_combine", "gated_act", "embedding_scale",
                      "residual_scale", "residual_norm", "norm_weight", "logit_scale", "allreduce", "sum_order", "math",
                      "stored_copy", "other"]
