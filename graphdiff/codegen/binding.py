@@ -17,7 +17,7 @@ from graphdiff import sources
 from graphdiff.codegen import names
 from graphdiff.codegen.fragment import Fragment
 from graphdiff.codegen.probes import probe
-from graphdiff.records import ManifestSplice, Node, walk
+from graphdiff.records import FunctionSplice, ModuleSplice, Node, walk
 
 
 def bind_function(frag: Fragment, fn: Callable[..., Any], nodes: dict[str, Node]) -> tuple[list[str], list[int]] | str:
@@ -180,7 +180,7 @@ def _returned_positions(frag: Fragment, fn: ast.FunctionDef, nodes: dict[str, No
     return positions
 
 
-def _bind_module(frag: Fragment, splice: ManifestSplice, nodes: dict[str, Node]) -> None:
+def _bind_module(frag: Fragment, splice: ModuleSplice | FunctionSplice, nodes: dict[str, Node]) -> None:
     """A module forward's activation argument and, for a forward returning a tuple, each output's place in it; read
     from the forward's source (one activation, one output where it cannot be read: its first argument, returned)."""
     fn = _forward_def(frag)
@@ -199,7 +199,7 @@ def _bind_module(frag: Fragment, splice: ManifestSplice, nodes: dict[str, Node])
             splice.outputs = positions
 
 
-def bind(frag: Fragment, splice: ManifestSplice, nodes: dict[str, Node]) -> None:
+def bind(frag: Fragment, splice: ModuleSplice | FunctionSplice, nodes: dict[str, Node]) -> None:
     """Which forward or function argument feeds each input, which returned value each output is."""
     splice.inputs = [f"param:{frag.params[i]}" if i in frag.params else "arg:0" for i in frag.inputs]
     splice.outputs = [0]
@@ -219,7 +219,7 @@ def bind(frag: Fragment, splice: ManifestSplice, nodes: dict[str, Node]) -> None
             splice.inputs, splice.outputs = [f"arg:{p}" for p in bound[0]], bound[1]
 
 
-def argument_names(frag: Fragment, splice: ManifestSplice) -> list[str]:
+def argument_names(frag: Fragment, splice: ModuleSplice | FunctionSplice) -> list[str]:
     """The emitted function's argument names: the bound HF parameters (a module forward's activation bound to a
     parameter other than its first is named after it: `position_ids`)."""
     bound = [i.removeprefix("arg:") for i in splice.inputs]

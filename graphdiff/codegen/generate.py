@@ -42,11 +42,16 @@ from graphdiff.errors import GraphdiffError
 from graphdiff.records import (
     MANIFEST_VERSION,
     AttentionForm,
+    AttentionSplice,
     Capture,
+    CarrySplice,
+    FunctionSplice,
     Graph,
     Manifest,
     ManifestRegion,
     ManifestSplice,
+    ModuleSplice,
+    MoeSplice,
     Node,
     Region,
     ScanResult,
@@ -77,17 +82,17 @@ def _compile(lines: list[str], name: str) -> Callable[..., Any]:
 
 
 def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, str],
-                      engine: dict[str, str], form: AttentionForm) -> tuple[ManifestSplice, list]:
+                      engine: dict[str, str], form: AttentionForm) -> tuple[AttentionSplice, list]:
     """An attention region is one opaque op: the trainer's own sdpa, called the way the engine computes it (its
     output truncated where the engine's op stores it so), or (`form` "engine") the engine's own op forward."""
     site = next((nodes[site_node[i]] for i in r.sites if site_node.get(i) in nodes), None)
     site = site or attention_order.attention_node(list(nodes.values()), r)
     owner = (site.module_type if site else "") or ""
-    splice = ManifestSplice(key="attention", target="attention", module=r.module, module_class=owner,
-                            regions=[r.name], function=SDPA_FUNCTION,
-                            torch_fn=(attention_splice.attention_fp32_inputs_truncated if truncates_output(engine)
-                                      else attention_splice.attention_fp32_inputs).__name__,
-                            triton_problem="calls torch's sdpa on FP32 inputs")
+    splice = AttentionSplice(key="attention", module=r.module, module_class=owner, regions=[r.name],
+                             function=SDPA_FUNCTION,
+                             torch_fn=(attention_splice.attention_fp32_inputs_truncated if truncates_output(engine)
+                                       else attention_splice.attention_fp32_inputs).__name__,
+                             triton_problem="calls torch's sdpa on FP32 inputs")
     lines = ["", "", f"# attention: region {r.name}",
              "# the engine's attention op computes exp (a softcap's tanh) by vLLM CPU's AVX-512 polynomial",
              f"ENGINE_EXP = {exp_polynomial(engine)}", "", "", *prelude.source(attention_splice.FP32_PARTS)]
@@ -120,15 +125,15 @@ def _module_class(graph: Graph, pattern: str) -> str:
     return next((n.module_type for n in graph.nodes if n.module and rx.match(n.module) and n.module_type), "") or ""
 
 
-def _moe_splice(r: Region, graph: Graph, engine_experts: dict[str, str] | None, device: str = "cpu") -> ManifestSplice:
+def _moe_splice(r: Region, graph: Graph, engine_experts: dict[str, str] | None, device: str = "cpu") -> MoeSplice:
     """A router or experts region: the module's forward replaced by the engine's computation (analysis.moe_engine);
     with `engine_experts` (--exact: how the engine's graph called its fused-MoE op), the experts by that op, where
     `exact_ops` says the op on the engine's `device` is emitted."""
     target: Literal["router", "experts"] = "router" if r.kind == "router" else "experts"
     fn = moe_engine.ROUTER_FN if r.kind == "router" else moe_engine.EXPERTS_FN
-    splice = ManifestSplice(key=f"{target} {r.module}", target=target, module=r.module,
-                            module_class=_module_class(graph, r.module), regions=[r.name], torch_fn=fn,
-                            triton_problem="the engine's fused MoE computation, run with PyTorch ops")
+    splice = MoeSplice(key=f"{target} {r.module}", target=target, module=r.module,
+                       module_class=_module_class(graph, r.module), regions=[r.name], torch_fn=fn,
+                       triton_problem="the engine's fused MoE computation, run with PyTorch ops")
     if engine_experts and engine_experts.get("router_gemm") and target == "router":
         splice.torch_fn, splice.imports = moe_engine.ENGINE_ROUTER_FN, ["vllm._custom_ops"]
         splice.triton_problem = "the module's own routing, its logits by the engine's own GEMM op (vLLM CPU)"
@@ -148,12 +153,10 @@ def _moe_splice(r: Region, graph: Graph, engine_experts: dict[str, str] | None, 
 def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[ManifestSplice, list[str]]:
     """One splice point: its PyTorch function (bound against HF's own code) and, where possible, its Triton kernels."""
     slug = region_slug(frag.key.rsplit(".", 1)[-1] if frag.target == "function" else frag.key)
-    splice = ManifestSplice(key=frag.key, target=frag.target, module=frag.module, module_class=frag.module_class,
-                            function=frag.function, regions=frag.regions, reduction_lanes=frag.lanes,
-                            layers=frag.layers)
+    splice = _fragment_splice(frag)
     body: list[str] = []
-    if frag.target == "carry" and not frag.problems:
-        body += _carry_splice(frag, frag.carry or Carry(), splice)
+    if isinstance(splice, CarrySplice):
+        body += _carry_splice(frag, frag.carry or Carry(), splice) if not frag.problems else []
     elif not frag.problems:
         try:
             lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes)
@@ -184,7 +187,19 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
     return splice, body
 
 
-def _carry_splice(frag: Fragment, held: Carry, splice: ManifestSplice) -> list[str]:
+def _fragment_splice(frag: Fragment) -> ModuleSplice | FunctionSplice | CarrySplice:
+    """The splice record of a fragment's target, with its key, module, regions and layers."""
+    if frag.target == "carry":
+        return CarrySplice(key=frag.key, module=frag.module, module_class=frag.module_class, regions=frag.regions,
+                           layers=frag.layers)
+    if frag.target == "function":
+        return FunctionSplice(key=frag.key, module=frag.module, module_class=frag.module_class, regions=frag.regions,
+                              layers=frag.layers, function=frag.function, reduction_lanes=frag.lanes)
+    return ModuleSplice(key=frag.key, module=frag.module, module_class=frag.module_class, regions=frag.regions,
+                        layers=frag.layers, reduction_lanes=frag.lanes)
+
+
+def _carry_splice(frag: Fragment, held: Carry, splice: CarrySplice) -> list[str]:
     """A carry splice's fields from its fragment's carry, and the comments (and helpers) its module lines get."""
     body: list[str] = []
     splice.torch_fn = ("carry_scaled" if not held.input else
@@ -264,12 +279,12 @@ def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Regi
     if engine_experts:
         parts.body += ["", "", *prelude.source(moe_engine.LINEAR_PARTS)]
     for r in (r for r in wanted if r.kind == "allreduce"):
-        splice, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),
+        linear, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),
                                                    scan.engine_attention.get("build", ""))
-        if not splice.problems and not any(s.target == "linear" and not s.problems for s in parts.splices):
+        if not linear.problems and not any(s.target == "linear" and not s.problems for s in parts.splices):
             parts.body += lines  # one function serves every linear splice
-        parts.splices.append(splice)
-        parts.status[r.name] = "; ".join(splice.problems)
+        parts.splices.append(linear)
+        parts.status[r.name] = "; ".join(linear.problems)
 
 
 def _add_fragments(parts: _Parts, frags: list[Fragment], nodes: dict[str, Node], tokens: int) -> None:
@@ -311,7 +326,8 @@ def _manifest(scan: ScanResult, wanted: list[Region], parts: _Parts, frags: list
                                 shapes=r.shapes if r.shape_dependent else [])
                  for r in wanted],
         splices=splices,
-        replaced=sorted({s.function or s.module_class for s in splices if not s.problems}),
+        replaced=sorted({(s.function if isinstance(s, FunctionSplice | AttentionSplice) else "") or s.module_class
+                         for s in splices if not s.problems}),
         notes=[note for f in frags for note in f.notes] + shape_notes(wanted, [s.label for s in scan.shapes]),
     )
 

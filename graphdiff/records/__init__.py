@@ -49,12 +49,20 @@ from graphdiff.records.graph import (
 from graphdiff.records.manifest import (
     MANIFEST_VERSION,
     AttentionForm,
+    AttentionSplice,
+    CalledSplice,
+    CarrySplice,
     CheckFinding,
     CheckResult,
+    FunctionSplice,
+    LinearSplice,
     Manifest,
     ManifestRegion,
     ManifestSplice,
+    ModuleSplice,
+    MoeSplice,
     RegionEffect,
+    SpliceBase,
 )
 from graphdiff.records.scan import (
     REGION_KINDS,
@@ -71,13 +79,14 @@ from graphdiff.records.scan import (
 )
 
 __all__ = [  # every name, as `from graphdiff.records import X` has always found it
-    "AttentionForm", "Attribution", "BufferArg", "Buffers", "Capture", "CheckFinding", "CheckResult", "Decision",
-    "Departure", "EngineMode", "EngineSample", "EngineSamples", "EngineSamplesFile", "Evidence", "ExternRecord",
-    "GapName", "GapSource", "Graph", "KIND_NAMES", "KLMeasurement", "KLResult", "Kernel", "KernelEvidence",
-    "KernelRecord", "M", "MANIFEST_VERSION", "MATMUL_REDUCED_FACT", "Manifest", "ManifestRegion",
-    "ManifestSplice", "NODE_OPS", "Node", "NodeOp", "PackedParam", "PositionBin", "Progress", "REGION_KINDS",
-    "REMAKE", "Region", "RegionEffect", "RegionKind", "Role", "RoutingAgreement", "Rule", "SCHEMA_VERSION",
-    "SampleAsk", "SampleRequest", "ScanResult", "Shape", "ShapleyValue", "Side", "SideRef", "SideState", "Site",
-    "Source", "TrainerMode", "WeightRef", "cut_layers", "layer_of", "load_capture", "load_versioned",
-    "parse_versioned", "save_json", "walk",
+    "AttentionForm", "AttentionSplice", "Attribution", "BufferArg", "Buffers", "CalledSplice", "Capture",
+    "CarrySplice", "CheckFinding", "CheckResult", "Decision", "Departure", "EngineMode", "EngineSample",
+    "EngineSamples", "EngineSamplesFile", "Evidence", "ExternRecord", "FunctionSplice", "GapName", "GapSource",
+    "Graph", "KIND_NAMES", "KLMeasurement", "KLResult", "Kernel", "KernelEvidence", "KernelRecord",
+    "LinearSplice", "M", "MANIFEST_VERSION", "MATMUL_REDUCED_FACT", "Manifest", "ManifestRegion",
+    "ManifestSplice", "ModuleSplice", "MoeSplice", "NODE_OPS", "Node", "NodeOp", "PackedParam", "PositionBin",
+    "Progress", "REGION_KINDS", "REMAKE", "Region", "RegionEffect", "RegionKind", "Role", "RoutingAgreement",
+    "Rule", "SCHEMA_VERSION", "SampleAsk", "SampleRequest", "ScanResult", "Shape", "ShapleyValue", "Side",
+    "SideRef", "SideState", "Site", "Source", "SpliceBase", "TrainerMode", "WeightRef", "cut_layers", "layer_of",
+    "load_capture", "load_versioned", "parse_versioned", "save_json", "walk",
 ]

@@ -26,7 +26,7 @@ KIND_NAMES = {"graphdiff.capture": "capture", "graphdiff.scan": "scan", "graphdi
               "graphdiff.manifest": "patch manifest", "graphdiff.engine_samples": "engine samples file",
               "graphdiff.check": "check result"}
 REMAKE = {"capture": "graphdiff capture", "scan": "graphdiff scan", "kl result": "graphdiff kl",
-          "patch manifest": "graphdiff patch"}
+          "patch manifest": "graphdiff patch SCAN_DIR --out DIR"}
 
 
 def parse_versioned(cls: type[M], path: Path, what: str, version: int = SCHEMA_VERSION) -> M:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
@@ -37,58 +37,107 @@ class CheckResult(BaseModel):
 
 # --- patch manifest (`graphdiff patch`) ----------------------------------------------------------------
 
-MANIFEST_VERSION = 4
+# 5: a splice holds only its target's fields (ManifestSplice: one record per target, as the runtime patches them)
+MANIFEST_VERSION = 5
 
 
-class ManifestSplice(BaseModel):
-    """One place the runtime changes the HF model: a module forward, a module-level function, a carry hook, the
-    attention function (registered with transformers' AttentionInterface), or an nn.Linear computed as a
-    tensor-parallel engine's ranks compute it (`linear`: K split over `shards` ranks)."""
+class SpliceBase(BaseModel):
+    """What every splice holds: one place the runtime changes the HF model, the regions it aligns there, the generated
+    function that does it."""
 
     key: str  # module pattern (`model.layers.*.self_attn.q_norm`) or dotted function path
-    target: Literal["module", "function", "carry", "attention", "router", "experts", "linear"]
+    target: str  # which of ManifestSplice's records (each narrows it to its own)
     module: str  # HF module path pattern, layers collapsed as `layers.*`
     module_class: str = ""
-    function: str = ""  # dotted path of the replaced function (target "function")
     regions: list[str]
-    # What feeds each input of the generated function: "arg:0" / "arg:NAME" (the forward's or the function's
-    # argument), "param:NAME" (a module attribute); and where each output goes in the HF return value.
-    inputs: list[str] = Field(default_factory=list)
-    outputs: list[int] = Field(default_factory=list)
     torch_fn: str = ""  # name in the generated module
     triton_fn: str = ""  # "" when no Triton kernel could be generated (see triton_problem)
     triton_problem: str = ""
     problems: list[str] = Field(default_factory=list)  # non-empty: not generated, the reasons
-    # HF module -> the lanes its engine kernel sums rows in (Region.reduction_lanes); the runtime passes each
-    # module's to the generated function, which sums the aligned regions' rows in that order
-    reduction_lanes: dict[str, int] = Field(default_factory=dict)
-    shards: int = 1  # target "linear": the engine's tensor-parallel ranks the matmul's K is split over
-    # carry with torch_fn carry_fp32_rounded: child modules (paths relative to the module) that read the incoming
-    # activation in FP32 while the module's own ops read it rounded (a piecewise engine's BF16 graph boundary)
-    fp32_children: list[str] = Field(default_factory=list)
-    # carry with torch_fn carry_fp32: child modules that read the incoming activation as the engine's stored BF16 copy
-    # while the module's own ops read it in FP32 (OLMo 2's attention projections; carry_rounded_child)
-    rounded_children: list[str] = Field(default_factory=list)
-    # carry: child modules (paths relative to the module) whose output the module's own code scales before the
-    # residual add; the engine fuses the scale into its FP32 sum, so the child's output reaches it in FP32
-    fp32_outputs: list[str] = Field(default_factory=list)
-    # carry: child module whose output the module's own code scales by a constant -> the child modules that read the
-    # product (the first decoder layer reading the scaled embedding); the engine hands it on unrounded, so they get it
-    # in FP32 (torch_fn carry_scaled: the module's only sites; its incoming activation is not carried)
-    fp32_scaled: dict[str, list[str]] = Field(default_factory=dict)
-    # carry: child module (path relative to the module) -> the decoder layers where the module's own residual add
-    # of that child's output is rounded to BF16, as the engine stores that sum (the child's output may be held FP32)
-    rounded_sums: dict[str, list[int]] = Field(default_factory=dict)
-    # carry: child module -> the decoder layers where the module's own residual add of that child's output is stored
-    # by the engine in BF16 for the kernels after it (its own kernel's norm reads it in FP32): later adds read it
-    # rounded
-    stored_sums: dict[str, list[int]] = Field(default_factory=dict)
     # the scanned decoder layers it serves, where its regions' layers run different rounding plans (one splice per
     # group of layers: first / middle / last, alternating types); [] = every layer the pattern matches
     layers: list[int] = Field(default_factory=list)
-    # modules the generated function imports when it runs, beyond torch and transformers (the engine's own
-    # attention op: vllm._custom_ops); runtime.apply refuses the splice where they are missing
+
+
+class CalledSplice(SpliceBase):
+    """A splice whose generated function HF's own code calls in place of a module forward or a function."""
+
+    # What feeds each input of the generated function: "arg:0" / "arg:NAME" (the forward's or the function's
+    # argument), "param:NAME" (a module attribute); and where each output goes in the HF return value.
+    inputs: list[str] = Field(default_factory=list)
+    outputs: list[int] = Field(default_factory=list)
+    # HF module -> the lanes its engine kernel sums rows in (Region.reduction_lanes); the runtime passes each
+    # module's to the generated function, which sums the aligned regions' rows in that order
+    reduction_lanes: dict[str, int] = Field(default_factory=dict)
+
+
+class ModuleSplice(CalledSplice):
+    """A module's forward replaced by the generated function."""
+
+    target: Literal["module"] = "module"
+
+
+class FunctionSplice(CalledSplice):
+    """A module-level function replaced by the generated function while the modules that call it run."""
+
+    target: Literal["function"] = "function"
+    function: str  # dotted path of the replaced function
+
+
+class CarrySplice(SpliceBase):
+    """Hooks on a module whose own code only joins its child modules' outputs: its incoming activation (and the
+    outputs named below) held as the engine holds them."""
+
+    target: Literal["carry"] = "carry"
+    # torch_fn carry_fp32_rounded: child modules (paths relative to the module) that read the incoming activation in
+    # FP32 while the module's own ops read it rounded (a piecewise engine's BF16 graph boundary)
+    fp32_children: list[str] = Field(default_factory=list)
+    # torch_fn carry_fp32: child modules that read the incoming activation as the engine's stored BF16 copy while the
+    # module's own ops read it in FP32 (OLMo 2's attention projections; carry_rounded_child)
+    rounded_children: list[str] = Field(default_factory=list)
+    # child modules (paths relative to the module) whose output the module's own code scales before the residual add;
+    # the engine fuses the scale into its FP32 sum, so the child's output reaches it in FP32
+    fp32_outputs: list[str] = Field(default_factory=list)
+    # child module whose output the module's own code scales by a constant -> the child modules that read the product
+    # (the first decoder layer reading the scaled embedding); the engine hands it on unrounded, so they get it in FP32
+    # (torch_fn carry_scaled: the module's only sites; its incoming activation is not carried)
+    fp32_scaled: dict[str, list[str]] = Field(default_factory=dict)
+    # child module (path relative to the module) -> the decoder layers where the module's own residual add of that
+    # child's output is rounded to BF16, as the engine stores that sum (the child's output may be held FP32)
+    rounded_sums: dict[str, list[int]] = Field(default_factory=dict)
+    # child module -> the decoder layers where the module's own residual add of that child's output is stored by the
+    # engine in BF16 for the kernels after it (its own kernel's norm reads it in FP32): later adds read it rounded
+    stored_sums: dict[str, list[int]] = Field(default_factory=dict)
+
+
+class AttentionSplice(SpliceBase):
+    """The attention function (registered with transformers' AttentionInterface), or torch's sdpa where a module's
+    own code calls it."""
+
+    target: Literal["attention"] = "attention"
+    function: str  # the attention function swapped
+    # modules the generated function imports when it runs, beyond torch and transformers (the engine's own attention
+    # op: vllm._custom_ops); runtime.apply refuses the splice where they are missing
     imports: list[str] = Field(default_factory=list)
+
+
+class MoeSplice(SpliceBase):
+    """A router or experts module's forward computed as the engine's fused MoE does."""
+
+    target: Literal["router", "experts"]
+    imports: list[str] = Field(default_factory=list)  # as AttentionSplice's (the engine's own GEMM or fused-MoE op)
+
+
+class LinearSplice(SpliceBase):
+    """An nn.Linear computed as a tensor-parallel engine's ranks compute it: K split over `shards` ranks."""
+
+    target: Literal["linear"] = "linear"
+    shards: int  # the engine's tensor-parallel ranks the matmul's K is split over
+
+
+# One place the runtime changes the HF model, one record per target (the runtime patches each target its own way)
+ManifestSplice = Annotated[ModuleSplice | FunctionSplice | CarrySplice | AttentionSplice | MoeSplice | LinearSplice,
+                           Field(discriminator="target")]
 
 
 class RegionEffect(BaseModel):
