@@ -16,7 +16,7 @@ import torch
 from graphdiff.analysis.rounding import buffer_nodes
 from graphdiff.artifacts import ScanDir
 from graphdiff.records import Graph, Node
-from graphdiff.replay.kernels import kernel_fragment
+from graphdiff.replay.kernel_fragment import kernel_fragment
 from graphdiff.report.explain import _evidence_at
 
 

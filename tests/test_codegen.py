@@ -354,7 +354,7 @@ def test_a_module_forward_returning_cos_and_sin_is_re_emitted(tmp_path: Path) ->
 
 def test_a_feature_size_equal_to_the_token_count_is_not_taken_for_a_baked_in_count() -> None:
     """GPT-NeoX's tiny rotary dimension is 16, as is the captured prompt: at 21 tokens cos is [1, 21, 16]."""
-    from graphdiff.codegen.generate import _follows
+    from graphdiff.codegen.probes import _follows
 
     assert _follows([1, 21, 16], [1, 16, 16], 16, 21) and _follows([1, 21, 21], [1, 16, 16], 16, 21)
     assert not _follows([1, 16, 16], [1, 16, 16], 16, 21)  # the count baked in: nothing follows it
@@ -367,7 +367,7 @@ def test_a_buffer_whose_size_equals_the_token_count_keeps_it_at_another_count() 
     import torch
 
     from graphdiff.codegen.fragment import Fragment
-    from graphdiff.codegen.generate import other_length_problem
+    from graphdiff.codegen.probes import other_length_problem
     from graphdiff.records import Node
 
     def rotary(position_ids: torch.Tensor, inv_freq: torch.Tensor, align: frozenset[str]) -> tuple[torch.Tensor]:
@@ -387,7 +387,8 @@ def test_a_post_norm_output_summed_by_a_carried_residual_add_leaves_in_fp32():
     """`residual + post_attention_layernorm(h)` (Gemma 2, GLM-4, OLMo 2): the engine's fused add reads the norm's
     unrounded output; with the carry's regions aligned the trainer's add sums it in FP32 too, so the norm splice
     returns it unrounded, and only then."""
-    from graphdiff.codegen.fragment import Fragment, decide_outputs
+    from graphdiff.codegen.fragment import Fragment
+    from graphdiff.codegen.outputs import decide_outputs
     from graphdiff.records import Graph, Node
 
     def node(name: str, target: str, module: str, *inputs: str) -> Node:

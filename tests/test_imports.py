@@ -92,7 +92,8 @@ def test_the_runtime_reaches_only_the_data_model() -> None:
     graph, _ = import_graph()
     runtime = {m for m in graph if m == "graphdiff.runtime" or m.startswith("graphdiff.runtime.")}
     reached = set().union(*(nx.descendants(graph, m) for m in runtime)) - runtime
-    assert reached <= {"graphdiff", "graphdiff.records", "graphdiff.sources", "graphdiff.errors"}, sorted(reached)
+    data_model = {m for m in reached if m == "graphdiff.records" or m.startswith("graphdiff.records.")}
+    assert reached - data_model <= {"graphdiff", "graphdiff.sources", "graphdiff.errors"}, sorted(reached)
 
 
 # graphdiff's packages, lowest first; an import may point down or within its layer, never up

@@ -11,7 +11,7 @@ from graphdiff.engines import inductor
 from graphdiff.engines.base import EngineOptions
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import BufferArg, EngineSample, Kernel, Node
-from graphdiff.replay.kernels import numel, sym_value
+from graphdiff.replay.values import numel, sym_value
 from tests.conftest import PROMPT
 from tests.test_cli_errors import one_error_line, run_cli
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from graphdiff.records import Graph, Kernel, Node
-from graphdiff.replay.kernels import kernel_fragment
+from graphdiff.replay.kernel_fragment import kernel_fragment
 
 
 def _call(name: str, target: str, args: list, dtype: str, shape: list) -> Node:

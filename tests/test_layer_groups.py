@@ -16,7 +16,7 @@ import torch
 
 from graphdiff import runtime
 from graphdiff.codegen import generate
-from graphdiff.codegen.fragment import layer_groups
+from graphdiff.codegen.layer_groups import layer_groups
 from graphdiff.models.tiny import make_tiny
 from graphdiff.records import ScanResult
 from graphdiff.runtime import PatchError, scanned_layer
@@ -101,7 +101,7 @@ def test_a_scaled_child_output_before_the_residual_add_is_carried_in_fp32():
     """`residual + self_attn(x)[0] * residual_multiplier` (Granite): the trainer rounds the product, the engine sums
     it in FP32; the carry keeps the child's output FP32 for that scale, and only where nothing else reads it."""
     from graphdiff.codegen.carry import carry_fp32_output
-    from graphdiff.codegen.fragment import _scaled_child_outputs
+    from graphdiff.codegen.carry_plan import _scaled_child_outputs
     from graphdiff.records import Graph, Node
 
     def node(name: str, target: str, module: str, *inputs: str) -> Node:
@@ -133,7 +133,7 @@ def test_a_scaled_child_output_before_the_residual_add_is_carried_in_fp32():
 def test_a_sum_of_two_child_outputs_handed_to_a_child_is_carried_in_fp32():
     """`inputs_embeds + position_embeds` in the decoder's own forward (GPT-2, OPT), read by the first decoder layer
     only (its norm and its residual add): both embeddings are held FP32; not where a second child reads the sum."""
-    from graphdiff.codegen.fragment import _scaled_child_outputs
+    from graphdiff.codegen.carry_plan import _scaled_child_outputs
     from graphdiff.records import Graph, Node
 
     def node(name: str, target: str, module: str, *inputs: str) -> Node:
@@ -157,7 +157,7 @@ def test_a_scaled_child_output_handed_to_a_child_is_carried_in_fp32():
     the hooks hand that child the FP32 product and leave every other reader (a rotary embedding reading its dtype)
     the trainer's value."""
     from graphdiff.codegen.carry import SCALED_PARTS
-    from graphdiff.codegen.fragment import scaled_handoffs
+    from graphdiff.codegen.carry_plan import scaled_handoffs
     from graphdiff.records import Graph, Node
 
     def node(name: str, target: str, module: str, *inputs: str) -> Node:
@@ -207,7 +207,7 @@ def test_a_child_output_gated_by_an_activation_of_another_child_output_is_carrie
     """`sigmoid(shared_expert_gate(x)) * shared_expert(x)` before the MoE block's own add (Qwen2-MoE): the trainer
     rounds the product, the engine computes it in FP32 in the kernel that adds it. Both round the sigmoid (the engine
     stores it as BF16), so only the gated child's output is held FP32; the gate's too where the sigmoid is a site."""
-    from graphdiff.codegen.fragment import _scaled_child_outputs
+    from graphdiff.codegen.carry_plan import _scaled_child_outputs
     from graphdiff.records import Graph, Node
 
     def node(name: str, target: str, module: str, *inputs: str) -> Node:

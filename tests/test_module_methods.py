@@ -10,7 +10,7 @@ import torch
 
 from graphdiff import runtime
 from graphdiff.codegen import generate
-from graphdiff.codegen.fragment import _module_method
+from graphdiff.codegen.cut import _module_method
 from graphdiff.models.tiny import make_tiny
 
 APERTUS = Path(__file__).resolve().parent.parent / "fixtures" / "scans" / "tiny-apertus-3"

@@ -176,7 +176,7 @@ def test_a_norm_region_with_sites_is_cut_where_its_kernels_read_the_store_back()
     """Nemotron's LayerNorm1P regions have sites (the weight + 1 in BF16) and a second layer whose norm kernel reads
     its input back from the BF16 copy it stored: that layer gets its own code, reading the store back (here on the
     recorded StableLM scan, whose post-attention norms read alike)."""
-    from graphdiff.codegen.fragment import layer_groups
+    from graphdiff.codegen.layer_groups import layer_groups
     from graphdiff.records import Region
 
     scan = ScanResult.model_validate_json((STABLELM / "scan.json").read_text())

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from graphdiff import runtime
-from graphdiff.analysis.plan import mark_recomputed_reads
+from graphdiff.analysis.reads import mark_recomputed_reads
 from graphdiff.artifacts import ScanDir
 from graphdiff.capture.hf import load_hf_model
 from graphdiff.codegen import generate

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from graphdiff import runtime
-from graphdiff.analysis.plan import mark_rounded_reads
+from graphdiff.analysis.reads import mark_rounded_reads
 from graphdiff.codegen import generate
 from graphdiff.records import Capture, Decision, Evidence, Graph, Kernel, Node, SideState
 

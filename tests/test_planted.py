@@ -13,8 +13,8 @@ import re
 import pytest
 
 from graphdiff.analysis.match import match_values
-from graphdiff.analysis.plan import find_sites
 from graphdiff.analysis.rounding import eager_values, engine_rounding, train_rounding
+from graphdiff.analysis.sites import find_sites
 from graphdiff.capture.function import capture_compiled, trace_eager
 from tests.conftest import FIXTURES
 

@@ -16,8 +16,8 @@ import torch
 
 from graphdiff.analysis.match import Match
 from graphdiff.codegen import carry
-from graphdiff.codegen.fragment import rounded_sums
-from graphdiff.records import Graph, ManifestSplice, Node, ScanResult
+from graphdiff.codegen.carry_plan import rounded_sums
+from graphdiff.records import CarrySplice, Graph, Node, ScanResult
 from graphdiff.runtime import _round_sums
 
 
@@ -42,7 +42,7 @@ class _Layer(torch.nn.Module):
 
 def _hooked(rounded: dict[str, list[int]], name: str = "model.layers.0") -> tuple[_Layer, Any]:
     layer, state = _Layer(), SimpleNamespace(undo=[])
-    splice = ManifestSplice(key="model.layers.*", target="carry", module="model.layers.*", regions=["r"],
+    splice = CarrySplice(key="model.layers.*", module="model.layers.*", regions=["r"],
                             rounded_sums=rounded)
     _round_sums(carry, splice, name, layer, state)  # the carry module's parts, as the generated module carries them
     return layer, state
@@ -129,7 +129,7 @@ class _PreNormLayer(torch.nn.Module):
 
 def test_a_stored_sum_is_read_rounded_by_the_later_adds_only() -> None:
     layer, state = _PreNormLayer(), SimpleNamespace(undo=[])
-    splice = ManifestSplice(key="k", target="carry", module="model.layers.*", regions=["r"], stored_sums={"attn": [0]})
+    splice = CarrySplice(key="k", module="model.layers.*", regions=["r"], stored_sums={"attn": [0]})
     _round_sums(carry, splice, "model.layers.0", layer, state)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).float()
     normed, out = layer(x)
@@ -193,7 +193,7 @@ def test_a_stored_sum_of_a_scaled_child_output_is_named_by_the_child() -> None:
     """`residual + self_attn(x)[0] * residual_multiplier` (Granite's second layer, the sum the engine stores): the scan
     names the add, the carry names the direct child whose output the scale reads (the carry holds that output FP32),
     and the mode follows the scale to the add; the later add reads the sum rounded, the norm the FP32 sum."""
-    from graphdiff.codegen.fragment import stored_sums
+    from graphdiff.codegen.carry_plan import stored_sums
 
     layer = "model.layers.1"
     graph = Graph(name="t", nodes=[
@@ -205,7 +205,7 @@ def test_a_stored_sum_of_a_scaled_child_output_is_named_by_the_child() -> None:
                                       "stored_sums": ["add"]})
     assert stored_sums(scan, graph, "model.layers.*") == {"self_attn": [1]}
     module, state = _ScaledLayer(), SimpleNamespace(undo=[])
-    splice = ManifestSplice(key="k", target="carry", module="model.layers.*", regions=["r"], stored_sums={"attn": [0]})
+    splice = CarrySplice(key="k", module="model.layers.*", regions=["r"], stored_sums={"attn": [0]})
     _round_sums(carry, splice, "model.layers.0", module, state)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).float()
     normed, out = module(x)
@@ -229,7 +229,7 @@ class _ReshapingLayer(_PreNormLayer):
 
 def test_a_view_of_a_stored_sum_is_read_rounded_by_the_later_adds() -> None:
     layer, state = _ReshapingLayer(), SimpleNamespace(undo=[])
-    splice = ManifestSplice(key="k", target="carry", module="model.layers.*", regions=["r"], stored_sums={"attn": [0]})
+    splice = CarrySplice(key="k", module="model.layers.*", regions=["r"], stored_sums={"attn": [0]})
     _round_sums(carry, splice, "model.layers.0", layer, state)
     x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(2)).float()
     normed, out = layer(x)

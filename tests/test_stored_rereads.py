@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from graphdiff.analysis.match import Match
-from graphdiff.analysis.plan import mark_rounded_reads
+from graphdiff.analysis.reads import mark_rounded_reads
 from graphdiff.analysis.scan import norm_rereads, ordered_sums
 from graphdiff.artifacts import ScanDir
 from graphdiff.codegen import generate

@@ -21,7 +21,7 @@ import torch
 
 from graphdiff.analysis.match import Match
 from graphdiff.ops import VIEWS, op_name
-from graphdiff.records import Departure, Graph, Node, layer_of
+from graphdiff.records import Departure, Graph, Node, layer_of, walk
 
 LOW = ("bfloat16", "float16")
 
@@ -119,16 +119,12 @@ def _upstream(graph: Graph, name: str, compared: set[str], forward: set[str]) ->
     """The compared values `name` reads, through ops whose values were not compared, and those ops (graph order):
     everything between the last values known equal and the first that differs (`forward`: activation_values)."""
     nodes = graph.node_map()
-    reached, between, frontier = set(), set(), [name]
-    while frontier:
-        nxt = []
-        for i in (i for f in frontier for i in nodes[f].inputs if i in nodes and i in forward):
-            if i in reached:
-                continue
-            reached.add(i)
-            if i not in compared and nodes[i].op == "call_function":
-                between.add(i)
-                nxt.append(i)
-        frontier = nxt
+
+    def uncompared(i: str) -> bool:
+        return i not in compared and nodes[i].op == "call_function"
+
+    reached = set(walk([name], lambda f: [i for i in nodes[f].inputs if i in nodes and i in forward],
+                       through=uncompared))
+    between = {i for i in reached if uncompared(i)}
     inputs = sorted(reached & compared, key=graph.position)
     return inputs, sorted(between | {name}, key=graph.position)

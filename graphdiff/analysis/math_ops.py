@@ -18,7 +18,7 @@ from graphdiff.analysis.match import Match
 from graphdiff.ops import op_name
 from graphdiff.records import Graph, KernelEvidence, KernelRecord, Node
 from graphdiff.replay.inductor_math import GELU_FORMS, inductor_math, math_form
-from graphdiff.replay.kernels import value_base
+from graphdiff.replay.kernel_fragment import value_base
 
 LAYOUT_GUESS = 0.5  # more differing elements than this: the two values are not laid out alike
 

@@ -14,6 +14,7 @@ Routing agreement: per layer, the fraction of tokens whose set of chosen experts
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from graphdiff.analysis.moe_engine import moe_experts_like_engine
 from graphdiff.analysis.rounding import is_view
 from graphdiff.ops import CASTS, EXACT, is_heavy, is_low, op_name
-from graphdiff.records import Decision, Evidence, Graph, Node, RoutingAgreement, SideState, layer_of
+from graphdiff.records import Decision, Evidence, Graph, Node, RoutingAgreement, SideState, layer_of, walk
 from graphdiff.replay.sum_order import cpp_sum_lanes
 
 _ACTS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "relu": torch.relu}
@@ -126,17 +127,15 @@ def _walk_back(graph: Graph, start: str, match: Callable[[Node], bool]) -> Node 
     """The first node, walking back from `start` breadth first over inputs, that `match`es; None where a matmul
     or the graph's inputs come first."""
     nodes = graph.node_map()
-    seen, frontier = set(), [start]
-    while frontier:
-        name = frontier.pop(0)
-        if name in seen or name not in nodes:
-            continue
-        seen.add(name)
+    if start not in nodes:
+        return None
+    back = walk([start], lambda name: [i for i in nodes[name].inputs if i in nodes],
+                through=lambda name: not is_heavy(nodes[name].target))
+    for name in itertools.chain([start], back):
         if match(nodes[name]):
             return nodes[name]
         if is_heavy(nodes[name].target):
             return None
-        frontier += nodes[name].inputs
     return None
 
 
@@ -185,17 +184,19 @@ def _down_gemm_inputs(graph: Graph, inside: list[Node], down_proj: str) -> set[s
     for n in inside:  # views, selections and casts of the down_proj weight
         if any(i in from_weight for i in n.inputs) and (is_view(n) or op_name(n.target) in EXACT | CASTS):
             from_weight.add(n.name)
-    found = set()
-    for n in inside:
-        if is_heavy(n.target) and any(i in from_weight for i in n.inputs):
-            frontier = [i for i in n.inputs if i not in from_weight]
-            while frontier:
-                x = nodes[frontier.pop()]
-                if is_view(x) or op_name(x.target) in EXACT or (op_name(x.target) in CASTS and not is_low(x.dtype)):
-                    frontier += x.inputs
-                else:
-                    found.add(x.name)
-    return found
+    return {x for n in inside if is_heavy(n.target) and any(i in from_weight for i in n.inputs)
+            for x in _computed_operands(nodes, n, from_weight)}
+
+
+def _computed_operands(nodes: dict[str, Node], gemm: Node, weight: set[str]) -> set[str]:
+    """The computed values a GEMM reads besides its weight, back through views, exact ops and casts to FP32."""
+    def carries(x: str) -> bool:
+        n = nodes[x]
+        return is_view(n) or op_name(n.target) in EXACT or (op_name(n.target) in CASTS and not is_low(n.dtype))
+
+    back = walk([gemm.name], lambda x: [i for i in nodes[x].inputs if x != gemm.name or i not in weight],
+                through=carries)
+    return {x for x in back if not carries(x)}
 
 
 def experts_decisions(graph: Graph, values: dict[str, Any], changed: dict[str, float],

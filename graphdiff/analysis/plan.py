@@ -1,4 +1,4 @@
-"""The rounding plan (one decision per trainer value, by named rules) and the sites in it.
+"""The rounding plan: one decision per trainer value, by named rules.
 
 A site is a training-graph value that one side rounds to low precision and the other does not.
 Matched values compare the two sides' rounding directly. A training value with no engine
@@ -7,8 +7,9 @@ rounds it and the engine computes the whole stretch around it inside one fused k
 in FP32 registers — which the replay of that kernel has verified.
 
 Each decision carries a stable id (module path, source line, the op's position on that line), the
-rule that made it and its evidence as fields. A site's kind is decided from the dataflow around it (no
-model names, see `classify`); `graphdiff.analysis.regions` groups the sites into regions.
+rule that made it and its evidence as fields. `graphdiff.analysis.reads` marks how the engine's readers read the
+values, `graphdiff.analysis.sites` makes the one-sided decisions sites, `graphdiff.analysis.kinds` decides a site's
+kind from the dataflow around it (no model names), `graphdiff.analysis.regions` groups the sites into regions.
 """
 
 from __future__ import annotations
@@ -24,25 +25,11 @@ import torch
 from graphdiff.analysis.match import Match
 from graphdiff.analysis.opaque import ExternRule, extern_rule
 from graphdiff.analysis.rounding import EngineRounding, is_view
-from graphdiff.ops import ACTIVATIONS, CASTS, EXACT, ROUTING, is_attention, is_heavy, is_low, op_name
-from graphdiff.records import (
-    Decision,
-    Evidence,
-    Graph,
-    KernelEvidence,
-    Node,
-    RegionKind,
-    SideRef,
-    SideState,
-    Site,
-    layer_of,
-)
+from graphdiff.ops import CASTS, EXACT, is_heavy, is_low, op_name
+from graphdiff.records import Decision, Evidence, Graph, KernelEvidence, Node, SideState, layer_of, walk
 from graphdiff.replay.interpreter import LOW
-from graphdiff.replay.kernels import value_base
-from graphdiff.replay.sum_order import cpp_rereads_store
 
 MAX_HOPS = 12
-NORMS = frozenset({"rsqrt", "native_layer_norm"})  # where a normalization shows in an ATen graph (RMSNorm, LayerNorm)
 
 
 # --- stable ids ------------------------------------------------------------------------------------
@@ -66,80 +53,10 @@ def stable_ids(graph: Graph) -> dict[str, str]:
 
 # --- dataflow around a value ----------------------------------------------------------------------
 
-def _closure(graph: Graph, start: str, down: bool) -> tuple[set[str], set[str]]:
-    """Nodes reachable from `start` without crossing a matmul/attention/embedding/expert op, and the ops of those
-    boundary nodes it reaches ("attention", "embedding", "mm", ...; the graph output as "output")."""
+def step(graph: Graph, down: bool) -> Callable[[str], list[str]]:
+    """A node's users (`down`) or inputs: the step of a walk along the dataflow."""
     nodes, users = graph.node_map(), graph.users()
-    seen, frontier, edges = {start}, [start], set()
-    for _ in range(MAX_HOPS):
-        nxt = []
-        for name in frontier:
-            for other in (users.get(name, []) if down else nodes[name].inputs):
-                n = nodes[other]
-                if is_heavy(n.target) or n.op == "output":
-                    edges.add("attention" if is_attention(n.target) else "output" if n.op == "output"
-                              else op_name(n.target))
-                    continue
-                if other not in seen and n.op == "call_function":
-                    seen.add(other)
-                    nxt.append(other)
-        frontier = nxt
-    return seen, edges
-
-
-def _scaled_by_constant(n: Node, nodes: dict[str, Node]) -> bool:
-    """A multiply or divide by a constant (a config number, or a 0-d tensor such as Gemma's sqrt(hidden)), not by
-    another activation."""
-    if op_name(n.target) not in ("mul", "div"):
-        return False
-    for a in n.call[0][:2]:
-        if isinstance(a, int | float) and not isinstance(a, bool):
-            return True
-        if isinstance(a, dict) and "node" in a and nodes[a["node"]].shape == []:
-            return True
-    return False
-
-
-def _from_parameters(n: Node, nodes: dict[str, Node]) -> bool:
-    """Computed from parameters and constants only (a weight offset such as LayerNorm1P's `weight + 1`)."""
-    ins = [nodes[i] for i in n.inputs]
-    return bool(ins) and all(i.op == "placeholder" and i.param is not None for i in ins)
-
-
-def classify(graph: Graph, name: str, experts: set[str] | frozenset[str] = frozenset()) -> tuple[RegionKind, str]:
-    """(kind, the dataflow fact that decided it), first rule that holds; `experts`: the nodes inside MoE experts
-    modules (moe.experts_nodes)."""
-    nodes = graph.node_map()
-    n = nodes[name]
-    up, up_edges = _closure(graph, name, down=False)
-    down, down_edges = _closure(graph, name, down=True)
-    up_ops = {op_name(nodes[x].target) for x in up}
-    down_ops = {op_name(nodes[x].target) for x in down}
-    norm_up, norm_down = bool(up_ops & NORMS), bool(down_ops & NORMS)
-    norm_near = norm_up or norm_down
-    if up_ops & {"cos", "sin"}:
-        return "rope", "depends elementwise on a cos/sin table"
-    if norm_up and "attention" in down_edges:
-        return "qk_norm", "inside a normalization (rsqrt, layer_norm) whose output flows into attention"
-    if name in experts:
-        return "expert_combine", "inside an MoE experts module: the experts' GEMMs, activation and weighted sum"
-    if up_ops & ROUTING and not (up & experts):
-        return "router", f"from the {'/'.join(sorted(up_ops & ROUTING))} of router logits, before the experts"
-    if (acts := up_ops & ACTIVATIONS) and not norm_near:
-        return "gated_act", f"elementwise on the output of {', '.join(sorted(acts))}, no normalization in reach"
-    if _scaled_by_constant(n, nodes) and "embedding" in up_edges:
-        return "embedding_scale", "the embedding lookup scaled by a constant"
-    if norm_down and not norm_up and _from_parameters(n, nodes):
-        return "norm_weight", "a normalization's weight computed from its parameter (w + 1) before it normalizes"
-    if _scaled_by_constant(n, nodes) and norm_down and not norm_up:
-        return "residual_scale", "a matmul output scaled by a constant before the residual add and a normalization"
-    if op_name(n.target) == "add" and norm_down and not norm_up:
-        return "residual_norm", "an add whose result flows into a normalization (rsqrt, layer_norm)"
-    if norm_up:
-        return "norm_weight", "inside a normalization, after its rsqrt"
-    if (_scaled_by_constant(n, nodes) or op_name(n.target) == "tanh") and "output" in down_edges and not norm_near:
-        return "logit_scale", "the logits scaled (or soft-capped) by a constant on their way out"
-    return "other", "no known pattern in its elementwise neighbourhood"
+    return (lambda name: users.get(name, [])) if down else (lambda name: nodes[name].inputs)
 
 
 def _representable(v: object) -> bool:
@@ -151,14 +68,8 @@ def _representable(v: object) -> bool:
 
 def _same_value_chain(graph: Graph, start: str) -> list[str]:
     users, nodes = graph.users(), graph.node_map()
-    chain, frontier = [start], [start]
-    while frontier:
-        nxt = [u for n in frontier for u in users.get(n, [])
-               if is_view(nodes[u]) or op_name(nodes[u].target) in CASTS]
-        nxt = [u for u in nxt if u not in chain]
-        chain += nxt
-        frontier = nxt
-    return chain
+    return [start, *walk([start], lambda n: [u for u in users.get(n, [])
+                                             if is_view(nodes[u]) or op_name(nodes[u].target) in CASTS])]
 
 
 def _base(engine: Graph, e: str) -> str:
@@ -209,34 +120,20 @@ def train_state(t: Node, value: object, changed: dict[str, float]) -> SideState:
 
 
 def _nearest_matched(graph: Graph, start: str, matched: dict[str, Match], down: bool) -> str | None:
-    nodes, users = graph.node_map(), graph.users()
-    frontier, seen = [start], {start}
-    for _ in range(MAX_HOPS):
-        nxt = []
-        for name in frontier:
-            for other in (users.get(name, []) if down else nodes[name].inputs):
-                if other in matched:
-                    return other
-                if other not in seen and nodes[other].op == "call_function" and not is_heavy(nodes[other].target):
-                    seen.add(other)
-                    nxt.append(other)
-        frontier = nxt
-    return None
+    nodes = graph.node_map()
+    reached = walk([start], step(graph, down), hops=MAX_HOPS,
+                   through=lambda o: nodes[o].op == "call_function" and not is_heavy(nodes[o].target))
+    return next((other for other in reached if other in matched), None)
 
 
 def _producing_kernel(engine: Graph, name: str) -> str | None:
     """The generated kernel computing a node, looking through glue (views, aliasing concatenation)."""
     nodes = engine.node_map()
     generated = {k.id for k in engine.kernels if k.kind == "generated"}
-    frontier = [name]
-    for _ in range(MAX_HOPS):
-        for n in frontier:
-            if nodes[n].kernel in generated:
-                return nodes[n].kernel
-        frontier = [i for n in frontier if not nodes[n].kernel for i in nodes[n].inputs]
-        if not frontier:
-            return None
-    return None
+    if nodes[name].kernel:
+        return nodes[name].kernel if nodes[name].kernel in generated else None
+    glue = walk([name], lambda n: nodes[n].inputs, through=lambda n: not nodes[n].kernel, hops=MAX_HOPS - 1)
+    return next((nodes[n].kernel for n in glue if nodes[n].kernel in generated), None)
 
 
 def _anchors(train: Graph, engine: Graph, by_train: dict[str, Match]) -> dict[str, Match]:
@@ -295,11 +192,9 @@ def _compared_after_downcast(ev: _Evidence, t: Node) -> bool:
         return False
     tnodes, users = ev.train.node_map(), ev.train.users()
     chain = _same_value_chain(ev.train, t.name)
-    unrounded, frontier = {t.name}, [t.name]  # the chain up to its downcasts: the FP32 value itself
-    while frontier:
-        frontier = [u for n in frontier for u in users.get(n, [])
-                    if u in chain and u not in unrounded and not is_low(tnodes[u].dtype)]
-        unrounded.update(frontier)
+    # the chain up to its downcasts: the FP32 value itself
+    unrounded = {t.name, *walk([t.name], lambda n: [u for u in users.get(n, [])
+                                                    if u in chain and not is_low(tnodes[u].dtype)])}
     if any(u not in chain for c in unrounded for u in users.get(c, [])):
         return False
     return any(is_low(tnodes[c].dtype) and not is_view(tnodes[c]) for c in chain[1:])
@@ -396,55 +291,34 @@ def decide(train: Graph, train_values: dict[str, object], changed: dict[str, flo
 
 def _leaves_for_boundary(train: Graph, name: str) -> bool:
     """Does the value only flow (through exact ops) into matmul/attention-like ops: the end of a stretch?"""
-    nodes, users = train.node_map(), train.users()
-    frontier, seen = [name], {name}
-    while frontier:
-        nxt = []
-        for n in frontier:
-            for u in users.get(n, []):
-                if is_heavy(nodes[u].target) or nodes[u].op == "output":
-                    continue
-                if op_name(nodes[u].target) not in EXACT:
-                    return False
-                if u not in seen:
-                    seen.add(u)
-                    nxt.append(u)
-        frontier = nxt
-    return True
+    nodes = train.node_map()
+
+    def boundary(u: str) -> bool:
+        return is_heavy(nodes[u].target) or nodes[u].op == "output"
+
+    reached = walk([name], step(train, down=True), through=lambda u: not boundary(u))
+    return all(boundary(u) or op_name(nodes[u].target) in EXACT for u in reached)
 
 
 def _producing_call(engine: Graph, name: str) -> str | None:
     """The kernel call (generated or extern) computing a node, looking through glue."""
     nodes = engine.node_map()
-    frontier = [name]
-    for _ in range(MAX_HOPS):
-        for n in frontier:
-            if nodes[n].kernel:
-                return nodes[n].kernel
-        frontier = [i for n in frontier for i in nodes[n].inputs]
-        if not frontier:
-            return None
-    return None
+    if nodes[name].kernel:
+        return nodes[name].kernel
+    return next((nodes[n].kernel for n in walk([name], lambda n: nodes[n].inputs, hops=MAX_HOPS - 1)
+                 if nodes[n].kernel), None)
 
 
 def _fp32_extern_reading(engine: Graph, name: str, device: str = "cpu") -> tuple[str, ExternRule] | None:
     """An opaque op the registry says computes in FP32 inside (rounding once per output) that reads the value of
     `name` (or a view of it): then trainer values between that input and the op's outputs are FP32 in the engine."""
-    nodes, users = engine.node_map(), engine.users()
-    seen, frontier = {name}, [name]
-    while frontier:
-        nxt = []
-        for n in frontier:
-            for u in users.get(n, []):
-                kid = nodes[u].kernel or ""
-                rule = extern_rule(kid.split(":")[0], device=device) if kid else None
-                if rule is not None and rule.fp32_inside and rule.kind not in ("matmul", "kv-cache") and \
-                        any(k.id == kid and k.kind == "extern" for k in engine.kernels):
-                    return kid, rule
-                if is_view(nodes[u]) and u not in seen:
-                    seen.add(u)
-                    nxt.append(u)
-        frontier = nxt
+    nodes = engine.node_map()
+    for u in walk([name], step(engine, down=True), through=lambda u: is_view(nodes[u])):
+        kid = nodes[u].kernel or ""
+        rule = extern_rule(kid.split(":")[0], device=device) if kid else None
+        if rule is not None and rule.fp32_inside and rule.kind not in ("matmul", "kv-cache") and \
+                any(k.id == kid and k.kind == "extern" for k in engine.kernels):
+            return kid, rule
     return None
 
 
@@ -463,293 +337,3 @@ def merge_decisions(train: Graph, per_graph: list[list[Decision]]) -> list[Decis
             if d.node not in best or order(d) < order(best[d.node]):
                 best[d.node] = d
     return sorted(best.values(), key=lambda d: train.position(d.node))
-
-
-def _read_path(engine: Graph, name: str) -> list[Node]:
-    """The engine nodes an input is read through, back over views and casts, to a placeholder or the first
-    computing node."""
-    nodes = engine.node_map()
-    path = [nodes[name]]
-    while path[-1].inputs and (is_view(path[-1]) or op_name(path[-1].target) in CASTS):
-        path.append(nodes[path[-1].inputs[0]])
-    return path
-
-
-def _one_kernel_store(t: Decision, graph: Graph) -> tuple[Node, set[str]] | None:
-    """`t`'s engine value where one kernel computes it and its buffer is low precision: (its node, that kernel)."""
-    base = value_base(graph.node_map(), t.evidence.engine_node)
-    own = graph.computed_in().get(base.name, set()) if base is not None else set()
-    return (base, own) if base is not None and is_low(base.dtype) and len(own) == 1 else None
-
-
-def _reads_rounded(t: Decision, u: Decision, graphs: dict[str, Graph]) -> bool:
-    """Does the engine op matched to consumer `u` read the value of `t` through a low-precision copy in memory?
-    Across graphs (a piecewise engine): `t`'s value enters `u`'s graph as an input, and does when every activation
-    input the op reads is low precision (a graph input's dtype is how it was stored). Inside one graph: one kernel
-    computes `t`'s value (in FP32, for its own readers) and stores its low-precision buffer, and `u`'s op runs in
-    other kernels, which load that buffer (Inductor realizes a sum it otherwise recomputes in each consumer)."""
-    ug = graphs.get(u.evidence.engine_graph)
-    if ug is None or u.evidence.engine_node not in ug.node_map():
-        return False
-    unodes = ug.node_map()
-    if t.evidence.engine_graph == u.evidence.engine_graph:
-        stored = _one_kernel_store(t, ug)
-        here = ug.computed_in().get(u.evidence.engine_node, set())
-        return stored is not None and bool(here) and not here & stored[1] and any(
-            (b := value_base(unodes, i)) is not None and b.name == stored[0].name
-            for i in unodes[u.evidence.engine_node].inputs)
-    reads = [_read_path(ug, i) for i in unodes[u.evidence.engine_node].inputs]
-    acts = [p[-1] for p in reads if p[-1].op == "placeholder" and p[-1].dtype
-            and "." not in ug.inputs.get(p[-1].name, "")]  # not a weight
-    return bool(acts) and all(is_low(n.dtype) for n in acts)
-
-
-def _loads_store(t: Decision, u: Decision, graphs: dict[str, Graph]) -> bool:
-    """Does the kernel computing the unmatched consumer `u` inside it ("inside-kernel") load the low-precision copy
-    of `t`'s value that another kernel stored? (vLLM's Cohere sums `residual + (attn + mlp)`: the next layer's
-    kernel adds the block's two outputs to the residual its previous kernel stored in BF16, so the trainer's
-    `residual + attn` has no engine value of its own.)"""
-    graph = graphs.get(u.evidence.engine_graph)
-    if graph is None or t.evidence.engine_graph != graph.name or not u.evidence.kernel:
-        return False
-    stored = _one_kernel_store(t, graph)
-    kernel = next((k for k in graph.kernels if k.id == u.evidence.kernel), None)
-    if stored is None or kernel is None or kernel.id in stored[1]:
-        return False
-    nodes = graph.node_map()
-    return any(stored[0].name in nodes[n].inputs for n in kernel.nodes if n in nodes)
-
-
-def _read_beside_store(t: Decision, graphs: dict[str, Graph]) -> bool:
-    """Is `t`'s engine value, stored in low precision by the one kernel computing it, also read inside that kernel
-    (in FP32, before the store)?"""
-    graph = graphs.get(t.evidence.engine_graph)
-    stored = _one_kernel_store(t, graph) if graph is not None else None
-    return graph is not None and stored is not None and any(
-        graph.computed_in().get(u, set()) & stored[1] for u in graph.users().get(stored[0].name, []))
-
-
-def _matched_consumers(train: Graph, plan: list[Decision]) -> tuple[dict[str, Decision], Callable[[str], list[str]]]:
-    """The matched decisions by trainer node, and a trainer node's consumers looking through views."""
-    nodes, users = train.node_map(), train.users()
-
-    def consumers(name: str) -> list[str]:
-        return [c for u in users.get(name, []) for c in (consumers(u) if is_view(nodes[u]) else [u])]
-
-    return {d.node: d for d in plan if d.rule == "matched"}, consumers
-
-
-def mark_rounded_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
-    """Values the engine holds in FP32 but feeds some consumers as a low-precision copy: the consumers are listed
-    in `evidence.read_rounded_by`. Where the trainer holds such a value in FP32 (a patch made it so) the copy is a
-    rounding on the engine side only: a site. A value the engine state calls rounded (stored) is one too where the
-    kernel storing it also reads it in FP32 (the norm beside a layer's last residual sum, whose store the final
-    norm's kernel loads)."""
-    graphs = {g.name: g for g in engine_graphs}
-    by_node, consumers = _matched_consumers(train, plan)
-    nodes = train.node_map()
-    inside = {d.node: d for d in plan if d.rule == "inside-kernel"}
-    for t in plan:
-        if t.rule != "matched" or t.engine is None:
-            continue
-        if t.engine.on_grid and not _read_beside_store(t, graphs):
-            continue
-        matched = [u for u in consumers(t.node) if u in by_node and _reads_rounded(t, by_node[u], graphs)]
-        loads = [u for u in consumers(t.node) if u in inside and _loads_store(t, inside[u], graphs)]
-        readers = matched + loads
-        if readers:
-            t.evidence.read_rounded_by = [by_node[u].id for u in matched] + [inside[u].id for u in loads]
-            t.engine.how += f"; read through a low-precision copy by {', '.join(t.evidence.read_rounded_by[:3])}"
-            # a reader that is the trainer's own downcast reads it rounded as the engine does (a patch's rounded read)
-            unrounded = [u for u in readers if not (op_name(nodes[u].target) in CASTS and is_low(nodes[u].dtype))]
-            t.site = t.site or (not t.train.on_grid and bool(unrounded))
-
-
-def mark_fp32_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
-    """Values the engine stores in low precision but also hands an FP32 consumer unrounded: the kernel computing
-    the value converts it to FP32 itself, so the store's rounding never reaches that consumer (vLLM's router GEMM
-    in FP32 reads a norm's product this way, the experts and the other GEMMs its BF16 store). Where the trainer
-    rounds the value and its own consumer upcasts it to FP32, the engine holds it in FP32: a site on the trainer's
-    side (the other consumers read it rounded, `read_rounded_by`, as the engine's GEMMs and fused-MoE op load it)."""
-    graphs = {g.name: g for g in engine_graphs}
-    by_node, consumers = _matched_consumers(train, plan)
-    nodes = train.node_map()
-    for t in plan:
-        if t.rule != "matched" or t.engine is None or not t.engine.rounds or not t.train.rounds:
-            continue
-        graph = graphs.get(t.evidence.engine_graph)
-        stored = _one_kernel_store(t, graph) if graph is not None else None
-        if graph is None or stored is None:
-            continue
-        enodes, computed = graph.node_map(), graph.computed_in()
-        readers = [by_node[u].id for u in consumers(t.node)
-                   if u in by_node and op_name(nodes[u].target) in CASTS and not is_low(nodes[u].dtype)
-                   and by_node[u].evidence.engine_graph == graph.name
-                   and (e := enodes.get(by_node[u].evidence.engine_node)) is not None and not is_low(e.dtype)
-                   and computed.get(e.name, set()) & stored[1]
-                   and any(b is not None and b.name == stored[0].name for b in [value_base(enodes, e.name)])]
-        if readers:
-            kernel = next(iter(stored[1])).split(":")[0]
-            t.engine = t.engine.model_copy(update=dict(
-                dtype="float32", rounds=False, on_grid=False,
-                how=f"FP32 for {', '.join(readers[:3])} in {kernel} (a BF16 copy is stored for the other readers)"))
-            t.site = True
-
-
-def mark_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
-    """Where the engine reads a value otherwise than its state says, for some of its consumers: through a stored
-    low-precision copy (`mark_rounded_reads`), in FP32 beside its store (`mark_fp32_reads`), recomputed in FP32 by
-    another kernel (`mark_recomputed_reads`)."""
-    mark_rounded_reads(train, plan, engine_graphs)
-    mark_fp32_reads(train, plan, engine_graphs)
-    mark_recomputed_reads(train, plan, engine_graphs)
-    mark_reloaded_casts(train, plan, engine_graphs)
-
-
-def mark_reloaded_casts(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
-    """A trainer downcast of an FP32 value (a patch's rounded read) matched to the engine's FP32 copy of a value its
-    kernel stores in low precision and reads back in a later loop (a norm whose kernel reloads the residual sum it
-    stored): the engine rounds there too, for the readers after the reload. Not a site."""
-    graphs = {g.name: g for g in engine_graphs}
-    nodes = train.node_map()
-    for t in plan:
-        n = nodes.get(t.node)
-        graph = graphs.get(t.evidence.engine_graph)
-        if (t.rule != "matched" or t.engine is None or t.engine.rounds or graph is None or n is None
-                or op_name(n.target) not in CASTS or not is_low(n.dtype) or not n.inputs
-                or is_low(nodes[n.inputs[0]].dtype)):
-            continue
-        stored = _one_kernel_store(t, graph)
-        kernel = next((k for k in graph.kernels if stored is not None and k.id in stored[1]), None)
-        if (kernel is not None and stored is not None and cpp_rereads_store(kernel.code)
-                and any(a.node == stored[0].name and a.role in ("out", "inout") for a in kernel.args)):
-            t.engine = t.engine.model_copy(update=dict(
-                dtype=stored[0].dtype, rounds=True, on_grid=True,
-                how=f"rounded: stored by {kernel.name} and read back by its later loop"))
-            t.site = False
-
-
-def mark_recomputed_reads(train: Graph, plan: list[Decision], engine_graphs: list[Graph]) -> None:
-    """Values the engine stores in low precision (or stores only what exact ops make of them) while a kernel that
-    recomputes them reads them in FP32: Inductor inlines a pointwise value into every kernel consuming it, so the
-    RoPE kernel's `q * cos` reads a q/k norm's output unrounded while the kernel storing the rotate-half copy rounds
-    it. Those consumers read it in FP32 in the engine: where the trainer rounds the value, a site on the trainer's
-    side (where it holds it in FP32, a patched trainer, none); the consumers reading the stored copy (or an exact
-    op of it that is stored) are `read_rounded_by`. One kernel reads it so too where it stores only part of the
-    value or exact ops of it (OLMo 2's RoPE: the k norm's rotate-half halves stored, `k * cos` in a later loop)."""
-    graphs = {g.name: g for g in engine_graphs}
-    by_node, consumers = _matched_consumers(train, plan)
-    for t in plan:
-        if t.rule != "matched" or t.engine is None or not t.engine.rounds:
-            continue
-        graph = graphs.get(t.evidence.engine_graph)
-        base = value_base(graph.node_map(), t.evidence.engine_node) if graph is not None else None
-        if graph is None or base is None or not is_low(base.dtype) or not (
-                len(graph.computed_in().get(base.name, ())) > 1 or _stored_only_in_part(graph, base)):
-            continue
-        fp32, rounded = _recomputed_readers(graph, base, [by_node[u] for u in consumers(t.node) if u in by_node])
-        if fp32:
-            computed = graph.computed_in()
-            kernels = sorted({k.split(":")[0] for d in fp32 for k in computed.get(d.evidence.engine_node, ())})
-            t.engine = t.engine.model_copy(update=dict(
-                dtype="float32", rounds=False, on_grid=False,
-                how=f"FP32 for {', '.join(d.id for d in fp32[:3])}, recomputed in {', '.join(kernels)} (a BF16 copy "
-                    "is stored for the other readers)"))
-            t.evidence.read_rounded_by = [d.id for d in rounded]
-            t.site = t.train.rounds
-
-
-def _stored_only_in_part(graph: Graph, base: Node) -> bool:
-    """Is `base` computed in one generated kernel that stores none of it whole, only views of parts or exact ops of it
-    (a concatenation's halves)? Its other readers in that kernel then read it in registers, in FP32."""
-    kernels = graph.computed_in().get(base.name, set())
-    if len(kernels) != 1 or not any(k.id in kernels and k.kind == "generated" for k in graph.kernels):
-        return False
-    nodes = graph.node_map()
-    for k in graph.kernels:
-        for a in k.args:
-            stored = value_base(nodes, a.node) if a.node and a.role in ("out", "inout") else None
-            if stored is not None and stored.name == base.name:
-                return False
-    return True
-
-
-def _recomputed_readers(graph: Graph, base: Node, readers: list[Decision]) -> tuple[list[Decision], list[Decision]]:
-    """The matched consumers of `base`'s value split: those whose engine op computes (not an exact op) in a kernel
-    that recomputes `base` and reads it there directly, unrounded (whether it rounds its own result or not: OLMo 2's
-    next residual sum); and the others (they read a stored copy)."""
-    enodes, computed = graph.node_map(), graph.computed_in()
-    own = computed.get(base.name, set())
-    fp32, rounded = [], []
-    for d in readers:
-        e = enodes.get(d.evidence.engine_node) if d.evidence.engine_graph == graph.name else None
-        direct = e is not None and any((b := value_base(enodes, i)) is not None and b.name == base.name
-                                       for i in e.inputs)
-        if (direct and e is not None and d.engine is not None and (d.engine.rounds or not d.engine.on_grid)
-                and computed.get(e.name, set()) & own
-                and op_name(e.target) not in EXACT | CASTS):
-            fp32.append(d)
-        else:
-            rounded.append(d)
-    return fp32, rounded
-
-
-def find_sites(train: Graph, train_values: dict[str, object], changed: dict[str, float], engine: Graph,
-               er: EngineRounding, matches: list[Match], unmatched: list[str]) -> list[Site]:
-    """The sites of one engine graph (the decisions' one-sided part), kinds set: for single-graph callers."""
-    sites = sites_of(decide(train, train_values, changed, engine, er, matches, unmatched), train, [engine])
-    for s in sites:
-        s.kind = classify(train, s.train.node)[0]
-    return sites
-
-
-# --- sites ----------------------------------------------------------------------------------------
-
-def _ref(n: Node, how: str, kernel: str | None = None) -> SideRef:
-    return SideRef(node=n.name, op=n.target, dtype=n.dtype, module=n.module, source=n.source,
-                   kernel=kernel if kernel is not None else n.kernel, how=how)
-
-
-def summary(d: Decision) -> str:
-    """The decision's evidence in one line (for terminals; everything in it is a field of the plan)."""
-    e = d.evidence
-    if d.rule == "matched":
-        return (f"matched {e.engine_node} ({d.module or '?'}); sorted-value distance {e.distance:.2e} "
-                f"(runner-up {e.runner_up:.2e})")
-    if d.rule == "inside-kernel":
-        return (f"no engine node computes this value (other decomposition); the engine computes {e.stretch[0]} -> "
-                f"{e.stretch[1]} inside {e.kernel.split(':')[0]} in FP32 (replay-verified)")
-    if d.rule == "opaque-registry" and d.kind == "allreduce":  # graphdiff.analysis.tensor_parallel
-        checked = (f"; on the recorded partials the all-reduce output is that on {e.replay_predicted:.2%}, one "
-                   f"rounding of the FP32 sum (one GEMM) on {e.replay_naive:.2%}") if e.replay_naive is not None else ""
-        return f"matched {e.engine_node}: {d.engine.how if d.engine else ''}{checked}; {e.registry}"
-    if d.rule == "opaque-registry" and e.stretch:
-        return f"no engine node computes this value: the engine computes it inside the opaque {e.registry}"
-    if d.rule == "opaque-registry":
-        return (f"trainer: its attention on FP32-upcast inputs, rounded once, differs on {d.train.changed:.0%} of "
-                f"the output; {e.registry}")
-    return "no engine value matched"
-
-
-def sites_of(plan: list[Decision], train: Graph, engine_graphs: list[Graph]) -> list[Site]:
-    """The one-sided decisions as sites (region and kind are set by group_regions)."""
-    tnodes = train.node_map()
-    enodes = {n.name: n for g in engine_graphs for n in g.nodes}
-    by_graph = {g.name: g.node_map() for g in engine_graphs}  # node names repeat across graphs (pieces, ranks)
-    sites = []
-    for d in (d for d in plan if d.site):
-        t = tnodes[d.node]
-        side = "train" if d.train.on_grid else "engine"
-        e = d.evidence
-        if d.rule == "matched":
-            engine = _ref(by_graph.get(e.engine_graph, {}).get(e.engine_node) or enodes[e.engine_node],
-                          d.engine.how if d.engine else "", kernel=e.kernel or None)
-        else:
-            engine = SideRef(node="", op=e.engine_node, kernel=e.kernel or None, how=d.engine.how if d.engine else "")
-        measured = d.train.changed if side == "train" else d.engine.changed if d.engine else None
-        changed = measured if measured is not None else 1.0
-        # kind "other" until group_regions (or find_sites) sets the site's own
-        sites.append(Site(id=d.id, region="", kind="other", layer=d.layer, rounded_on=side, train=_ref(t, d.train.how),
-                          engine=engine, matched=d.rule == "matched", confidence=e.confidence,
-                          changed_fraction=changed, evidence=summary(d)))
-    return sites

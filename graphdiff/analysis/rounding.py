@@ -24,7 +24,8 @@ import torch
 from graphdiff.ops import EXACT, UNINITIALIZED, is_low, op_name
 from graphdiff.records import Graph, Kernel, KernelEvidence, KernelRecord
 from graphdiff.replay.interpreter import LOW, run_fragment
-from graphdiff.replay.kernels import Declared, is_view, replay_kernel
+from graphdiff.replay.kernel_fragment import is_view
+from graphdiff.replay.kernels import Declared, replay_kernel
 
 __all__ = ["EngineRounding", "buffer_nodes", "engine_rounding", "eager_values", "is_view",
            "rerun_fp32", "train_rounding"]

@@ -23,20 +23,16 @@ import torch
 
 from graphdiff.analysis import tensor_parallel as tp
 from graphdiff.analysis.departure import first_departure
+from graphdiff.analysis.kinds import classify
 from graphdiff.analysis.match import Match, align_module_roots
 from graphdiff.analysis.math_ops import math_differences
 from graphdiff.analysis.moe import engine_experts_op, experts_decisions, experts_nodes, routing_agreement
 from graphdiff.analysis.opaque import attention_decisions, engine_device, engine_rule, unregistered_why
-from graphdiff.analysis.plan import (
-    classify,
-    decide,
-    mark_reads,
-    merge_decisions,
-    sites_of,
-    stable_ids,
-)
+from graphdiff.analysis.plan import decide, merge_decisions, stable_ids
+from graphdiff.analysis.reads import mark_reads
 from graphdiff.analysis.regions import group_regions
 from graphdiff.analysis.rounding import EngineRounding, eager_values, engine_rounding, train_rounding
+from graphdiff.analysis.sites import sites_of
 from graphdiff.analysis.uniformity import site_nonuniformity
 from graphdiff.capture.routing import engine_routing
 from graphdiff.ops import is_attention, is_low, op_name
@@ -52,7 +48,7 @@ from graphdiff.records import (
     ScanResult,
     Site,
 )
-from graphdiff.replay.kernels import value_base
+from graphdiff.replay.kernel_fragment import value_base
 from graphdiff.replay.reload import stored_alone
 from graphdiff.replay.sum_order import cpp_rereads_store, cpp_sum_lanes_each, is_row_norm, is_row_reduction
 

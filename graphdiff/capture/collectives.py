@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from graphdiff.ops import op_name
 from graphdiff.records import Graph
-from graphdiff.replay.kernels import value_base
+from graphdiff.replay.kernel_fragment import value_base
 
 # vLLM CPU's all-reduces: its shared-memory op, and torch.distributed's (gloo) where its ops build has none (`_C_AVX2`)
 ALLREDUCE_EXTERNS = ("_C.shm_allreduce", "_c10d_functional.all_reduce")

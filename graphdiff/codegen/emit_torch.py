@@ -15,9 +15,9 @@ from graphdiff.analysis.rounding import is_view
 from graphdiff.codegen.fragment import Fragment, rounding
 from graphdiff.codegen.names import arguments, value_names
 from graphdiff.ops import is_low, op_name
-from graphdiff.records import Node
+from graphdiff.records import Node, walk
 from graphdiff.replay.inductor_math import math_form
-from graphdiff.replay.kernels import value_base
+from graphdiff.replay.kernel_fragment import value_base
 from graphdiff.replay.sum_order import LAYER_NORM_FN, MEAN_FN, SUM_FN
 
 BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -87,16 +87,17 @@ def reshaped(n: Node, nodes: dict[str, Node], names: dict[str, str]) -> str:
 def _leading_sizes(n: Node, leading: list[int], nodes: dict[str, Node], names: dict[str, str]) -> str | None:
     """`*v.shape[:m]` for the nearest value `v` before `n` in the fragment (no parameter) whose captured shape starts
     with `leading` (m sizes): where a view splits back the tokens an earlier view merged, it reads them from there."""
-    frontier, seen = list(n.inputs), set(n.inputs)
-    while frontier:
-        found = [i for i in frontier if i in names and i in nodes and nodes[i].param is None
-                 and _int_sizes(nodes[i].shape) is not None and list(nodes[i].shape or [])[:len(leading)] == leading
-                 and len(nodes[i].shape or []) > len(leading)]
-        if found:
-            return f"*{names[found[0]]}.shape[:{len(leading)}]"
-        frontier = [j for i in frontier if i in names and i in nodes for j in nodes[i].inputs if j not in seen]
-        seen.update(frontier)
-    return None
+    def splits(i: str) -> bool:
+        shape = list(nodes[i].shape or [])
+        return (nodes[i].param is None and _int_sizes(nodes[i].shape) is not None and shape[:len(leading)] == leading
+                and len(shape) > len(leading))
+
+    def named(i: str) -> bool:  # a value of the fragment: the walk goes back through these only
+        return i in names and i in nodes
+
+    earlier = walk([n.name], lambda i: n.inputs if i == n.name else nodes[i].inputs, through=named)
+    found = next((i for i in earlier if named(i) and splits(i)), None)
+    return None if found is None else f"*{names[found]}.shape[:{len(leading)}]"
 
 
 def expression(n: Node, nodes: dict[str, Node], names: dict[str, str]) -> str:
@@ -162,14 +163,8 @@ def store_readers(frag: Fragment, nodes: dict[str, Node]) -> dict[str, tuple[str
     if not frag.reads_store or not frag.ordered:
         return {}
     inside = {n.name for n in frag.nodes}
-    feeds_rows: set[str] = set()
     first = next(n.name for n in frag.nodes if n.name in frag.ordered)  # the kernel's first loop, before the store
-    frontier = list(nodes[first].inputs)
-    while frontier:
-        name = frontier.pop()
-        if name in inside and name not in feeds_rows:
-            feeds_rows.add(name)
-            frontier += nodes[name].inputs
+    feeds_rows = set(walk([first], lambda name: [i for i in nodes[name].inputs if i in inside]))
     found: dict[str, tuple[str, str]] = {}
     for n in frag.nodes:
         if n.name in feeds_rows or n.name in frag.ordered:

@@ -35,7 +35,7 @@ from graphdiff.codegen.fragment import Fragment, rounding
 from graphdiff.codegen.inductor_lowering import Step
 from graphdiff.codegen.names import Namer, arguments, value_names
 from graphdiff.ops import EXACT, is_low, op_name
-from graphdiff.records import Node
+from graphdiff.records import Node, walk
 
 MOVES = EXACT - {"neg", "clone", "alias", "contiguous"}  # data movement: only in the prologue
 STEP = "__step"  # what Inductor's steps of one node are lowered as, then renamed (no value's name starts with `_`)
@@ -192,12 +192,9 @@ def _out_bf16(frag: Fragment, o: str, nodes: dict[str, Node]) -> str:
 
 def _component(core: list[Node], output: str) -> list[Node]:
     by_name = {n.name: n for n in core}
-    need, stack = set(), [output]
-    while stack:
-        n = stack.pop()
-        if n in by_name and n not in need:
-            need.add(n)
-            stack += by_name[n].inputs
+    if output not in by_name:
+        return []
+    need = {output, *walk([output], lambda n: [i for i in by_name[n].inputs if i in by_name])}
     return [n for n in core if n.name in need]
 
 

@@ -1,24 +1,18 @@
 """scan dir -> DIR/graphdiff_patch.py + DIR/manifest.json (deterministic: same scan, same bytes).
 
-Pipeline: regions of scan.json -> fragments of train.capture.json (fragment.py) -> PyTorch code
-(emit_torch.py) -> function bindings found by running the HF function against the emitted code with
-no region aligned (must agree bit for bit, or the splice is refused) -> the PyTorch code and Triton
-kernels (emit_triton.py) with the bound names (names.py) -> manifest.
+Pipeline: regions of scan.json -> fragments of train.capture.json (cut.py) -> PyTorch code
+(emit_torch.py) -> bindings to HF's arguments (binding.py: a function's found by running the HF function against the
+emitted code with no region aligned, which must agree bit for bit, or the splice is refused) -> the PyTorch code and
+Triton kernels (emit_triton.py) with the bound names (names.py) -> manifest.
 """
 
 from __future__ import annotations
 
-import ast
 import hashlib
-import importlib
-import inspect
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import torch
 
 from graphdiff import sources
 from graphdiff.analysis import moe_engine
@@ -27,6 +21,7 @@ from graphdiff.artifacts import ScanDir
 from graphdiff.codegen import (
     attention_order,
     attention_splice,
+    binding,
     carry,
     copy_reads,
     emit_torch,
@@ -38,18 +33,25 @@ from graphdiff.codegen import (
     names,
     norm_order,
     prelude,
+    probes,
     tp_linear,
 )
-from graphdiff.codegen.fragment import Fragment, cut_fragments, region_slug
-from graphdiff.errors import GraphdiffError, first_line
+from graphdiff.codegen.cut import cut_fragments
+from graphdiff.codegen.fragment import Carry, Fragment, region_slug
+from graphdiff.errors import GraphdiffError
 from graphdiff.records import (
     MANIFEST_VERSION,
     AttentionForm,
+    AttentionSplice,
     Capture,
+    CarrySplice,
+    FunctionSplice,
     Graph,
     Manifest,
     ManifestRegion,
     ManifestSplice,
+    ModuleSplice,
+    MoeSplice,
     Node,
     Region,
     ScanResult,
@@ -72,145 +74,6 @@ def load_scan_dir(scan_dir: Path) -> tuple[ScanResult, Capture]:
     return scan, d.load_train()
 
 
-def _probe_shape(node: Node, tokens: int = 0, other: int = 0, outer_only: bool = False) -> list[int]:
-    """The node's captured shape (a symbolic size as 8), with the captured token count `tokens` made `other`:
-    every size equal to it, or (`outer_only`) the outermost one only."""
-    shape = [s if isinstance(s, int) else 8 for s in (node.shape or [])]
-    hits = [k for k, s in enumerate(shape) if tokens and s == tokens][:1 if outer_only else None]
-    return [other if k in hits else s for k, s in enumerate(shape)]
-
-
-def _probe(node: Node, gen: torch.Generator, tokens: int = 0, other: int = 0, outer_only: bool = False
-           ) -> torch.Tensor:
-    shape = _probe_shape(node, tokens, other, outer_only)
-    return torch.randn(shape, generator=gen).to(getattr(torch, node.dtype or "float32"))
-
-
-def bind_function(frag: Fragment, fn: Callable[..., Any], nodes: dict[str, Node]) -> tuple[list[str], list[int]] | str:
-    """Which HF parameter feeds each fragment input, which returned value each output is: found by running
-    the HF function and the emitted HF-plan code on the same probe tensors (bit-identical, or no binding)."""
-    positional = [p for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    params = [p.name for p in positional]
-    if len(params) < len(frag.inputs):
-        return f"{frag.function} takes {len(params)} positional parameters, the fragment reads {len(frag.inputs)}"
-    if not callable(frag.compiled):
-        return f"{frag.key}: no emitted function to bind"
-    rest = _settings(positional[len(frag.inputs):])
-    if isinstance(rest, str):
-        return f"{frag.function} also needs {rest}, which no tensor of the fragment is"
-    gen = torch.Generator().manual_seed(0)
-    probes = [_probe(nodes[i], gen) for i in frag.inputs]
-    ours = frag.compiled(*probes, align=frozenset())
-    found = []
-    for perm in itertools.permutations(range(len(frag.inputs))):  # perm[k]: HF parameter index of input k
-        args: list[torch.Tensor | None] = [None] * len(frag.inputs)
-        for k, p in enumerate(perm):
-            args[p] = probes[k]
-        outs = _outputs_reproduced(fn, args, rest, ours)
-        if outs is not None:
-            found.append(([params[p] for p in perm], outs))
-    if found:  # a commutative op binds either way: the one its source line names wins (`residual + out`)
-        return max(found, key=lambda f: _named_operands(frag, f[0]))
-    return f"no assignment of {frag.function}'s parameters reproduces it bit for bit with the emitted code"
-
-
-_SETTINGS = {"float": 0.0, "int": 0, "bool": False}  # a setting's value under which the trainer graph was traced
-
-
-def _settings(params: list[inspect.Parameter]) -> dict[str, Any] | str:
-    """Values for a function's parameters after the fragment's tensors that have no default: each a setting its
-    annotation says is a float, int or bool (`dropout_add`'s `prob: float, training: bool`), given the value under
-    which the trainer graph was traced, in eval mode (0, False: no dropout, as the graph has none); or the first
-    parameter that is not such a setting."""
-    out: dict[str, Any] = {}
-    for p in params:
-        if p.default is not p.empty:
-            continue
-        kind = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
-        if kind not in _SETTINGS:
-            return f"its parameter {p.name}"
-        out[p.name] = _SETTINGS[kind]
-    return out
-
-
-def _outputs_reproduced(fn: Callable[..., Any], args: list, rest: dict[str, Any],
-                        ours: tuple) -> list[int] | None:
-    """Which returned value of `fn(*args, **rest)` each of `ours` is, bit for bit; None where one is not."""
-    try:
-        with torch.no_grad():
-            theirs = fn(*args, **rest)
-    except Exception:  # a wrong assignment fails to broadcast: try the next one
-        return None
-    theirs = theirs if isinstance(theirs, tuple) else (theirs,)
-    outs: list[int] = []
-    for o in ours:
-        hit = [j for j, t in enumerate(theirs) if isinstance(t, torch.Tensor) and t.shape == o.shape
-               and t.dtype == o.dtype and torch.equal(t, o) and j not in outs]
-        if not hit:
-            return None
-        outs.append(hit[0])
-    return outs
-
-
-def _named_operands(frag: Fragment, bound: list[str]) -> int:
-    """How many fragment inputs an op reads as an operand its source line names by the parameter bound to it (`out =
-    residual + out`: the add's first operand is `residual`)."""
-    score = 0
-    for n in frag.nodes:
-        try:
-            expr = ast.parse(n.source.code.strip()).body[0] if n.source is not None else None
-        except (SyntaxError, IndexError):
-            continue
-        value = getattr(expr, "value", None)
-        if not isinstance(value, ast.BinOp):
-            continue
-        operands = [o.id if isinstance(o, ast.Name) else "" for o in (value.left, value.right)]
-        for j, a in enumerate(n.call[0][:2]):
-            k = frag.inputs.index(a["node"]) if isinstance(a, dict) and a.get("node") in frag.inputs else -1
-            score += int(k >= 0 and operands[j] == bound[k])
-    return score
-
-
-def other_length_problem(frag: Fragment, nodes: dict[str, Node], tokens: int) -> str:
-    """The emitted code run at another token count than the captured one: it must run and give each output its
-    captured shape with that count (a size baked in from the capture fails here); "" when it does. A feature size
-    that equals the captured count (GPT-NeoX's rotary dimension 16 at 16 tokens) makes the probe ambiguous: the
-    code passes if it runs with every such size changed, or with only each input's outermost one."""
-    if tokens < 2 or frag.compiled is None:  # one token, or nothing emitted: nothing to run at another count
-        return ""
-    problems = [_at_other_length(frag, nodes, tokens, outer_only) for outer_only in (False, True)]
-    return "" if "" in problems else problems[0]
-
-
-def _at_other_length(frag: Fragment, nodes: dict[str, Node], tokens: int, outer_only: bool) -> str:
-    assert frag.compiled is not None
-    other = tokens + 5
-    gen = torch.Generator().manual_seed(1)
-    # a parameter or buffer keeps its size (Phi's tiny inv_freq has 16 entries, as the captured prompt has tokens)
-    probes = [_probe(nodes[i], gen, *((tokens, other, outer_only) if nodes[i].param is None else ()))
-              for i in frag.inputs]
-    try:
-        with torch.no_grad():
-            outs = frag.compiled(*probes, align=frozenset(frag.regions))
-    except Exception as e:  # the emitted code's own failure at that size is the finding
-        return f"the emitted code does not run at {other} tokens (captured at {tokens}): {first_line(e)[:120]}"
-    for o, name in zip(outs, frag.outputs):
-        if not _follows(list(o.shape), _probe_shape(nodes[name]), tokens, other):
-            return (f"the emitted code gives {name} the shape {list(o.shape)} at {other} tokens, not "
-                    f"{_probe_shape(nodes[name], tokens, other)}: a size of the capture is baked in")
-    return ""
-
-
-def _follows(shape: list[int], captured: list[int], tokens: int, other: int) -> bool:
-    """Is `shape` the `captured` shape at `other` tokens? Each size the captured count is follows the count or, a
-    feature size that happens to equal it (GPT-NeoX's rotary dimension 16 at 16 tokens), keeps it; one follows."""
-    if len(shape) != len(captured):
-        return False
-    same = all(s == c or (c == tokens and s == other) for s, c in zip(shape, captured))
-    return same and (tokens not in captured or other in shape)
-
-
 def _compile(lines: list[str], name: str) -> Callable[..., Any]:
     """The emitted function `name` (its lines), calling the prelude's real functions."""
     scope = prelude.namespace()
@@ -219,17 +82,17 @@ def _compile(lines: list[str], name: str) -> Callable[..., Any]:
 
 
 def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, str],
-                      engine: dict[str, str], form: AttentionForm) -> tuple[ManifestSplice, list]:
+                      engine: dict[str, str], form: AttentionForm) -> tuple[AttentionSplice, list]:
     """An attention region is one opaque op: the trainer's own sdpa, called the way the engine computes it (its
     output truncated where the engine's op stores it so), or (`form` "engine") the engine's own op forward."""
     site = next((nodes[site_node[i]] for i in r.sites if site_node.get(i) in nodes), None)
     site = site or attention_order.attention_node(list(nodes.values()), r)
     owner = (site.module_type if site else "") or ""
-    splice = ManifestSplice(key="attention", target="attention", module=r.module, module_class=owner,
-                            regions=[r.name], function=SDPA_FUNCTION,
-                            torch_fn=(attention_splice.attention_fp32_inputs_truncated if truncates_output(engine)
-                                      else attention_splice.attention_fp32_inputs).__name__,
-                            triton_problem="calls torch's sdpa on FP32 inputs")
+    splice = AttentionSplice(key="attention", module=r.module, module_class=owner, regions=[r.name],
+                             function=SDPA_FUNCTION,
+                             torch_fn=(attention_splice.attention_fp32_inputs_truncated if truncates_output(engine)
+                                       else attention_splice.attention_fp32_inputs).__name__,
+                             triton_problem="calls torch's sdpa on FP32 inputs")
     lines = ["", "", f"# attention: region {r.name}",
              "# the engine's attention op computes exp (a softcap's tanh) by vLLM CPU's AVX-512 polynomial",
              f"ENGINE_EXP = {exp_polynomial(engine)}", "", "", *prelude.source(attention_splice.FP32_PARTS)]
@@ -262,15 +125,15 @@ def _module_class(graph: Graph, pattern: str) -> str:
     return next((n.module_type for n in graph.nodes if n.module and rx.match(n.module) and n.module_type), "") or ""
 
 
-def _moe_splice(r: Region, graph: Graph, engine_experts: dict[str, str] | None, device: str = "cpu") -> ManifestSplice:
+def _moe_splice(r: Region, graph: Graph, engine_experts: dict[str, str] | None, device: str = "cpu") -> MoeSplice:
     """A router or experts region: the module's forward replaced by the engine's computation (analysis.moe_engine);
     with `engine_experts` (--exact: how the engine's graph called its fused-MoE op), the experts by that op, where
     `exact_ops` says the op on the engine's `device` is emitted."""
     target: Literal["router", "experts"] = "router" if r.kind == "router" else "experts"
     fn = moe_engine.ROUTER_FN if r.kind == "router" else moe_engine.EXPERTS_FN
-    splice = ManifestSplice(key=f"{target} {r.module}", target=target, module=r.module,
-                            module_class=_module_class(graph, r.module), regions=[r.name], torch_fn=fn,
-                            triton_problem="the engine's fused MoE computation, run with PyTorch ops")
+    splice = MoeSplice(key=f"{target} {r.module}", target=target, module=r.module,
+                       module_class=_module_class(graph, r.module), regions=[r.name], torch_fn=fn,
+                       triton_problem="the engine's fused MoE computation, run with PyTorch ops")
     if engine_experts and engine_experts.get("router_gemm") and target == "router":
         splice.torch_fn, splice.imports = moe_engine.ENGINE_ROUTER_FN, ["vllm._custom_ops"]
         splice.triton_problem = "the module's own routing, its logits by the engine's own GEMM op (vLLM CPU)"
@@ -287,161 +150,13 @@ def _moe_splice(r: Region, graph: Graph, engine_experts: dict[str, str] | None, 
     return splice
 
 
-METADATA = frozenset({"dtype", "device", "shape", "ndim"})  # attributes that read a tensor's metadata, not its values
-
-
-def _forward_def(frag: Fragment) -> ast.FunctionDef | None:
-    """The module's `forward` as written: the definition in its installed source file holding the fragment's
-    lines."""
-    src = next((n.source for n in frag.nodes if n.source is not None and n.source.function == "forward"), None)
-    if src is None:
-        return None
-    tree = sources.parse_source(src.file)  # the installed package's file, found by module
-    if tree is None:
-        return None
-    return next((f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "forward"
-                 and f.lineno <= src.line <= (f.end_lineno or f.lineno)), None)
-
-
-def _spans(node: ast.stmt, line: int) -> bool:
-    return node.lineno <= line <= (node.end_lineno or node.lineno)
-
-
-def _statement(fn: ast.FunctionDef, line: int) -> ast.stmt | None:
-    """The innermost statement of `fn` on source line `line`."""
-    found = [s for s in ast.walk(fn) if isinstance(s, ast.stmt) and s is not fn and _spans(s, line)]
-    return min(found, key=lambda s: (s.end_lineno or s.lineno) - s.lineno, default=None)
-
-
-def _values_read(tree: ast.AST) -> set[str]:
-    """The names whose values `tree` reads: every name it loads but those it reads only metadata of (`x.dtype`)."""
-    meta = {id(a.value) for a in ast.walk(tree) if isinstance(a, ast.Attribute) and a.attr in METADATA}
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
-            and id(n) not in meta}
-
-
-def _module_argument(frag: Fragment, fn: ast.FunctionDef) -> str:
-    """The forward parameter the activation input is: the one parameter whose values the lines reading it read
-    (a rotary embedding's `position_ids`, beside an `x` it reads only the dtype of); "0", the first parameter (as
-    for a norm's `hidden_states`), where that is the first or not one parameter."""
-    params = [a.arg for a in (fn.args.posonlyargs + fn.args.args)[1:]]
-    act = next(i for i in frag.inputs if i not in frag.params)
-    read: set[str] = set()
-    for n in frag.nodes:
-        if act in n.inputs and n.source is not None and (stmt := _statement(fn, n.source.line)) is not None:
-            read |= _values_read(stmt) & set(params)
-    return read.pop() if len(read) == 1 and params and read != {params[0]} else "0"
-
-
-def _variable(frag: Fragment, output: str, nodes: dict[str, Node], ret: ast.Return) -> str | None:
-    """The variable an output's value is assigned to before the return statement (`cos` for `cos.to(x.dtype)`):
-    the first line, walking back from the output, that assigns a simple variable."""
-    inside, frontier, seen = {n.name for n in frag.nodes}, [output], {output}
-    while frontier:
-        for name in frontier:
-            src = nodes[name].source
-            if src is not None and not _spans(ret, src.line) and (var := names.assigned(src.code)) is not None:
-                return var
-        frontier = [i for name in frontier for i in nodes[name].inputs if i in inside and i not in seen]
-        seen.update(frontier)
-    return None
-
-
-def _returned_positions(frag: Fragment, fn: ast.FunctionDef, nodes: dict[str, Node]) -> list[int] | str:
-    """Where each output of a module forward returning a tuple goes in it: the item of its one return statement
-    that reads the output's variable; or why that cannot be told."""
-    returns = [r for r in ast.walk(fn) if isinstance(r, ast.Return) and r.value is not None]
-    if len(returns) != 1 or not isinstance(returns[0].value, ast.Tuple):
-        return f"{frag.module_class}.forward has {len(frag.outputs)} outputs and not one `return` of a tuple"
-    reads = [_values_read(item) for item in returns[0].value.elts]
-    positions: list[int] = []
-    for o in frag.outputs:
-        var = _variable(frag, o, nodes, returns[0])
-        hits = [k for k, r in enumerate(reads) if var in r]
-        if len(hits) != 1 or hits[0] in positions:
-            return f"cannot tell which value {frag.module_class}.forward returns {o} as ({var or 'no variable'})"
-        positions.append(hits[0])
-    return positions
-
-
-def _bind_module(frag: Fragment, splice: ManifestSplice, nodes: dict[str, Node]) -> None:
-    """A module forward's activation argument and, for a forward returning a tuple, each output's place in it; read
-    from the forward's source (one activation, one output where it cannot be read: its first argument, returned)."""
-    fn = _forward_def(frag)
-    if fn is None:
-        if len(frag.outputs) > 1:
-            frag.problems.append(f"{frag.module_class}.forward's source is not readable: cannot tell which returned "
-                                 "value each output is")
-        return
-    arg = _module_argument(frag, fn)
-    splice.inputs = [f"param:{frag.params[i]}" if i in frag.params else f"arg:{arg}" for i in frag.inputs]
-    if len(frag.outputs) > 1:
-        positions = _returned_positions(frag, fn, nodes)
-        if isinstance(positions, str):
-            frag.problems.append(positions)
-        else:
-            splice.outputs = positions
-
-
-def _bind(frag: Fragment, splice: ManifestSplice, nodes: dict[str, Node]) -> None:
-    """Which forward or function argument feeds each input, which returned value each output is."""
-    splice.inputs = [f"param:{frag.params[i]}" if i in frag.params else "arg:0" for i in frag.inputs]
-    splice.outputs = [0]
-    if frag.target == "module":
-        _bind_module(frag, splice, nodes)
-    elif frag.target == "function":
-        owner, name = frag.function.rsplit(".", 1)
-        fn = getattr(importlib.import_module(owner), name, None)
-        if not callable(fn):  # a method (XIELU's _xielu_python), not a module-level function the runtime can swap
-            frag.problems.append(f"{name} is not a module-level function of {owner} (a method of "
-                                 f"{frag.module_class or 'its module'}?): the runtime replaces functions by name")
-            return
-        bound = bind_function(frag, fn, nodes)
-        if isinstance(bound, str):
-            frag.problems.append(bound)
-        else:
-            splice.inputs, splice.outputs = [f"arg:{p}" for p in bound[0]], bound[1]
-
-
-def _argument_names(frag: Fragment, splice: ManifestSplice) -> list[str]:
-    """The emitted function's argument names: the bound HF parameters (a module forward's activation bound to a
-    parameter other than its first is named after it: `position_ids`)."""
-    bound = [i.removeprefix("arg:") for i in splice.inputs]
-    args = names.arguments(frag, bound)
-    if frag.target != "module":
-        return args
-    return [b if s.startswith("arg:") and b != "0" else a for a, b, s in zip(args, bound, splice.inputs)]
-
-
 def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[ManifestSplice, list[str]]:
     """One splice point: its PyTorch function (bound against HF's own code) and, where possible, its Triton kernels."""
     slug = region_slug(frag.key.rsplit(".", 1)[-1] if frag.target == "function" else frag.key)
-    splice = ManifestSplice(key=frag.key, target=frag.target, module=frag.module, module_class=frag.module_class,
-                            function=frag.function, regions=frag.regions, reduction_lanes=frag.lanes,
-                            layers=frag.layers)
+    splice = _fragment_splice(frag)
     body: list[str] = []
-    if frag.target == "carry" and not frag.problems:
-        splice.torch_fn = ("carry_scaled" if not frag.carry_input else
-                           "carry_fp32_rounded" if frag.carry_rounded else "carry_fp32")
-        splice.fp32_children = list(frag.fp32_children)
-        splice.rounded_children = list(frag.rounded_children) if splice.torch_fn == "carry_fp32" else []
-        splice.fp32_outputs = list(frag.fp32_outputs)
-        splice.fp32_scaled = {c: list(r) for c, r in frag.fp32_scaled.items()}
-        splice.rounded_sums = dict(frag.rounded_sums)
-        splice.stored_sums = dict(frag.stored_sums)
-        if frag.carry_rounded:
-            body += ["", "", f"# carry {frag.key}: regions {', '.join(frag.regions)}; FP32 for "
-                     f"{', '.join(frag.fp32_children) or 'no child'}, rounded for the module's own ops",
-                     *prelude.source(carry.ROUNDED_PARTS)]
-        if splice.rounded_children:
-            body += ["", "", f"# carry {frag.key}: regions {', '.join(frag.regions)}; FP32 for the module's own ops, "
-                     f"the stored BF16 copy for {', '.join(splice.rounded_children)}",
-                     *prelude.source(carry.HELD_PARTS)]
-        for sums, what in ((frag.rounded_sums, "rounded to BF16, where the engine stores it"),
-                           (frag.stored_sums, "read rounded by the layer's later adds (the engine's stored copy)")):
-            if sums:
-                where = "; ".join(f"{c} in layers {', '.join(map(str, ls))}" for c, ls in sums.items())
-                body += ["", "", f"# carry {frag.key}: the residual sum of {where} {what} (carry_round_sums, below)"]
+    if isinstance(splice, CarrySplice):
+        body += _carry_splice(frag, frag.carry or Carry(), splice) if not frag.problems else []
     elif not frag.problems:
         try:
             lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes)
@@ -450,11 +165,11 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
         else:
             frag.compiled = _compile(lines, f"torch_{slug}")
             splice.torch_fn = f"torch_{slug}"
-            frag.problems += list(filter(None, [other_length_problem(frag, nodes, tokens)]))
-            _bind(frag, splice, nodes)
+            frag.problems += list(filter(None, [probes.other_length_problem(frag, nodes, tokens)]))
+            binding.bind(frag, splice, nodes)
             if not frag.problems:
                 # named by role: a function's arguments by the HF parameters the binding found
-                values = names.value_names(frag, _argument_names(frag, splice))
+                values = names.value_names(frag, binding.argument_names(frag, splice))
                 lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes, values)
                 frag.compiled = _compile(lines, f"torch_{slug}")
                 body += ["", "", f"# {frag.target} {frag.key}: regions {', '.join(frag.regions)}", *lines]
@@ -470,6 +185,45 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
                     splice.triton_fn = f"triton_{slug}"
     splice.problems = list(frag.problems)
     return splice, body
+
+
+def _fragment_splice(frag: Fragment) -> ModuleSplice | FunctionSplice | CarrySplice:
+    """The splice record of a fragment's target, with its key, module, regions and layers."""
+    if frag.target == "carry":
+        return CarrySplice(key=frag.key, module=frag.module, module_class=frag.module_class, regions=frag.regions,
+                           layers=frag.layers)
+    if frag.target == "function":
+        return FunctionSplice(key=frag.key, module=frag.module, module_class=frag.module_class, regions=frag.regions,
+                              layers=frag.layers, function=frag.function, reduction_lanes=frag.lanes)
+    return ModuleSplice(key=frag.key, module=frag.module, module_class=frag.module_class, regions=frag.regions,
+                        layers=frag.layers, reduction_lanes=frag.lanes)
+
+
+def _carry_splice(frag: Fragment, held: Carry, splice: CarrySplice) -> list[str]:
+    """A carry splice's fields from its fragment's carry, and the comments (and helpers) its module lines get."""
+    body: list[str] = []
+    splice.torch_fn = ("carry_scaled" if not held.input else
+                       "carry_fp32_rounded" if held.rounded else "carry_fp32")
+    splice.fp32_children = list(held.fp32_children)
+    splice.rounded_children = list(held.rounded_children) if splice.torch_fn == "carry_fp32" else []
+    splice.fp32_outputs = list(held.fp32_outputs)
+    splice.fp32_scaled = {c: list(r) for c, r in held.fp32_scaled.items()}
+    splice.rounded_sums = dict(held.rounded_sums)
+    splice.stored_sums = dict(held.stored_sums)
+    if held.rounded:
+        body += ["", "", f"# carry {frag.key}: regions {', '.join(frag.regions)}; FP32 for "
+                 f"{', '.join(held.fp32_children) or 'no child'}, rounded for the module's own ops",
+                 *prelude.source(carry.ROUNDED_PARTS)]
+    if splice.rounded_children:
+        body += ["", "", f"# carry {frag.key}: regions {', '.join(frag.regions)}; FP32 for the module's own ops, "
+                 f"the stored BF16 copy for {', '.join(splice.rounded_children)}",
+                 *prelude.source(carry.HELD_PARTS)]
+    for sums, what in ((held.rounded_sums, "rounded to BF16, where the engine stores it"),
+                       (held.stored_sums, "read rounded by the layer's later adds (the engine's stored copy)")):
+        if sums:
+            where = "; ".join(f"{c} in layers {', '.join(map(str, ls))}" for c, ls in sums.items())
+            body += ["", "", f"# carry {frag.key}: the residual sum of {where} {what} (carry_round_sums, below)"]
+    return body
 
 
 @dataclass
@@ -525,12 +279,12 @@ def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Regi
     if engine_experts:
         parts.body += ["", "", *prelude.source(moe_engine.LINEAR_PARTS)]
     for r in (r for r in wanted if r.kind == "allreduce"):
-        splice, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),
+        linear, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),
                                                    scan.engine_attention.get("build", ""))
-        if not splice.problems and not any(s.target == "linear" and not s.problems for s in parts.splices):
+        if not linear.problems and not any(s.target == "linear" and not s.problems for s in parts.splices):
             parts.body += lines  # one function serves every linear splice
-        parts.splices.append(splice)
-        parts.status[r.name] = "; ".join(splice.problems)
+        parts.splices.append(linear)
+        parts.status[r.name] = "; ".join(linear.problems)
 
 
 def _add_fragments(parts: _Parts, frags: list[Fragment], nodes: dict[str, Node], tokens: int) -> None:
@@ -540,9 +294,10 @@ def _add_fragments(parts: _Parts, frags: list[Fragment], nodes: dict[str, Node],
         splice, lines = _emit_splice(frag, nodes, tokens)
         parts.splices.append(splice)
         parts.body += lines
-    if any((f.rounded_sums or f.stored_sums) and not f.problems for f in frags):
+    carries = [f.carry for f in frags if f.carry is not None and not f.problems]
+    if any(c.rounded_sums or c.stored_sums for c in carries):
         parts.body += ["", "", *prelude.source(carry.SUM_PARTS)]
-    if any(f.fp32_scaled and not f.problems for f in frags):
+    if any(c.fp32_scaled for c in carries):
         parts.body += ["", "", "# carry: a child's output scaled by its parent's code, handed to its readers in FP32",
                        *prelude.source(carry.SCALED_PARTS)]
     for frag in frags:
@@ -571,7 +326,8 @@ def _manifest(scan: ScanResult, wanted: list[Region], parts: _Parts, frags: list
                                 shapes=r.shapes if r.shape_dependent else [])
                  for r in wanted],
         splices=splices,
-        replaced=sorted({s.function or s.module_class for s in splices if not s.problems}),
+        replaced=sorted({(s.function if isinstance(s, FunctionSplice | AttentionSplice) else "") or s.module_class
+                         for s in splices if not s.problems}),
         notes=[note for f in frags for note in f.notes] + shape_notes(wanted, [s.label for s in scan.shapes]),
     )
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from graphdiff.analysis.tensor_parallel import allreduce_truncates
 from graphdiff.codegen.prelude import round_toward_zero, source
-from graphdiff.records import ManifestSplice, Node, Region
+from graphdiff.records import LinearSplice, Node, Region
 
 
 def _split_k_sum(module: torch.nn.Linear, x: torch.Tensor, shards: int) -> torch.Tensor:
@@ -59,17 +59,16 @@ def shards_of(scan_config: dict) -> int:
 
 
 def allreduce_splice(region: Region, nodes: dict[str, Node], site_node: dict[str, str],
-                     shards: int, build: str = "") -> tuple[ManifestSplice, list[str]]:
+                     shards: int, build: str = "") -> tuple[LinearSplice, list[str]]:
     """The splice of an allreduce region (its sites are the outputs of one module's matmul in every layer); its sum
     stored as the region's all-reduce (`region.kernels`) stores: truncated by vLLM's `_C.shm_allreduce` of a
     truncating ops `build` (`_C_AVX512`), else rounded to nearest even (torch.distributed's: vLLM CPU on `_C_AVX2`)."""
     owner = next((nodes[site_node[i]].module_type for i in region.sites if site_node.get(i) in nodes), "") or ""
     truncates = any(allreduce_truncates(k, build) for k in region.kernels) if region.kernels else \
         allreduce_truncates("shm_allreduce", build)  # a scan from before regions named their kernels
-    splice = ManifestSplice(key=region.module, target="linear", module=region.module, module_class=owner,
-                            regions=[region.name], shards=shards,
-                            torch_fn=(linear_split_k_truncated if truncates else linear_split_k).__name__,
-                            triton_problem="torch matmuls on K shards (no elementwise kernel to generate)")
+    splice = LinearSplice(key=region.module, module=region.module, module_class=owner, regions=[region.name],
+                          shards=shards, torch_fn=(linear_split_k_truncated if truncates else linear_split_k).__name__,
+                          triton_problem="torch matmuls on K shards (no elementwise kernel to generate)")
     if shards > 2 and any("_c10d_functional" in k for k in region.kernels):
         splice.problems.append(f"torch.distributed's all-reduce of {shards} ranks rounds each BF16 addition, in its "
                                "ring's order per element: not the FP32 sum rounded once this splice computes")

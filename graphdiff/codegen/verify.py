@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from graphdiff.codegen import emit_triton, math_order, norm_order
+from graphdiff.codegen.cut import cut_fragments
 from graphdiff.codegen.emit_torch import Unsupported
-from graphdiff.codegen.fragment import Fragment, cut_fragments, ordered_points, rounding_points
+from graphdiff.codegen.fragment import Fragment, ordered_points, rounding_points
 from graphdiff.codegen.generate import load_scan_dir
-from graphdiff.records import Manifest, ManifestSplice, Node
+from graphdiff.records import CalledSplice, LinearSplice, Manifest, Node
 from graphdiff.replay.interpreter import RoundingInterpreter, fragment_graph
 from graphdiff.runtime import load_generated, load_manifest
 
@@ -146,11 +147,11 @@ def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool =
     frags, nodes = fragments(scan_dir, manifest)
     checks: list[Check] = []
     for splice in manifest.splices:
-        if splice.target == "linear" and not splice.problems:  # tensor parallelism: vs the recorded all-reduces
+        if isinstance(splice, LinearSplice) and not splice.problems:  # tensor parallelism: vs the recorded all-reduces
 
             checks += split_k_checks(scan_dir, gen, splice, device)
             continue
-        if splice.target in ("carry", "attention", "router", "experts") or splice.problems:
+        if not isinstance(splice, CalledSplice) or splice.problems:  # a hook or an op of its own: nothing to replay
             continue
         frag = frags[splice.key]
         ulp_limit, cause = tolerance(frag, nodes, device)
@@ -190,7 +191,7 @@ def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool =
     return checks
 
 
-def split_k_checks(scan_dir: Path, gen: Any, splice: ManifestSplice, device: str = "cpu") -> list[Check]:
+def split_k_checks(scan_dir: Path, gen: Any, splice: LinearSplice, device: str = "cpu") -> list[Check]:
     """The generated split-K linear against the engine's own all-reduce outputs recorded by the scan (every rank's
     matmul input concatenated along K is the trainer's input; the weight from the checkpoint): bit for bit."""
     from graphdiff.analysis.tensor_parallel import rank_of

@@ -12,38 +12,33 @@ in registers are searched for, one at a time.
 
 from __future__ import annotations
 
-import ast
 import itertools
-import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from graphdiff.ops import CASTS, UNINITIALIZED, VIEWS, is_low, op_name
+from graphdiff.ops import is_low, op_name
 from graphdiff.records import Graph, Kernel, KernelEvidence, KernelRecord, Node
 from graphdiff.replay.forms import SUFFIX as FORM_SUFFIX
 from graphdiff.replay.forms import two_step_variance
 from graphdiff.replay.inductor_math import INDUCTOR_MATH
-from graphdiff.replay.interpreter import LOW, SUM, bits_equal_fraction, run_fragment, to_dtype
+from graphdiff.replay.interpreter import LOW, run_fragment, to_dtype
+from graphdiff.replay.kernel_fragment import is_view, kernel_fragment
 from graphdiff.replay.reload import SUFFIX, nest_reductions, reload_variant, reloaded_stores, stored_alone
 from graphdiff.replay.sum_order import cpp_sum_lanes, is_row_reduction, triton_sum_lanes
+from graphdiff.replay.values import (
+    as_node_value,
+    bind_symbols,
+    fp32_error,
+    numel,
+    placement_closeness,
+    score,
+    sym_value,
+)
 
 MAX_PERMUTATIONS = 120
 FP32_ORDER_TOLERANCE = 1e-5  # FP32 stores agreeing within this (relative) differ only in summation order
-
-
-def is_view(node: Node) -> bool:
-    return node.op == "call_function" and op_name(node.target) in VIEWS
-
-
-def value_base(nodes: dict[str, Node], name: str) -> Node | None:
-    """The node computing a value, looking through casts and views (an FP32 copy of a sum is the sum)."""
-    n = nodes.get(name)
-    while n is not None and n.inputs and (op_name(n.target) in CASTS or is_view(n)):
-        n = nodes.get(n.inputs[0])
-    return n
 
 
 class Declared:
@@ -55,191 +50,6 @@ class Declared:
     def get(self, name: str, default: str | None = None) -> str | None:
         node = self.nodes.get(name)
         return node.dtype if node is not None else default
-
-
-_SYM_OPS: dict[type, Callable[[int, int], int]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-}
-
-
-def sym_value(expr: str, syms: dict[str, int]) -> int | None:
-    """A symbolic size's value: a symbol (`s27`) or an integer expression of symbols as Dynamo prints it (`s27 + 1`,
-    a SymInt node's result or a dimension); None where a symbol is unknown or the expression is of another form."""
-    if expr in syms:
-        return syms[expr]
-
-    def value(e: ast.expr) -> int | None:
-        if isinstance(e, ast.Constant) and isinstance(e.value, int):
-            return e.value
-        if isinstance(e, ast.Name):
-            return syms.get(e.id)
-        if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
-            v = value(e.operand)
-            return -v if v is not None else None
-        if isinstance(e, ast.BinOp) and type(e.op) in _SYM_OPS:
-            a, b = value(e.left), value(e.right)
-            if a is None or b is None or (b == 0 and isinstance(e.op, ast.Mod | ast.FloorDiv)):
-                return None
-            return _SYM_OPS[type(e.op)](a, b)
-        return None
-
-    try:
-        return value(ast.parse(expr, mode="eval").body)
-    except SyntaxError:
-        return None
-
-
-def numel(shape: list[int | str] | None, syms: dict[str, int]) -> int | None:
-    if shape is None:
-        return None
-    total = 1
-    for d in shape:
-        if isinstance(d, str):
-            v = sym_value(d, syms)
-            if v is None:
-                return None
-            d = v
-        total *= int(d)
-    return total
-
-
-def is_tuple_item(n: Node, nodes: dict[str, Node]) -> bool:
-    """A getitem of a computed multi-output node (aten.topk, var_mean, an extern returning a tuple); items of a
-    view (split, unbind) are views themselves."""
-    if op_name(n.target) != "getitem" or not n.inputs:
-        return False
-    src = nodes[n.inputs[0]]
-    return src.dtype is None and src.op == "call_function" and not is_view(src)
-
-
-def _concat_of(n: Node, members: set[str]) -> bool:
-    """A concatenation of this kernel's values that no kernel computes: Inductor writes its inputs in place into
-    its buffer (their stores are views of it), so that buffer, recorded when the kernel starts, is stale for a later
-    loop nest of the same kernel that reads it (a partial RoPE copies the rotated part into the next cat)."""
-    return n.target == "aten.cat.default" and bool(n.inputs) and all(i in members for i in n.inputs)
-
-
-def _idle_views(k: Kernel, members: set[str], nodes: dict[str, Node]) -> set[str]:
-    """Views the kernel lists but does not compute with: views (or views of such views) of an uninitialized
-    allocation made outside the kernel that nothing in the kernel reads or stores. Inductor lists the view an extern
-    writes its output through (the `out` buffer of vLLM CPU's mutating `_C.weight_packed_linear`) under the kernel
-    fusing the extern's neighbours; the allocation has no value, and with it the fragment could not be replayed."""
-    stored = {a.node for a in k.args if a.role in ("out", "inout") and a.node}
-
-    def root(name: str) -> Node:
-        n = nodes[name]
-        while is_view(n) and n.inputs:
-            n = nodes[n.inputs[0]]
-        return n
-
-    candidates = {m for m in members if is_view(nodes[m]) and m not in stored
-                  and root(m).name not in members and op_name(root(m).target) in UNINITIALIZED}
-    idle: set[str] = set()
-    while True:
-        read = {i for m in members - idle for i in nodes[m].inputs}
-        more = {m for m in candidates - idle if m not in read}
-        if not more:
-            return idle
-        idle |= more
-
-
-def kernel_fragment(graph: Graph, k: Kernel, owned: set[str]) -> tuple[list[Node], list[str]]:
-    """Kernel nodes in graph order, pulled back through views no kernel computes, and their inputs. An item of a
-    tuple computed outside the kernel (an extern's topk) is an input: the tuple has no buffer, its items do."""
-    nodes = graph.node_map()
-    members = {n for n in k.nodes if nodes[n].op == "call_function"}
-    while True:
-        ext = {i for m in members for i in nodes[m].inputs if i not in members}
-        pull = {e for e in ext if (is_view(nodes[e]) or _concat_of(nodes[e], members)) and e not in owned
-                and not (is_tuple_item(nodes[e], nodes) and nodes[e].inputs[0] not in members)}
-        if not pull:
-            break
-        members |= pull
-    members -= _idle_views(k, members, nodes)
-    frag = [nodes[m] for m in sorted(members, key=graph.position)]
-    external = list(dict.fromkeys(i for n in frag for i in n.inputs if i not in members))
-    return frag, external
-
-
-def as_node_value(t: Any, node: Node, syms: dict[str, int]) -> Any:
-    """A recorded buffer as the value of the node it holds: where their shapes differ (a buffer Inductor reuses
-    through `reinterpret_tensor`, e.g. a query projection's output read back as the [1, heads, tokens, dim] view an
-    in-place RoPE kernel writes), the buffer's elements in memory order, which is the node's contiguous layout."""
-    if not isinstance(t, torch.Tensor) or node.shape is None:
-        return t
-    shape = [d if isinstance(d, int) else sym_value(d, syms) for d in node.shape]
-    if list(t.shape) == shape or any(d is None for d in shape) or t.numel() != numel(node.shape, syms):
-        return t
-    strides = t.stride()
-    order = sorted(range(t.dim()), key=lambda d: -strides[d] if t.shape[d] > 1 else 0)
-    return t.permute(order).contiguous().reshape([int(d) for d in shape if d is not None])
-
-
-def bind_symbols(graph: Graph, record: KernelRecord) -> dict[str, int]:
-    """Symbolic sizes (the token count) from the kernel's scalar arguments and its inputs' real shapes."""
-    syms = {name: int(v) for name, v in record.get("scalars", {}).items() if isinstance(v, int)}
-    nodes = graph.node_map()
-    for n in (nodes[b] for b in record["in"] if b in nodes):
-        t = record["in"].get(n.name)
-        if n.shape and isinstance(t, torch.Tensor) and len(n.shape) == t.dim():
-            for d, real in zip(n.shape, t.shape):
-                if isinstance(d, str):
-                    syms.setdefault(d, int(real))
-    return syms
-
-
-def score(run_vals: dict[str, Any], outputs: dict[str, str], record: KernelRecord) -> tuple[float, int]:
-    """Bit-identical fraction over the kernel's low-precision stores (the rounding claim).
-
-    FP32 stores (e.g. a reduction's partial result) are compared by `fp32_error` instead:
-    their last bits depend on accumulation order, which is not what this model predicts."""
-    total, good = 0, 0.0
-    for buf, node in outputs.items():
-        real = record["out"].get(buf)
-        pred = run_vals.get(node)
-        if not isinstance(real, torch.Tensor) or not isinstance(pred, torch.Tensor) or real.dtype not in LOW:
-            continue
-        good += bits_equal_fraction(pred, real) * real.numel()
-        total += real.numel()
-    return (good / total if total else 0.0), total
-
-
-def placement_closeness(values: dict[str, Any], node: str, real: torch.Tensor) -> float:
-    """How close a store is to a node's value; an FP32 store of a mean may hold its row sum (Inductor's mean stores
-    the sum and divides where it is read: q/k norms' sums of squares, placed by value, are the sums)."""
-    pred = values[node]
-    best = closeness(pred, real)
-    if real.dtype == torch.float32 and isinstance(values.get(node + SUM), torch.Tensor):
-        best = max(best, closeness(values[node + SUM], real))
-    return best
-
-
-def closeness(pred: torch.Tensor, real: torch.Tensor) -> float:
-    """Higher is closer: bit agreement for low-precision stores, -relative error for FP32 ones."""
-    if pred.numel() != real.numel():
-        return float("-inf")
-    if real.dtype in LOW:
-        return bits_equal_fraction(pred, real)
-    diff = (pred.double().reshape(-1) - real.double().reshape(-1)).norm()
-    return -float(diff / real.double().norm().clamp_min(1e-30))
-
-
-def fp32_error(run_vals: dict[str, Any], outputs: dict[str, str], record: KernelRecord) -> float:
-    """Largest relative error over the FP32 stores; a store of a mean may hold its row sum (Inductor's mean
-    stores the sum and divides where it is read), whichever the store is closer to."""
-    worst = 0.0
-    for buf, node in outputs.items():
-        real = record["out"].get(buf)
-        if not isinstance(real, torch.Tensor) or real.dtype != torch.float32:
-            continue
-        errors = []
-        for pred in (run_vals.get(node), run_vals.get(node + SUM)):
-            if isinstance(pred, torch.Tensor) and pred.numel() == real.numel():
-                diff = (pred.double().reshape(-1) - real.double().reshape(-1)).abs()
-                errors.append(float((diff / real.double().reshape(-1).abs().clamp_min(1e-30)).max()))
-        worst = max(worst, min(errors, default=0.0))
-    return worst
 
 
 @dataclass

@@ -11,6 +11,7 @@ outline on the side that keeps FP32. This module must not import torch (reports 
 from __future__ import annotations
 
 import html
+import itertools
 import re
 import shutil
 from collections import defaultdict
@@ -20,7 +21,7 @@ import graphviz
 from markupsafe import Markup
 
 from graphdiff.ops import ALLOCATIONS, VIEWS, is_heavy, op_name
-from graphdiff.records import Graph, Node, Side, Site, layer_of
+from graphdiff.records import Graph, Node, Side, Site, layer_of, walk
 
 TRAIN_COLOR, TRAIN_FILL = "#e8710a", "#fde3cc"  # train = orange
 ENGINE_COLOR, ENGINE_FILL = "#1a73e8", "#d2e3fc"  # engine = blue
@@ -85,19 +86,12 @@ def neighbourhood(graph: Graph, seeds: list[str], hops: int = HOPS, limit: int =
     inputs, users = contracted(graph, set(seeds))
     # Stay in the seeds' layers: shared values (the rotary table) would pull in every layer.
     layers = {layer_of(nodes[s].module) for s in seeds} | {None}
-    picked, frontier = list(seeds), list(seeds)
-    for _ in range(hops):
-        nxt = []
-        for name in frontier:
-            if is_heavy(nodes[name].target) and name not in seeds:
-                continue  # a matmul/attention is the boundary of the picture
-            for other in inputs.get(name, []) + users.get(name, []):
-                if layer_of(nodes[other].module) not in layers:
-                    continue
-                if other not in picked and len(picked) < max(limit, len(seeds)):
-                    picked.append(other)
-                    nxt.append(other)
-        frontier = nxt
+    def step(name: str) -> list[str]:
+        return [o for o in inputs.get(name, []) + users.get(name, []) if layer_of(nodes[o].module) in layers]
+
+    # a matmul/attention is the boundary of the picture (a seed is always its centre)
+    near = walk(seeds, step, through=lambda name: not is_heavy(nodes[name].target), hops=hops)
+    picked = [*seeds, *itertools.islice(near, max(limit - len(seeds), 0))]
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     return sorted(picked, key=order.__getitem__)
 
@@ -111,19 +105,9 @@ def graph_of(graphs: list[Graph], node: str = "", kernel: str | None = None) -> 
 
 def _between(graph: Graph, above: str, below: str) -> list[str]:
     """Visible nodes on a path from `above` to `below` (exclusive)."""
-    nodes = graph.node_map()
-    down, frontier = set(), [above]
-    users: dict[str, list[str]] = defaultdict(list)
-    for n in graph.nodes:
-        for i in n.inputs:
-            users[i].append(n.name)
-    while frontier:
-        frontier = list(dict.fromkeys(u for n in frontier for u in users[n] if u not in down))
-        down.update(frontier)
-    up, frontier = set(), [below]
-    while frontier:
-        frontier = list(dict.fromkeys(i for n in frontier for i in nodes[n].inputs if i in nodes and i not in up))
-        up.update(frontier)
+    nodes, users = graph.node_map(), graph.users()
+    down = set(walk([above], lambda n: users.get(n, [])))
+    up = set(walk([below], lambda n: [i for i in nodes[n].inputs if i in nodes]))
     return [n.name for n in graph.nodes if n.name in down & up and not hidden(n)]
 
 

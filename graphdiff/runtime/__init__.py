@@ -60,7 +60,21 @@ import torch
 import torch.utils.checkpoint
 
 from graphdiff.errors import GraphdiffError
-from graphdiff.records import MANIFEST_VERSION, Manifest, ManifestSplice, cut_layers, layer_of
+from graphdiff.records import (
+    MANIFEST_VERSION,
+    AttentionSplice,
+    CalledSplice,
+    CarrySplice,
+    FunctionSplice,
+    LinearSplice,
+    Manifest,
+    ManifestSplice,
+    ModuleSplice,
+    MoeSplice,
+    SpliceBase,
+    cut_layers,
+    layer_of,
+)
 
 __all__ = ["PatchError", "apply", "remove", "active_regions", "load_manifest", "load_generated", "scanned_config"]
 
@@ -182,7 +196,7 @@ def _use_triton(tensors: Sequence[torch.Tensor]) -> bool:
     return os.environ.get("GRAPHDIFF_TRITON") == "1" or any(t.is_cuda for t in tensors)
 
 
-def _chooser(gen: ModuleType, splice: ManifestSplice) -> Callable[..., tuple]:
+def _chooser(gen: ModuleType, splice: CalledSplice) -> Callable[..., tuple]:
     ref = getattr(gen, splice.torch_fn)
     kernel = getattr(gen, splice.triton_fn) if splice.triton_fn else None
 
@@ -269,7 +283,7 @@ def _saved_fp32_recomputed(model: torch.nn.Module) -> Callable[[], None]:
     return undo
 
 
-def _module_forward(mod: torch.nn.Module, splice: ManifestSplice, run: Callable, align: frozenset[str],
+def _module_forward(mod: torch.nn.Module, splice: ModuleSplice, run: Callable, align: frozenset[str],
                     lanes: int = 0) -> Callable:
     sig = inspect.signature(mod.forward)
     first = next(iter(sig.parameters))
@@ -298,7 +312,7 @@ def _module_forward(mod: torch.nn.Module, splice: ManifestSplice, run: Callable,
     return forward
 
 
-def _function(original: Callable, splice: ManifestSplice, run: Callable, align: frozenset[str]) -> Callable:
+def _function(original: Callable, splice: FunctionSplice, run: Callable, align: frozenset[str]) -> Callable:
     sig = inspect.signature(original)
     names = [s.removeprefix("arg:") for s in splice.inputs]
     width = max(splice.outputs) + 1
@@ -419,14 +433,14 @@ class _Patching:
     model: torch.nn.Module
     state: _State
 
-    def aligned(self, splice: ManifestSplice) -> bool:
+    def aligned(self, splice: SpliceBase) -> bool:
         return bool(self.align & set(splice.regions))
 
 
 _Targets = list[tuple[str, torch.nn.Module]]
 
 
-def _patch_carry(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
+def _patch_carry(p: _Patching, splice: CarrySplice, targets: _Targets) -> None:
     """Aligned: the carry hooks on each module (its incoming activation kept in FP32)."""
     if p.aligned(splice):
         for name, mod in targets:
@@ -434,7 +448,7 @@ def _patch_carry(p: _Patching, splice: ManifestSplice, targets: _Targets) -> Non
             _round_sums(p.gen, splice, name, mod, p.state)
 
 
-def _patch_attention(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
+def _patch_attention(p: _Patching, splice: AttentionSplice, targets: _Targets) -> None:
     """Aligned, and the model has the modules: the model's attention runs the generated function (where the module
     calls torch's sdpa in its own code, that call, while the module runs)."""
     if not (p.aligned(splice) and targets):
@@ -469,7 +483,7 @@ def sdpa_calls(modules: Sequence[torch.nn.Module], replacement: Callable[[torch.
     return undo
 
 
-def _patch_moe(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
+def _patch_moe(p: _Patching, splice: MoeSplice, targets: _Targets) -> None:
     """Router or experts: the module computes as the engine's MoE does."""
     if p.aligned(splice):
         _require(splice)
@@ -497,14 +511,14 @@ def _one_output_linears(p: _Patching, experts: str) -> None:
             p.state.undo.append(functools.partial(_drop_attributes, child, ("forward", "_graphdiff_engine_gemm")))
 
 
-def _patch_linear(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
+def _patch_linear(p: _Patching, splice: LinearSplice, targets: _Targets) -> None:
     """Aligned: each linear computes as the tensor-parallel engine's split-K matmul."""
     if p.aligned(splice):
         for name, mod in targets:
             p.state.undo.append(_split_k(mod, name, getattr(p.gen, splice.torch_fn), splice.shards))
 
 
-def _patch_module(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
+def _patch_module(p: _Patching, splice: ModuleSplice, targets: _Targets) -> None:
     """Each module's forward runs the generated fragment (its aligned regions rounded as the engine does)."""
     run = _chooser(p.gen, splice)
     for name, mod in targets:  # each module sums its rows as its engine kernel does
@@ -512,7 +526,7 @@ def _patch_module(p: _Patching, splice: ManifestSplice, targets: _Targets) -> No
         p.state.undo.append(functools.partial(_drop_attributes, mod, ("forward",)))
 
 
-def _patch_function(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
+def _patch_function(p: _Patching, splice: FunctionSplice, targets: _Targets) -> None:
     """A module-level function, replaced only when this model has the modules that call it."""
     if not targets:
         return
@@ -537,8 +551,10 @@ def _swap_in(owner: ModuleType, fn_name: str, key: str, state: _State) -> Callab
     return original
 
 
-_PATCH = {"carry": _patch_carry, "attention": _patch_attention, "router": _patch_moe, "experts": _patch_moe,
-          "linear": _patch_linear, "module": _patch_module}  # any other target: _patch_function
+# by the splice's target (ManifestSplice: each target its own record)
+_PATCH: dict[str, Callable[[_Patching, Any, _Targets], None]] = {
+    "carry": _patch_carry, "attention": _patch_attention, "router": _patch_moe, "experts": _patch_moe,
+    "linear": _patch_linear, "module": _patch_module, "function": _patch_function}
 
 
 def _splice_targets(splice: ManifestSplice, named: _Targets, manifest: Manifest, model: torch.nn.Module,
@@ -566,7 +582,7 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
     named = list(model.named_modules())
     for splice in manifest.splices:
         if not splice.problems:
-            _PATCH.get(splice.target, _patch_function)(p, splice, _splice_targets(splice, named, manifest, model,
+            _PATCH[splice.target](p, splice, _splice_targets(splice, named, manifest, model,
                                                                                    p.align))
     for _, mod in named:
         if isinstance(mod, torch.nn.Linear) or _is_conv1d(mod):
@@ -578,7 +594,7 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
     return model
 
 
-def _require(splice: ManifestSplice) -> None:
+def _require(splice: AttentionSplice | MoeSplice) -> None:
     """The modules the splice's generated function imports when it runs must be importable here."""
     missing = [m for m in splice.imports if importlib.util.find_spec(m.split(".")[0]) is None]
     if missing:
@@ -669,14 +685,14 @@ def _unpatch(key: str, owner: ModuleType, fn_name: str) -> None:
         _FUNCTIONS[key] = (original, users - 1)
 
 
-def _child(mod: torch.nn.Module, child: str, splice: ManifestSplice) -> torch.nn.Module:
+def _child(mod: torch.nn.Module, child: str, splice: CarrySplice) -> torch.nn.Module:
     try:
         return mod.get_submodule(child)
     except AttributeError:
         raise PatchError(f"{type(mod).__name__} has no child module {child!r} (carry splice {splice.key})") from None
 
 
-def _round_sums(gen: ModuleType, splice: ManifestSplice, name: str, mod: torch.nn.Module, state: _State) -> None:
+def _round_sums(gen: ModuleType, splice: CarrySplice, name: str, mod: torch.nn.Module, state: _State) -> None:
     """The hooks that round the layer's own residual sums of the named children's outputs where the engine stores
     them in BF16 (`rounded_sums` for this layer), or have its later adds read them rounded (`stored_sums`)."""
     children = [(c, stored) for stored, sums in ((False, splice.rounded_sums), (True, splice.stored_sums))
@@ -690,7 +706,7 @@ def _round_sums(gen: ModuleType, splice: ManifestSplice, name: str, mod: torch.n
     state.undo.append(mod.register_forward_hook(gen.carry_sums_done, always_call=True).remove)
 
 
-def _carry(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state: _State) -> None:
+def _carry(gen: ModuleType, splice: CarrySplice, mod: torch.nn.Module, state: _State) -> None:
     """The carry hooks on one module: its incoming activation in FP32 (carry_fp32); or rounded for the module's
     own ops and FP32 for the named children (carry_fp32_rounded: a piecewise engine's BF16 graph boundary)."""
     for child in splice.fp32_outputs:  # a scaled or summed child output, computed in FP32
@@ -710,7 +726,7 @@ def _carry(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state:
     state.undo.append(lambda: mod.__dict__.pop("_graphdiff_carry", None))
 
 
-def _held(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state: _State) -> None:
+def _held(gen: ModuleType, splice: CarrySplice, mod: torch.nn.Module, state: _State) -> None:
     """The hooks that hand the named children the stored BF16 copy of the module's FP32 incoming activation
     (`rounded_children`)."""
     if not splice.rounded_children:
@@ -723,7 +739,7 @@ def _held(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state: 
     state.undo.append(lambda: mod.__dict__.pop("_graphdiff_held", None))
 
 
-def _scaled(gen: ModuleType, splice: ManifestSplice, mod: torch.nn.Module, state: _State) -> None:
+def _scaled(gen: ModuleType, splice: CarrySplice, mod: torch.nn.Module, state: _State) -> None:
     """The hooks that hand a child's output, scaled by the module's own code, to the children reading it in FP32
     (`fp32_scaled`: the scaled embedding into the first decoder layer)."""
     if not splice.fp32_scaled:
