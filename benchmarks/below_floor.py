@@ -95,7 +95,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.engines.vllm.session import random_prompts, sample_engine
+    from graphdiff.engines.samples import random_prompts
+    from graphdiff.engines.vllm.session import sample_engine
     from graphdiff.measure.kl import floor
     from graphdiff.measure.logprobs import engine_logprobs, train_logprobs, trainer
     from graphdiff.models.prepare import prepare_model

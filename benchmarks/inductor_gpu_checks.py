@@ -291,15 +291,16 @@ def scan_model(model: str, out: Path, device: str, shapes: list[int], gap_tokens
     `gap_tokens`-token teacher-forced continuations of the gate's prompts."""
     from graphdiff.artifacts import ScanDir, staged
     from graphdiff.capture.shapes import prefill
+    from graphdiff.engines.base import EngineOptions
     from graphdiff.measure.gate import GATE_PROMPTS
-    from graphdiff.pipeline import Extras, scan, write_outputs
+    from graphdiff.pipeline import Extras, run_extras, scan
     from graphdiff.records import SampleAsk
 
     with staged(out, "scan") as tmp:
-        outcome = scan(model, layers=layers, tokens=shapes[0], shapes=[prefill(n) for n in shapes], out=ScanDir(tmp),
-                       sample=SampleAsk(count=GATE_PROMPTS, prompt_tokens=16, max_tokens=gap_tokens),
-                       engine="inductor", device=device)
-        write_outputs(ScanDir(tmp), outcome, None, Extras(patch=True, kl=kl, gap_tokens=gap_tokens))
+        outcome = scan(model, options=EngineOptions(engine="inductor", device=device), layers=layers, tokens=shapes[0],
+                       shapes=[prefill(n) for n in shapes], out=ScanDir(tmp),
+                       sample=SampleAsk(count=GATE_PROMPTS, prompt_tokens=16, max_tokens=gap_tokens))
+        run_extras(ScanDir(tmp), outcome, Extras(patch=True, kl=kl, gap_tokens=gap_tokens))
     r = outcome.result
     return {"sites": len(r.sites), "regions": len(r.regions), "not_replayed": r.not_replayed,
             "unexplained": len(r.unexplained), "departure": r.departure.model_dump() if r.departure else None}

@@ -9,6 +9,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -18,6 +19,7 @@ from rich.table import Table
 
 from graphdiff.analysis.opaque import truncates_output
 from graphdiff.capture.cpu_kind import apply_forced_kind
+from graphdiff.engines.base import EngineOptions
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import save_json
 
@@ -149,29 +151,23 @@ def capture(
     from graphdiff.artifacts import check_out, check_replaceable, staged
 
     with user_errors():
-        if engine not in ("vllm", "inductor", "hf", "dump"):
-            raise GraphdiffError(f"unknown engine {engine!r}; choose vllm, inductor, hf or dump")
+        options = capture_options(engine, compilation_config, optimization_level, tensor_parallel_size, device)
         check_out(out_dir)
         check_replaceable(out_dir, "capture")
         at_least(layers, "--layers", 1)
-        config = compile_option(compilation_config, optimization_level)
-        check_tp(tensor_parallel_size)
-        check_device(device, engine)
+        from graphdiff import engines
         from graphdiff.pipeline import capture_dump, capture_side
 
-        if engine == "dump":
+        if engine in engines.RECORDED:
             with staged(out_dir, "capture") as tmp:
                 cap = capture_dump(Path(model), tmp)
         else:
-            from graphdiff.engines.base import EngineOptions
             from graphdiff.models.prepare import prepare_model
 
             resolved, _ = prepare_model(model, layers, None, lambda m: console.log(m), random_weights)
             wanted = capture_shapes(shapes, tokens, resolved.config)
             with staged(out_dir, "capture") as tmp, progress(f"capturing the {engine} side") as update:
-                options = EngineOptions(compilation_config=config, optimization_level=optimization_level,
-                                        layers=layers, debug_dir=tmp / "inductor-debug" if keep_dump else None,
-                                        tensor_parallel_size=tensor_parallel_size, device=device)
+                options = replace(options, layers=layers, debug_dir=tmp / "inductor-debug" if keep_dump else None)
                 cap = capture_side(engine, resolved, wanted, tmp, options, update)
     print_summary(cap, kernels)
     out.print(f"wrote {out_dir / 'capture.json'}")
@@ -191,28 +187,43 @@ def at_least(value: float | None, option: str, least: float) -> None:
         raise GraphdiffError(f"{option} {value}: must be at least {least}")
 
 
-def compile_option(text: str | None, optimization_level: int | None) -> dict:
-    """`--compilation-config` JSON, checked against vLLM's CompilationConfig, and -O's range; before any engine."""
-    from graphdiff.engines.vllm.options import check_compilation_config
+TRAINER = "hf"  # `capture --engine hf`: the trainer's side, not an engine
 
-    config = parse_json_option(text, "--compilation-config")
-    check_compilation_config(config)
-    if optimization_level is not None and optimization_level not in (0, 1, 2, 3):
-        raise GraphdiffError(f"-O {optimization_level}: vLLM has optimization levels 0 to 3")
-    return config
+
+def capture_options(engine: str, compilation_config: str | None, optimization_level: int | None,
+                    tensor_parallel_size: int, device: str) -> EngineOptions:
+    """`capture`'s engine options: an engine of the registry (or the trainer, which runs on the CPU)."""
+    from graphdiff import engines
+    from graphdiff.engines.base import cpu_only
+
+    if engine != TRAINER and engine not in engines.ENGINES:
+        raise GraphdiffError(f"unknown engine {engine!r}; choose vllm, inductor, hf or dump")
+    if engine == TRAINER:
+        check_tp(tensor_parallel_size)
+        cpu_only(device)
+        return EngineOptions(engine=engine, device=device)
+    return engine_options(engine, compilation_config, optimization_level, tensor_parallel_size, device)
+
+
+def engine_options(engine: str, compilation_config: str | None, optimization_level: int | None,
+                   tensor_parallel_size: int = 1, device: str = "cpu", shapes: list | None = None,
+                   capture: bool = False) -> EngineOptions:
+    """The one options record of the command line (the compilation config None where not given), refused in one line
+    where the engine cannot run it (`capture`: a capture of its compiled graphs, at `shapes`)."""
+    from graphdiff import engines
+
+    check_tp(tensor_parallel_size)
+    config = parse_json_option(compilation_config, "--compilation-config") if compilation_config else None
+    options = EngineOptions(engine=engine, compilation_config=config, optimization_level=optimization_level,
+                            tensor_parallel_size=tensor_parallel_size, device=device)
+    engines.kind(engine).check(options, shapes, capture)
+    return options
 
 
 def check_tp(size: int) -> int:
     if size < 1:
         raise GraphdiffError(f"--tensor-parallel-size {size}: must be at least 1")
     return size
-
-
-def engine_config(config: dict, optimization_level: int | None) -> dict:
-    """The engine's compilation config with its -O level under "optimization_level" (what `kl` starts)."""
-    from graphdiff.engines.vllm.cpu import asked_config
-
-    return asked_config(config, optimization_level)
 
 
 def parse_json_option(text: str | None, name: str) -> dict:
@@ -267,29 +278,25 @@ def scan_cmd(
 ) -> None:
     """Find every value rounded to BF16 on one side only; write OUT/scan.json."""
     from graphdiff.artifacts import ScanDir, staged
-    from graphdiff.pipeline import Extras, sample_ask, scan, write_outputs
+    from graphdiff.pipeline import Extras, run_extras, sample_ask, scan
 
     with user_errors():
         form = attention_form(attention)
         if exact and not patch:
             raise GraphdiffError("--exact decides how the patch computes: give it with --patch")
         target = out_dir or Path("scans") / model.replace("/", "--").replace(":", "-")
-        wanted, config = check_scan_args(engine, tokens, layers, target, shapes, compilation_config,
-                                         optimization_level, manifest, engine_dump, tensor_parallel_size)
-        check_engine_scan(engine, wanted, compilation_config, optimization_level, tensor_parallel_size, device)
+        wanted, options = check_scan_args(engine, tokens, layers, target, shapes, compilation_config,
+                                          optimization_level, manifest, engine_dump, tensor_parallel_size, device)
         gap_tokens, sample = sample_ask(patch, kl, engine_dump)
         with staged(target, "scan") as tmp:  # a failure or Ctrl-C leaves `target` as it was
             with progress("scanning") as update:
-                outcome = scan(model, layers=layers, tokens=tokens, shapes=wanted, out=ScanDir(tmp), progress=update,
-                               argv=sys.argv[1:], engine_dump=engine_dump, manifest=manifest,
-                               compilation_config=config, optimization_level=optimization_level, sample=sample,
-                               tensor_parallel_size=tensor_parallel_size, random_weights=random_weights,
-                               engine=engine, device=device)
+                outcome = scan(model, options=options, layers=layers, tokens=tokens, shapes=wanted, out=ScanDir(tmp),
+                               progress=update, argv=sys.argv[1:], engine_dump=engine_dump, manifest=manifest,
+                               sample=sample, random_weights=random_weights)
             extras = Extras(patch=patch, kl=kl, report=report, attention=form, exact=exact, gap_tokens=gap_tokens,
-                            tensor_parallel_size=tensor_parallel_size,
                             reproduce="graphdiff " + shlex.join(sys.argv[1:]))
             with progress("writing the scan's outputs") as update:
-                made, kl_result = write_outputs(ScanDir(tmp), outcome, engine_dump, extras, update)
+                made, kl_result = run_extras(ScanDir(tmp), outcome, extras, update)
     print_scan_outputs(outcome.result, ScanDir(target), kl_result, made, report)
 
 
@@ -307,14 +314,14 @@ def print_scan_outputs(result, d, kl_result, made, report: bool) -> None:  # noq
 
 def check_scan_args(engine: str, tokens: int, layers: int | None, target: Path, shapes: str | None,
                     compilation_config: str | None, optimization_level: int | None, manifest: Path | None,
-                    engine_dump: Path | None, tensor_parallel_size: int) -> tuple[list | None, dict | None]:
-    """Every check of `scan`'s options that needs no model: the shapes and the compilation config to run."""
+                    engine_dump: Path | None, tensor_parallel_size: int,
+                    device: str) -> tuple[list | None, EngineOptions]:
+    """Every check of `scan`'s options that needs no model: the shapes and the engine's options to run."""
+    from graphdiff import engines
     from graphdiff.artifacts import ScanDir, check_patch, check_replaceable
     from graphdiff.capture.shapes import parse_shapes
-    from graphdiff.engines.vllm.cpu import check_options
 
-    if engine not in ("vllm", "inductor"):
-        raise GraphdiffError(f"unknown engine {engine!r}; graphdiff scans vllm or inductor")
+    engines.check_name(engine, "graphdiff scans")
     if tokens < 2:
         raise GraphdiffError("--tokens must be at least 2")
     at_least(layers, "--layers", 1)
@@ -322,37 +329,13 @@ def check_scan_args(engine: str, tokens: int, layers: int | None, target: Path, 
     ScanDir(target).check_writable()
     check_replaceable(target, "scan")
     wanted = parse_shapes(shapes, tokens) if shapes else None
-    config = compile_option(compilation_config, optimization_level) if compilation_config else None
-    if engine_dump is None and engine == "vllm":
-        check_options(config or {}, optimization_level)
+    options = engine_options(engine, compilation_config, optimization_level, tensor_parallel_size, device, wanted,
+                             capture=engine_dump is None)
     if manifest is not None:
         if not manifest.exists():
             raise GraphdiffError(f"--manifest {manifest}: no such file")
         check_patch(manifest)
-    return wanted, config
-
-
-def check_engine_scan(engine: str, wanted: list | None, compilation_config: str | None,
-                      optimization_level: int | None, tensor_parallel_size: int, device: str = "cpu") -> None:
-    """`--engine inductor` (scan, kl, check): what it does not run (vLLM's options, decode steps, a device torch does
-    not see), refused before anything starts; `--device` other than cpu with vLLM too."""
-    check_device(device, engine)
-    if engine != "inductor":
-        return
-    from graphdiff.engines import inductor
-    from graphdiff.engines.base import EngineOptions
-
-    inductor.check_options(EngineOptions(compilation_config={"given": True} if compilation_config else {},
-                                         optimization_level=optimization_level,
-                                         tensor_parallel_size=tensor_parallel_size, device=device))
-    inductor.check_shapes(wanted or [])
-
-
-def check_device(device: str, engine: str) -> None:
-    """`--device`: cpu or cuda for `--engine inductor` (cuda only where torch sees a GPU); cpu for the others."""
-    from graphdiff.engines.inductor import check_device as check
-
-    check(device, engine if engine == "inductor" else "other")
+    return wanted, options
 
 
 def print_patch_notes(manifest, where: Path) -> None:  # noqa: ANN001 - Manifest
@@ -445,18 +428,16 @@ def check_cmd(
                                             "starting the engine"),
 ) -> None:
     """CI gate: exit 0 when the patch still holds, 1 (with why) when it must be regenerated."""
+    from graphdiff import engines
     from graphdiff.artifacts import check_out, check_replaceable
     from graphdiff.capture.shapes import parse_shapes
     from graphdiff.check import check, render
 
     with user_errors():
-        if engine not in ("vllm", "inductor"):
-            raise GraphdiffError(f"unknown engine {engine!r}; graphdiff checks against vllm or inductor")
-        check_engine_scan(engine, None, compilation_config, optimization_level, 1, device)
+        engines.check_name(engine, "graphdiff checks against")
+        options = engine_options(engine, compilation_config, optimization_level, 1, device)
         if fmt not in ("text", "json", "markdown"):
             raise GraphdiffError(f"unknown format {fmt!r}; choose text, json or markdown")
-        config = compile_option(compilation_config, optimization_level) if compilation_config else None
-        compile_option(None, optimization_level)
         if shapes and engine_dump is not None:
             raise GraphdiffError("--shapes: a re-scan against --engine-dump reads the shapes its capture recorded")
         if shapes:
@@ -465,9 +446,8 @@ def check_cmd(
             check_out(out_dir)
             check_replaceable(out_dir, "scan")
         with progress("re-scanning the patched trainer") as update:
-            result = check(manifest, model=model, compilation_config=config, optimization_level=optimization_level,
-                           shapes=shapes, out=out_dir, progress=update, random_weights=random_weights,
-                           engine=engine, device=device, engine_dump=engine_dump)
+            result = check(manifest, options=options, model=model, shapes=shapes, out=out_dir, progress=update,
+                           random_weights=random_weights, engine_dump=engine_dump)
     print(render(result, fmt))
     raise typer.Exit(0 if result.ok else 1)
 
@@ -719,11 +699,9 @@ def kl_cmd(
 
     with user_errors():
         target = out_dir or Path("kl") / model.replace("/", "--").replace(":", "-")
-        config = check_kl_args(engine, prompts_file, random, prompt_len, max_tokens, temperature, bootstrap, metric,
-                               manifest, compilation_config, optimization_level, tensor_parallel_size, target,
-                               device)
-        if engine == "inductor" and modes:
-            raise GraphdiffError("--modes is vLLM's (compiled/eager engine): --engine inductor has one mode")
+        options = check_kl_args(engine, prompts_file, random, prompt_len, max_tokens, temperature, bootstrap, metric,
+                                manifest, compilation_config, optimization_level, tensor_parallel_size, target,
+                                device, modes)
         # Same resolution as scan (layer cut, seeded weights), so a scan's patch manifest matches.
         resolved, _ = prepare_model(model, None, None, lambda m: console.log(m), random_weights)
         vocab = int(resolved.config.get("vocab_size", 0))
@@ -731,11 +709,10 @@ def kl_cmd(
                    else random_prompts(resolved.config, 8 if random is None else random, prompt_len, seed))
         names = [r.strip() for r in regions.split(",") if r.strip()] if regions else None
         with staged(target, "kl", carry=(SAMPLES_FILE,)) as tmp, progress("measuring the log-prob gap") as update:
-            result = measure(resolved.path, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature,
-                             modes=modes, manifest=manifest, regions=names, attribute=attribute, metric=metric,
-                             bootstrap=bootstrap, out_dir=tmp, progress=update,
-                             reproduce="graphdiff " + shlex.join(sys.argv[1:]), compilation_config=config,
-                             tensor_parallel_size=tensor_parallel_size, engine=engine, device=device)
+            result = measure(resolved.path, prompts, options=options, max_tokens=max_tokens, seed=seed,
+                             temperature=temperature, modes=modes, manifest=manifest, regions=names,
+                             attribute=attribute, metric=metric, bootstrap=bootstrap, out_dir=tmp, progress=update,
+                             reproduce="graphdiff " + shlex.join(sys.argv[1:]))
             result.fingerprint = model_fingerprint(resolved.path)
             save_json(result, tmp / "kl.json")
     print_kl(result)
@@ -745,13 +722,15 @@ def kl_cmd(
 def check_kl_args(engine: str, prompts_file: Path | None, random: int | None, prompt_len: int, max_tokens: int,
                   temperature: float, bootstrap: int, metric: str, manifest: Path | None,
                   compilation_config: str | None, optimization_level: int | None, tp_size: int,
-                  target: Path, device: str = "cpu") -> dict:
-    """Every check of `kl`'s options that needs no model; the engine's compilation config."""
+                  target: Path, device: str = "cpu", modes: bool = False) -> EngineOptions:
+    """Every check of `kl`'s options that needs no model; the engine's options."""
+    from graphdiff import engines
     from graphdiff.artifacts import check_out, check_patch, check_replaceable
 
-    if engine not in ("vllm", "inductor"):
-        raise GraphdiffError(f"unknown engine {engine!r}; graphdiff kl measures vllm or inductor")
-    check_engine_scan(engine, None, compilation_config, optimization_level, tp_size, device)
+    engines.check_name(engine, "graphdiff kl measures")
+    options = engine_options(engine, compilation_config, optimization_level, tp_size, device)
+    if modes and len(engines.kind(engine).MODES) < 2:
+        raise GraphdiffError(f"--modes is vLLM's (compiled/eager engine): --engine {engine} has one mode")
     if prompts_file is not None and random is not None:
         raise GraphdiffError("give --prompts or --random, not both")
     for value, option in ((random, "--random"), (prompt_len, "--prompt-tokens"), (max_tokens, "--max-tokens"),
@@ -764,7 +743,7 @@ def check_kl_args(engine: str, prompts_file: Path | None, random: int | None, pr
     check_replaceable(target, "kl")
     if manifest is not None:
         check_patch(manifest)
-    return engine_config(compile_option(compilation_config, optimization_level), optimization_level)
+    return options
 
 
 def position_table(result) -> Table | None:  # noqa: ANN001 - KLResult

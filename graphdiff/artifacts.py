@@ -267,7 +267,7 @@ class ScanDir:
         return load_versioned(Capture, self.engine_capture, "capture") if self.engine_capture.is_file() else None
 
     def load_engine(self, model_dir: Path | None = None) -> tuple[Capture, dict]:
-        from graphdiff.engines.vllm.process import load_engine_capture
+        from graphdiff.engines.store import load_engine_capture
 
         return load_engine_capture(self.engine_dir, model_dir)
 

@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 
 from graphdiff.capture.shapes import parse_shapes
-from graphdiff.engines.vllm.cpu import split_level
+from graphdiff.engines.base import EngineOptions
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import CheckFinding, CheckResult, Manifest, Progress, ScanResult
 
@@ -100,32 +100,29 @@ def _static_findings(path: Path, manifest: Manifest, spec: str) -> CheckResult:
     return result
 
 
-def check(manifest_path: Path, *, model: str | None = None, compilation_config: dict | None = None,
-          optimization_level: int | None = None, shapes: str | None = None, out: Path | None = None,
-          progress: Progress = lambda m: None, random_weights: bool = False, engine: str = "vllm",
-          device: str = "cpu", engine_dump: Path | None = None) -> CheckResult:
-    """Re-scan the patched trainer against the engine (`engine`: the one the patch was made against, on `device`;
-    or its capture made elsewhere, `engine_dump`, e.g. on a GPU server); findings = why the patch must be
-    regenerated. `out` (the re-scan, kept) is replaced only when the re-scan completes."""
+def check(manifest_path: Path, *, options: EngineOptions | None = None, model: str | None = None,
+          shapes: str | None = None, out: Path | None = None, progress: Progress = lambda m: None,
+          random_weights: bool = False, engine_dump: Path | None = None) -> CheckResult:
+    """Re-scan the patched trainer against the engine (`options.engine`: the one the patch was made against, its
+    compilation config by default the patch's; or its capture made elsewhere, `engine_dump`, e.g. on a GPU server);
+    findings = why the patch must be regenerated. `out` (the re-scan, kept) is replaced only when the re-scan
+    completes."""
     from graphdiff.artifacts import ScanDir, staged
     from graphdiff.models.prepare import prepare_model
     from graphdiff.pipeline import scan
     from graphdiff.runtime import load_manifest
 
+    options = options or EngineOptions()
     path = manifest_path / "manifest.json" if manifest_path.is_dir() else manifest_path
     manifest = load_manifest(path)
     made = str(manifest.engine_config.get("engine", "vllm"))
-    if made != engine:
+    if made != options.engine:
         raise GraphdiffError(f"{path} was made against --engine {made}: check it with --engine {made}")
     spec = model or manifest.model
     result = _static_findings(path, manifest, spec)
     if any(f.kind == "patch file" for f in result.findings):
         return result
-    if engine_dump is not None:  # the capture records its own config and shapes; one given must be the same
-        asked, level = compilation_config, optimization_level
-    else:
-        asked, level = split_level(manifest.compilation_config if compilation_config is None else compilation_config)
-        level = optimization_level if optimization_level is not None else level
+    rescan = options if engine_dump is not None else _now(options, manifest)
     wanted = parse_shapes(shapes or _shapes(manifest) or "16", 16)
     resolved, _ = prepare_model(spec, manifest.layers_scanned, None, progress, random_weights)
     result.findings += config_findings(manifest, resolved.config)
@@ -135,14 +132,23 @@ def check(manifest_path: Path, *, model: str | None = None, compilation_config: 
         return result
     with staged(out, "scan") if out is not None else contextlib.nullcontext() as where:
         d = ScanDir(where) if where is not None else None
-        outcome = scan(spec, layers=manifest.layers_scanned, shapes=wanted, out=d, progress=progress, manifest=path,
-                       compilation_config=asked, optimization_level=level, allow_version_mismatch=True,
-                       random_weights=random_weights, engine=engine, device=device, engine_dump=engine_dump)
+        outcome = scan(spec, options=rescan, layers=manifest.layers_scanned, shapes=wanted, out=d, progress=progress,
+                       manifest=path, allow_version_mismatch=True, random_weights=random_weights,
+                       engine_dump=engine_dump)
         if d is not None:  # the re-scan, kept (what the patch leaves: `graphdiff report DIR`, `graphdiff explain`)
             d.save_train(outcome.train.capture)
             d.save_scan(outcome.result)
     _site_findings(result, manifest, outcome.result)
     return result
+
+
+def _now(options: EngineOptions, manifest: Manifest) -> EngineOptions:
+    """The engine as configured now: the compilation config given, else the patch's; -O given, else the config's."""
+    now = options.with_asked(manifest.compilation_config if options.compilation_config is None
+                             else options.compilation_config)
+    if options.optimization_level is not None:
+        now.optimization_level = options.optimization_level
+    return now
 
 
 def _site_findings(result: CheckResult, manifest: Manifest, scanned: ScanResult) -> None:

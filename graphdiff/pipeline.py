@@ -1,6 +1,7 @@
 """The whole scan as one process runs it: resolve the model, run the engine (in a child process) and the
-trainer on the same weights and tokens, analyze; and the chain after it (patch, gate, kl, report) that the
-CLI's `scan --patch --kl --report` runs (`write_outputs`).
+trainer on the same weights and tokens, analyze; and the chain after it (patch, gate, kl, the patched trainer's
+departure, report) that the CLI's `scan --patch --kl --report` runs (`run_extras`). The engine is reached by name
+through the registry (`graphdiff.engines`), started with the one `EngineOptions` record.
 
 `graphdiff.analysis.scan.analyze` is the part after both sides have run.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from graphdiff import engines
 from graphdiff.analysis import tensor_parallel as tp
 from graphdiff.analysis.scan import (
     TrainSide,
@@ -25,7 +27,7 @@ from graphdiff.analysis.scan import (
 from graphdiff.artifacts import ScanDir, new_scan_id
 from graphdiff.capture.shapes import check_shapes, default_shapes, with_prompts
 from graphdiff.engines.base import EngineOptions
-from graphdiff.engines.vllm.cpu import asked_config, check_options, split_level
+from graphdiff.engines.store import save_engine_capture
 from graphdiff.errors import GraphdiffError
 from graphdiff.models.prepare import prepare_model
 from graphdiff.models.resolve import ResolvedModel
@@ -71,29 +73,29 @@ class ScanOutcome:
     model_dir: Path
     config: dict  # the checkpoint's config.json
     engine_started: bool
+    options: EngineOptions  # as the engine ran (a capture made elsewhere: its recorded compilation config)
 
 
-def _dump_config(engine_dump: Path, cap: Capture, given: dict | None,
-                 level: int | None) -> tuple[dict | None, int | None]:
-    """The compilation config an engine capture was made with (what the patch's measurement and `kl` start again);
-    one given on the command line must be the same. A capture older than the record takes the given one."""
-    asked = asked_config(given or {}, level)
+def _dump_config(engine_dump: Path, cap: Capture, options: EngineOptions) -> EngineOptions:
+    """The options with the compilation config an engine capture was made with (what the patch's measurement and `kl`
+    start again); one given on the command line must be the same. A capture older than the record takes the given
+    one."""
+    asked = options.asked
     if "compilation_config" not in cap.model_fields_set:
         cap.compilation_config = asked  # what the scan directory's copy of the capture records
-        return given, level
+        return options
     recorded = dict(cap.compilation_config)
-    if given is not None or level is not None:
+    if options.compilation_config is not None or options.optimization_level is not None:
         if asked != recorded:
             raise GraphdiffError(f"{engine_dump} was captured with compilation config {json.dumps(recorded)}, not "
                                  f"{json.dumps(asked)}: leave out --compilation-config/-O, or capture again")
-    return split_level(recorded)
+    return options.with_asked(recorded)
 
 
-def _engine_from_dump(engine_dump: Path, resolved: ResolvedModel, spec: str, compilation_config: dict | None,
-                      optimization_level: int | None, notes: list[str]) -> tuple[Capture, Buffers, dict | None,
-                                                                             int | None]:
+def _engine_from_dump(engine_dump: Path, resolved: ResolvedModel, spec: str, options: EngineOptions,
+                      notes: list[str]) -> tuple[Capture, Buffers, EngineOptions]:
     """The engine side taken from a capture made elsewhere: it must have run this model config and checkpoint."""
-    from graphdiff.engines.vllm.process import load_engine_capture
+    from graphdiff.engines.store import load_engine_capture
     from graphdiff.models.resolve import model_fingerprint
 
     cap, buffers = load_engine_capture(engine_dump, resolved.path)
@@ -106,44 +108,33 @@ def _engine_from_dump(engine_dump: Path, resolved: ResolvedModel, spec: str, com
     made_by = cap.versions.get("vllm") or f"{cap.engine}, torch {cap.versions.get('torch', '?')}"
     made_by += f" on {cap.device}" if cap.device else ""
     notes.append(f"engine side from {engine_dump} (captured with {made_by}); the engine was not started")
-    compilation_config, optimization_level = _dump_config(engine_dump, cap, compilation_config, optimization_level)
-    return cap, buffers, compilation_config, optimization_level
+    return cap, buffers, _dump_config(engine_dump, cap, options)
 
 
 def _engine_run(resolved: ResolvedModel, shapes: list[Shape] | None, tokens: int, out: ScanDir | None,
-                progress: Progress, sample: SampleAsk | None, compilation_config: dict | None,
-                optimization_level: int | None, tensor_parallel_size: int,
-                engine: str = "vllm", device: str = "cpu") -> tuple[Capture, Buffers, float]:
+                progress: Progress, sample: SampleAsk | None, options: EngineOptions) -> tuple[Capture, Buffers, float]:
     """The engine side run now, in a child process, into `out`'s engine dir (else a temporary one): vLLM, or the
-    HF model under torch.compile (`engine` "inductor": prefill shapes only; teacher-forced scores for the gap)."""
+    HF model under torch.compile (prefill shapes only; teacher-forced scores for the gap)."""
     import tempfile
 
-    from graphdiff.engines.vllm.process import capture_isolated
-
+    kind = engines.kind(options.engine)
     config = resolved.config
-    if shapes is None:  # a compiled HF model has no KV cache: its default shapes are the prefills
-        shapes = [s for s in default_shapes(tokens, config) if engine != "inductor" or s.phase == "prefill"]
+    if shapes is None:  # an engine without a KV cache (a compiled HF model): its default shapes are the prefills
+        shapes = [s for s in default_shapes(tokens, config) if not kind.PREFILL_ONLY or s.phase == "prefill"]
     check_shapes(shapes, config)
     shapes = with_prompts(shapes, config)
     directory = out.engine_dir if out is not None else Path(tempfile.mkdtemp(prefix="graphdiff-engine-"))
     progress("starting the engine in its own process (compile)")
     request = _sample_request(config, sample, out.root if out is not None else directory)
-    if engine == "inductor":
-        from graphdiff.engines import inductor
-
-        return inductor.capture_isolated(resolved.path, shapes, directory, progress=progress,
-                                         config_sha256=config_sha256(config), sample=request, device=device)
-    return capture_isolated(resolved.path, shapes, directory, progress=progress,
-                            compilation_config=compilation_config, optimization_level=optimization_level,
-                            config_sha256=config_sha256(config), sample=request,
-                            tensor_parallel_size=tensor_parallel_size)
+    return kind.capture_isolated(resolved.path, shapes, directory, options, progress=progress,
+                                 config_sha256=config_sha256(config), sample=request)
 
 
 def _sample_request(config: dict, sample: SampleAsk | None, out_dir: Path) -> SampleRequest | None:
     """The seeded prompts the engine's child samples (or scores, teacher-forced) after its capture, into out_dir."""
     if sample is None:
         return None
-    from graphdiff.engines.vllm.session import random_prompts
+    from graphdiff.engines.samples import random_prompts
     from graphdiff.measure.kl import check_request
 
     prompts = random_prompts(config, sample.count, sample.prompt_tokens, sample.seed)
@@ -167,9 +158,6 @@ def capture_side(engine: str, resolved: ResolvedModel, shapes: list[Shape], out_
         cap.fingerprint = model_fingerprint(resolved.path)
         save_json(cap, out_dir / "capture.json")
         return cap
-    from graphdiff import engines
-    from graphdiff.engines.vllm.process import save_engine_capture
-
     started = engines.start(engine, resolved.path, shapes, options, progress)
     try:
         cap = started.capture
@@ -184,39 +172,33 @@ def capture_side(engine: str, resolved: ResolvedModel, shapes: list[Shape], out_
 
 def capture_dump(dump_dir: Path, out_dir: Path) -> Capture:
     """A TORCH_COMPILE_DEBUG dump read as the engine side into `out_dir`/capture.json."""
-    from graphdiff import engines
-
-    cap = engines.start("dump", dump_dir, []).capture
+    cap = engines.start(engines.RECORDED[0], dump_dir, []).capture
     save_json(cap, out_dir / "capture.json")
     return cap
 
 
-def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list[Shape] | None = None,
-         out: ScanDir | None = None, work_dir: Path | None = None, progress: Progress = lambda m: None,
-         argv: list[str] | None = None, engine_dump: Path | None = None, manifest: Path | None = None,
-         compilation_config: dict | None = None, optimization_level: int | None = None,
-         allow_version_mismatch: bool = False, sample: SampleAsk | None = None,
-         tensor_parallel_size: int = 1, random_weights: bool = False, engine: str = "vllm",
-         device: str = "cpu") -> ScanOutcome:
-    """Resolve `spec`, run the real engine (in a child process; or take its capture from `engine_dump`) and the
-    HF trainer on the same weights and tokens, analyze. The engine capture is written to `out`'s engine dir.
-    `sample`: the same engine then samples those seeded prompts into `out`/engine_samples.json (the patch's
-    measurement and `kl` read them: one engine start). Every capture and the result record the scan id and the
-    model fingerprint. `engine`: "vllm", or "inductor" (the HF model under torch.compile, engines/inductor.py)."""
+def scan(spec: str, *, options: EngineOptions | None = None, layers: int | None = None, tokens: int = 16,
+         shapes: list[Shape] | None = None, out: ScanDir | None = None, work_dir: Path | None = None,
+         progress: Progress = lambda m: None, argv: list[str] | None = None, engine_dump: Path | None = None,
+         manifest: Path | None = None, allow_version_mismatch: bool = False, sample: SampleAsk | None = None,
+         random_weights: bool = False) -> ScanOutcome:
+    """Resolve `spec`, run the real engine `options.engine` (in a child process; or take its capture from
+    `engine_dump`) and the HF trainer on the same weights and tokens, analyze. The engine capture is written to
+    `out`'s engine dir. `sample`: the same engine then samples those seeded prompts into `out`/engine_samples.json
+    (the patch's measurement and `kl` read them: one engine start). Every capture and the result record the scan id
+    and the model fingerprint."""
     from graphdiff.models.resolve import model_fingerprint
 
+    options = options or EngineOptions()
     t_start = time.perf_counter()
     resolved, notes = prepare_model(spec, layers, work_dir, progress, random_weights)
     identity = dict(scan_id=new_scan_id(), fingerprint=model_fingerprint(resolved.path))
     if engine_dump is not None:
-        cap, buffers, compilation_config, optimization_level = _engine_from_dump(
-            engine_dump, resolved, spec, compilation_config, optimization_level, notes)
+        cap, buffers, options = _engine_from_dump(engine_dump, resolved, spec, options, notes)
         startup = 0.0
     else:
-        if engine == "vllm":
-            check_options(compilation_config or {}, optimization_level)
-        cap, buffers, startup = _engine_run(resolved, shapes, tokens, out, progress, sample, compilation_config,
-                                            optimization_level, tensor_parallel_size, engine, device)
+        engines.kind(options.engine).check(options, shapes, capture=True)
+        cap, buffers, startup = _engine_run(resolved, shapes, tokens, out, progress, sample, options)
     t_engine = time.perf_counter()
     progress("tracing the trainer's eager forward")
     train = run_train_side(resolved.path, cap.prompt_tokens, manifest, allow_version_mismatch)
@@ -226,30 +208,29 @@ def scan(spec: str, *, layers: int | None = None, tokens: int = 16, shapes: list
         check_same_weights(cap, buffers, train)
     t_train = time.perf_counter()
     progress(f"replaying kernels at {len(cap.shapes) or 1} shape(s), matching values, deciding the plan")
-    reproduce = "graphdiff " + shlex.join(argv) if argv else f"graphdiff scan {shlex.quote(spec)} --engine {engine}"
+    reproduce = ("graphdiff " + shlex.join(argv) if argv
+                 else f"graphdiff scan {shlex.quote(spec)} --engine {options.engine}")
     result = analyze(cap, buffers, train, model=spec, layers_total=_published_layers(spec, total_layers(resolved)),
                      config=resolved.config, reproduce=reproduce, notes=notes)
-    _finish(result, manifest, compilation_config, optimization_level)
+    _finish(result, manifest, options)
     result.timings.update(engine_startup_s=round(startup, 3), wall_s=round(time.perf_counter() - t_start, 3),
                           engine_total_s=round(t_engine - t_start, 3), train_s=round(t_train - t_engine, 3))
     for record in (result, cap, train.capture):
         record.scan_id, record.fingerprint = identity["scan_id"], identity["fingerprint"]
     if engine_dump is None and out is not None:  # the child wrote it before the scan had an id
         save_json(cap, out.engine_capture)
-    return ScanOutcome(result, cap, buffers, train, resolved.path, resolved.config, engine_dump is None)
+    return ScanOutcome(result, cap, buffers, train, resolved.path, resolved.config, engine_dump is None, options)
 
 
 def total_layers(resolved: ResolvedModel) -> int:
     return int(resolved.config.get("num_hidden_layers", 0))
 
 
-def _finish(result: ScanResult, manifest: Path | None, compilation_config: dict | None,
-            optimization_level: int | None) -> None:
+def _finish(result: ScanResult, manifest: Path | None, options: EngineOptions) -> None:
     """What the analysis leaves to the scan: who the trainer was, the config as asked; no kernels: refused."""
     for a in result.routing if manifest is not None else []:
         a.trainer = "patched"
-    result.compilation_config = {**(compilation_config or {}), **(
-        {"optimization_level": optimization_level} if optimization_level is not None else {})}
+    result.compilation_config = options.asked
     if not result.sites and not result.replay:
         raise GraphdiffError("the engine graph had no generated kernels to compare (is compile disabled?)")
 
@@ -272,7 +253,7 @@ def sample_ask(patch: bool, kl: bool, engine_dump: Path | None) -> tuple[int, Sa
     return tokens, SampleAsk(count=GATE_PROMPTS, prompt_tokens=16, max_tokens=tokens) if wanted else None
 
 
-# --- after the scan: patch, gate, gap, report ----------------------------------------------------------------
+# --- after the scan: patch, gate, gap, the patched trainer's departure, report -----------------------------
 
 @dataclass
 class Extras:
@@ -284,59 +265,68 @@ class Extras:
     attention: AttentionForm = "fp32"
     exact: bool = False  # the engine's own ops where no rounding plan makes the forward equal (make_patch)
     gap_tokens: int = 256  # continuation tokens the gate and the gap sample (one engine run serves both)
-    tensor_parallel_size: int = 1
     reproduce: str = ""
 
 
-def write_outputs(d: ScanDir, outcome: ScanOutcome, engine_dump: Path | None, extras: Extras,
-                  progress: Progress = lambda m: None) -> tuple[Manifest | None, KLResult | None]:
-    """The chain after the scan, into the (staging) scan directory `d`: scan.json and both captures, then the patch
-    measured region by region (gate), the log-prob gap (kl) with the patched trainer's first departure where an
-    unnamed rest is left, and the report."""
-    result = outcome.result
-    if engine_dump is not None:  # the report draws the engine graph from the scan directory
-        from graphdiff.engines.vllm.process import save_engine_capture
-
-        save_engine_capture(outcome.engine, outcome.buffers, d.engine_dir)
-    d.save_train(outcome.train.capture)
-    d.save_scan(result)
-    made = kl_result = None
-    if extras.patch:
-        from graphdiff.codegen.generate import make_patch, write_patch
-        from graphdiff.measure.gate import gate
-
-        write_patch(make_patch(result, outcome.train.capture, None, extras.attention, extras.exact), d.patch_dir)
-        progress("measuring the patch region by region")
-        made = gate(result, d.patch_dir, d.root, max_tokens=extras.gap_tokens, model_dir=outcome.model_dir,
-                    progress=progress)
+def run_extras(d: ScanDir, outcome: ScanOutcome, extras: Extras,
+               progress: Progress = lambda m: None) -> tuple[Manifest | None, KLResult | None]:
+    """The chain after the scan, into the (staging) scan directory `d`, one step each: scan.json and both captures,
+    the patch measured region by region (gate), the log-prob gap (kl), where an unnamed rest is left in the patched
+    gap the patched trainer's first departure from the engine, and the report."""
+    save_scan(d, outcome)
+    made = gated_patch(d, outcome, extras, progress) if extras.patch else None
+    kl_result = None
     if extras.kl:
-        kl_result = _gap(d, outcome, extras, progress)
+        kl_result = measure_gap(d, outcome, extras, progress)
+        if extras.patch:
+            manifest = d.patch_dir / "manifest.json"
+            kl_result.departure, kl_result.departure_note = patched_departure(outcome, manifest, kl_result, progress)
         save_json(kl_result, d.kl_json)
-        result.kl = kl_result
-        d.save_scan(result)
+        outcome.result.kl = kl_result
+        d.save_scan(outcome.result)
     if extras.report:
         from graphdiff.report.html import write_html
 
-        write_html(result, outcome.train.capture, outcome.engine, d.root / "report.html")
+        write_html(outcome.result, outcome.train.capture, outcome.engine, d.root / "report.html")
     return made, kl_result
 
 
-def _gap(d: ScanDir, outcome: ScanOutcome, extras: Extras, progress: Progress) -> KLResult:
+def save_scan(d: ScanDir, outcome: ScanOutcome) -> None:
+    """scan.json and the trainer's capture; an engine capture made elsewhere too (the report draws its graph)."""
+    if not outcome.engine_started:
+        save_engine_capture(outcome.engine, outcome.buffers, d.engine_dir)
+    d.save_train(outcome.train.capture)
+    d.save_scan(outcome.result)
+
+
+def gated_patch(d: ScanDir, outcome: ScanOutcome, extras: Extras, progress: Progress) -> Manifest:
+    """The patch into d/patch, then measured region by region on the engine's samples (gate)."""
+    from graphdiff.codegen.generate import make_patch, write_patch
+    from graphdiff.measure.gate import gate
+
+    write_patch(make_patch(outcome.result, outcome.train.capture, None, extras.attention, extras.exact), d.patch_dir)
+    progress("measuring the patch region by region")
+    return gate(outcome.result, d.patch_dir, d.root, max_tokens=extras.gap_tokens, model_dir=outcome.model_dir,
+                progress=progress)
+
+
+def measure_gap(d: ScanDir, outcome: ScanOutcome, extras: Extras, progress: Progress) -> KLResult:
+    """The log-prob gap on the engine's samples (the scan's engine, as it ran), patched too where --patch made one."""
     from graphdiff.measure.gate import GATE_PROMPTS
     from graphdiff.measure.kl import measure, random_prompts
 
     progress("measuring the log-prob gap")
     manifest = d.patch_dir / "manifest.json" if extras.patch else None
-    result = measure(outcome.model_dir, random_prompts(outcome.config, GATE_PROMPTS, 16, 0),
+    options = EngineOptions(engine=outcome.engine.engine, device=str(outcome.engine.engine_config.get("device", "cpu")),
+                            tensor_parallel_size=outcome.options.tensor_parallel_size
+                            ).with_asked(outcome.result.compilation_config)
+    result = measure(outcome.model_dir, random_prompts(outcome.config, GATE_PROMPTS, 16, 0), options=options,
                      max_tokens=extras.gap_tokens, manifest=manifest, out_dir=d.root, progress=progress,
-                     reproduce=extras.reproduce, compilation_config=outcome.result.compilation_config,
-                     tensor_parallel_size=extras.tensor_parallel_size, engine=outcome.engine.engine,
-                     device=str(outcome.engine.engine_config.get("device", "cpu")))
+                     reproduce=extras.reproduce)
     result.scan_id, result.fingerprint = outcome.result.scan_id, outcome.result.fingerprint
     if manifest is not None:
         # relative to the scan directory: `d` is the staging directory, renamed when the scan succeeds
         result.manifest = str(manifest.relative_to(d.root))
-        result.departure, result.departure_note = patched_departure(outcome, manifest, result, progress)
     return result
 
 

@@ -48,7 +48,7 @@ def test_patch_shrinks_the_log_prob_gap_to_the_engine(tiny_models: dict[str, Pat
     """Tiny Qwen3 scanned against this machine's engine (its attention kernel decides whether there is an attention
     region), 8 prompts x 128 sampled tokens, vLLM compiled vs HF eager."""
     pytest.importorskip("vllm")
-    from graphdiff.engines.vllm.session import random_prompts
+    from graphdiff.engines.samples import random_prompts
     from graphdiff.measure.kl import measure
     from graphdiff.models.resolve import read_config
 

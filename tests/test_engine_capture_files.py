@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from graphdiff.engines.vllm.process import checkpoint_tensor
+from graphdiff.engines.store import checkpoint_tensor
 
 
 def testcheckpoint_tensors_are_mapped_with_their_values_and_can_be_written_privately(tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ from graphdiff.artifacts import ScanDir
 from graphdiff.capture.hf import load_hf_model
 from graphdiff.capture.shapes import prefill
 from graphdiff.codegen import generate
-from graphdiff.engines.vllm.session import random_prompts, sample_engine
+from graphdiff.engines.samples import random_prompts
+from graphdiff.engines.vllm.session import sample_engine
 from graphdiff.measure.kl import _logprobs_and_routing
 from graphdiff.measure.logprobs import trainer
 from graphdiff.models.tiny import make_tiny

@@ -80,7 +80,7 @@ def test_the_retagged_capture_is_a_cuda_one(retagged: Path) -> None:
 
 
 def test_it_loads_on_the_cpu_and_keeps_the_recorded_device(retagged: Path, tiny_models: dict[str, Path]) -> None:
-    from graphdiff.engines.vllm.process import load_engine_capture
+    from graphdiff.engines.store import load_engine_capture
 
     cap, buffers = load_engine_capture(retagged, tiny_models["qwen3"])
     assert cap.device == CUDA
@@ -110,7 +110,7 @@ def test_replay_explain_patch_and_report_read_its_scan_directory(scans: tuple[An
     CPU, still says where they were recorded; `replay`, `explain`, `patch` and `report` read it."""
     from graphdiff.artifacts import ScanDir
     from graphdiff.codegen.generate import make_patch, write_patch
-    from graphdiff.engines.vllm.process import save_engine_capture
+    from graphdiff.engines.store import save_engine_capture
     from graphdiff.report.explain import explain_lines, find_site, replay_one
     from graphdiff.report.html import write_report
 

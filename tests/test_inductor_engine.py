@@ -125,7 +125,8 @@ def isolated(tiny_models, tmp_path_factory):
 
     model_dir = tiny_models["qwen3"]
     shapes = with_prompts([prefill(len(PROMPT)), prefill(40)], read_config(model_dir), first=PROMPT)
-    cap, buffers, _ = inductor.capture_isolated(model_dir, shapes, tmp_path_factory.mktemp("inductor-capture"))
+    cap, buffers, _ = inductor.capture_isolated(model_dir, shapes, tmp_path_factory.mktemp("inductor-capture"),
+                                                EngineOptions(engine="inductor"))
     return model_dir, cap, buffers
 
 
@@ -167,20 +168,22 @@ def test_score_is_the_compiled_models_teacher_forced_log_probs(compiled):
 
 @pytest.mark.engine
 def test_the_gate_and_the_gap_read_teacher_forced_scores_cached_or_scored_in_a_child(tiny_models, tmp_path):
-    from graphdiff.engines.vllm.session import SAMPLES_FILE
-    from graphdiff.measure.logprobs import engine_runs
+    from graphdiff import engines
+    from graphdiff.engines.samples import SAMPLES_FILE
 
+    engine_runs = engines.kind("inductor").gap_samples
+    options = EngineOptions(engine="inductor")
     model_dir = tiny_models["qwen3"]
-    runs = engine_runs("inductor", model_dir, [PROMPT, PROMPT[:5]], ["compiled"], max_tokens=6, out_dir=tmp_path,
+    runs = engine_runs(model_dir, [PROMPT, PROMPT[:5]], ["compiled"], options, max_tokens=6, out_dir=tmp_path,
                        progress=lambda m: None)
     run = runs["compiled"]
     assert run.engine == "inductor" and (tmp_path / SAMPLES_FILE).is_file()
     assert [len(s.logprobs) for s in run.samples] == [6, 6]
     assert all(lp <= 0 for s in run.samples for lp in s.logprobs)
     said: list[str] = []
-    again = engine_runs("inductor", model_dir, [PROMPT, PROMPT[:5]], ["compiled"], max_tokens=6, out_dir=tmp_path,
+    again = engine_runs(model_dir, [PROMPT, PROMPT[:5]], ["compiled"], options, max_tokens=6, out_dir=tmp_path,
                         progress=said.append)["compiled"]  # from the cache: no compile
     assert again.samples == run.samples and any("cached" in m for m in said)
     with pytest.raises(GraphdiffError, match="one mode"):
-        engine_runs("inductor", model_dir, [PROMPT], ["compiled", "eager"], max_tokens=6, out_dir=tmp_path,
+        engine_runs(model_dir, [PROMPT], ["compiled", "eager"], options, max_tokens=6, out_dir=tmp_path,
                     progress=lambda m: None)

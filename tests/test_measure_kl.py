@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from graphdiff.capture.hf import load_hf_model
+from graphdiff.engines.samples import SAMPLES_FILE, random_prompts, read_prompts, weights_fingerprint
 from graphdiff.engines.vllm import session as eng
-from graphdiff.engines.vllm.session import random_prompts, read_prompts
 from graphdiff.errors import GraphdiffError
 from graphdiff.measure import kl, logprobs
 from graphdiff.measure.kl import gap_metrics, manifest_regions, position_curve
@@ -208,7 +208,7 @@ def test_patch_subsets_run_on_copies_and_feed_the_attribution(monkeypatch, tiny_
 
 def _cache_run(model_dir: Path, prompts: list[list[int]], samples: list[EngineSample], seed: int = 0,
                mode: str = "compiled") -> EngineSamples:
-    return EngineSamples(mode=mode, model=str(model_dir.resolve()), weights=eng.weights_fingerprint(model_dir),
+    return EngineSamples(mode=mode, model=str(model_dir.resolve()), weights=weights_fingerprint(model_dir),
                          seed=seed, temperature=1.0, max_tokens=len(samples[0].tokens),
                          versions=eng.engine_versions() if _has_vllm() else {}, samples=samples)
 
@@ -224,7 +224,7 @@ def _has_vllm() -> bool:
 def test_measure_reads_cached_engine_samples_and_never_starts_an_engine(monkeypatch, tmp_path, tiny_qwen3):
     prompts = random_prompts({"vocab_size": 2048}, 2, 4)
     samples = _self_samples(tiny_qwen3, prompts, 5)
-    save_json(EngineSamplesFile(runs=[_cache_run(tiny_qwen3, prompts, samples)]), tmp_path / eng.SAMPLES_FILE)
+    save_json(EngineSamplesFile(runs=[_cache_run(tiny_qwen3, prompts, samples)]), tmp_path / SAMPLES_FILE)
 
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine was started although its samples were cached")
@@ -243,7 +243,7 @@ def test_measure_with_a_manifest_adds_the_patched_trainer(monkeypatch, tmp_path,
     _fake_runtime(monkeypatch)
     prompts = random_prompts({"vocab_size": 2048}, 2, 4)
     save_json(EngineSamplesFile(runs=[_cache_run(tiny_qwen3, prompts, _self_samples(tiny_qwen3, prompts, 4))]),
-              tmp_path / eng.SAMPLES_FILE)
+              tmp_path / SAMPLES_FILE)
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"regions": ["rope", "swiglu"]}))
     result = kl.measure(tiny_qwen3, prompts, max_tokens=4, out_dir=tmp_path, manifest=manifest, attribute=True,

@@ -195,7 +195,7 @@ def test_each_graphs_buffers_are_saved_apart(tmp_path: Path) -> None:
     """arg7_1 is the norm weight in one piecewise graph and the RoPE table in another: the table stays inline."""
     from safetensors.torch import save_file
 
-    from graphdiff.engines.vllm.process import load_engine_capture, save_engine_capture
+    from graphdiff.engines.store import load_engine_capture, save_engine_capture
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -221,18 +221,21 @@ def test_each_graphs_buffers_are_saved_apart(tmp_path: Path) -> None:
 
 
 def test_an_engine_dump_scan_keeps_the_compilation_config_it_was_captured_with() -> None:
+    from graphdiff.engines.base import EngineOptions
     from graphdiff.errors import GraphdiffError
     from graphdiff.pipeline import _dump_config
 
     recorded = Capture.model_validate({"side": "engine", "engine": "vllm", "model": "m", "architecture": "A",
                                        "graphs": [], "compilation_config": {"mode": 3, "optimization_level": 2}})
-    assert _dump_config(Path("d"), recorded, None, None) == ({"mode": 3}, 2)
-    assert _dump_config(Path("d"), recorded, {"mode": 3}, 2) == ({"mode": 3}, 2)
+    recorded_options = EngineOptions(compilation_config={"mode": 3}, optimization_level=2)
+    assert _dump_config(Path("d"), recorded, EngineOptions()) == recorded_options
+    assert _dump_config(Path("d"), recorded, recorded_options) == recorded_options
     with pytest.raises(GraphdiffError, match="was captured with compilation config"):
-        _dump_config(Path("d"), recorded, {}, None)
+        _dump_config(Path("d"), recorded, EngineOptions(compilation_config={}))
     old = Capture.model_validate({"side": "engine", "engine": "vllm", "model": "m", "architecture": "A",
                                   "graphs": []})
-    assert _dump_config(Path("d"), old, {"mode": 3}, None) == ({"mode": 3}, None)
+    given = EngineOptions(compilation_config={"mode": 3})
+    assert _dump_config(Path("d"), old, given) == given
     assert old.compilation_config == {"mode": 3}
 
 

@@ -199,7 +199,7 @@ def test_scan_of_a_bundled_hf_id_runs_offline(tmp_path):
 @pytest.fixture(scope="module")
 def engine_capture_dir(engine_run, tmp_path_factory) -> Path:
     """The session engine's capture as `graphdiff capture --engine vllm --out DIR` writes it."""
-    from graphdiff.engines.vllm.process import save_engine_capture
+    from graphdiff.engines.store import save_engine_capture
 
     dump = tmp_path_factory.mktemp("engine-capture")
     save_engine_capture(engine_run.capture.model_copy(deep=True), engine_run.buffers, dump)

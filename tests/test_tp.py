@@ -293,7 +293,7 @@ def tp2_scan(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     """The recorded TP=2 capture of tiny Qwen3 (both ranks, with their all-reduce calls) analysed as
     `scan --engine-dump` does, into a scan directory."""
     from graphdiff.artifacts import ScanDir
-    from graphdiff.engines.vllm.process import save_engine_capture
+    from graphdiff.engines.store import save_engine_capture
     from graphdiff.pipeline import scan
 
     d = ScanDir(tmp_path_factory.mktemp("scan-tp2"))

@@ -197,7 +197,7 @@ def split_k_checks(scan_dir: Path, gen: Any, splice: LinearSplice, device: str =
     from graphdiff.analysis.tensor_parallel import rank_of
     from graphdiff.artifacts import ScanDir
     from graphdiff.capture.collectives import allreduces
-    from graphdiff.engines.vllm.process import checkpoint_tensor
+    from graphdiff.engines.store import checkpoint_tensor
     from graphdiff.runtime import module_regex
 
     d = ScanDir(scan_dir)

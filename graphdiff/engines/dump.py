@@ -24,7 +24,7 @@ from pathlib import Path
 
 from graphdiff.capture.assemble import assemble_graph
 from graphdiff.capture.fx import PASS_THROUGH
-from graphdiff.engines.base import EngineOptions
+from graphdiff.engines.base import EngineOptions, cpu_only
 from graphdiff.engines.saved import graph_device
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import Buffers, Capture, EngineSample, Graph, Node, Progress, Shape, Source
@@ -226,6 +226,11 @@ class DumpEngine:
 
     def stop(self) -> None:
         return None
+
+
+def check(options: EngineOptions, shapes: Sequence[Shape] | None = None, capture: bool = False) -> None:
+    """A recorded dump is read here, on the CPU: no --device."""
+    cpu_only(options.device)
 
 
 def start(model_dir: Path, shapes: list[Shape], options: EngineOptions, progress: Progress) -> DumpEngine:

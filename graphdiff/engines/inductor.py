@@ -28,10 +28,13 @@ from graphdiff.capture.engine_model import input_names, is_model_graph, logits_w
 from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_defs
 from graphdiff.capture.inductor_hooks import BufferRecorder, Compiled, inductor_hooks, weight_inputs
 from graphdiff.engines.base import EngineOptions
+from graphdiff.engines.samples import cached_run, samples_run, store_samples
+from graphdiff.engines.store import load_engine_capture, save_engine_capture
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import (
     Buffers,
     Capture,
+    EngineMode,
     EngineSample,
     EngineSamples,
     Graph,
@@ -42,6 +45,15 @@ from graphdiff.records import (
 )
 
 NAME = "inductor"
+MODES: tuple[EngineMode, ...] = ("compiled",)  # no eager engine: the eager model is the trainer
+PREFILL_ONLY = True  # no KV cache to decode with
+PROBES_FLOOR = False  # no decode, so no floor (0 by definition)
+GAP_METHOD = (  # no sampler: teacher-forced
+    "engine: the HF model under torch.compile (Inductor, default mode, dynamic shapes, CPU) scores seeded random "
+    "continuations (seed {seed}+i per prompt) teacher-forced, one forward per sequence over prompt+continuation, "
+    "log_softmax(BF16 logits, dtype=float32) at each continuation token; trainer: the same model eager, the same "
+    "forward; diff = logp_engine - logp_train in float64 of the FP32 values; floor: none (no decode: 0 by definition)"
+)
 
 
 def check_shapes(shapes: Sequence[Shape]) -> None:
@@ -55,14 +67,9 @@ def check_shapes(shapes: Sequence[Shape]) -> None:
 DEVICES = ("cpu", "cuda")
 
 
-def check_device(device: str, engine: str = NAME) -> None:
-    """Refuse, in one line before anything starts, a device the engine cannot run on here: `--engine inductor` runs
-    on cpu or cuda (a CUDA GPU torch sees); vLLM runs where it was built (cpu here)."""
-    if engine != NAME:
-        if device != "cpu":
-            raise GraphdiffError(f"--device {device}: only --engine inductor takes --device (vLLM runs where it was "
-                                 "built)")
-        return
+def check_device(device: str) -> None:
+    """Refuse, in one line before anything starts, a device the engine cannot run on here: cpu or cuda (a CUDA GPU
+    torch sees)."""
     if device not in DEVICES:
         raise GraphdiffError(f"--device {device}: choose cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
@@ -78,6 +85,12 @@ def check_options(options: EngineOptions) -> None:
                              "--tensor-parallel-size are vLLM's options")
     if options.debug_dir is not None:
         raise GraphdiffError("--keep-dump is not supported with --engine inductor yet")
+
+
+def check(options: EngineOptions, shapes: Sequence[Shape] | None = None, capture: bool = False) -> None:
+    """The options and shapes refused before anything starts (`capture` changes nothing: it compiles either way)."""
+    check_options(options)
+    check_shapes(shapes or [])
 
 
 def versions() -> dict[str, str]:
@@ -256,19 +269,18 @@ def start(model_dir: Path, shapes: list[Shape], options: EngineOptions, progress
     return InductorEngine(cap, buffers, startup, compiled, comp.recorders, device=options.device)
 
 
-def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, *, progress: Progress = lambda m: None,
-                     config_sha256: str = "", sample: SampleRequest | None = None,
-                     device: str = "cpu") -> tuple[Capture, Buffers, float]:
+def capture_isolated(model_dir: Path, shapes: list[Shape], directory: Path, options: EngineOptions, *,
+                     progress: Progress = lambda m: None, config_sha256: str = "",
+                     sample: SampleRequest | None = None) -> tuple[Capture, Buffers, float]:
     """The compiled model's capture made in a child process (`python -m graphdiff.engines.inductor`), written into
     `directory` as `graphdiff capture --engine inductor` writes it, and read back: Dynamo's and Inductor's state
     stays in the child, and the trainer runs in a process no compile touched. `sample`: the same compiled model then
     scores teacher-forced sequences of those prompts into out_dir/engine_samples.json (what the gate and the gap read).
     Returns the capture, its buffers and the compile time."""
-    from graphdiff.engines.vllm.process import load_engine_capture
-
     check_shapes(shapes)
     child.run("graphdiff.engines.inductor", dict(model_dir=str(model_dir), shapes=[s.model_dump() for s in shapes],
-                                                 out=str(directory), config_sha256=config_sha256, device=device,
+                                                 out=str(directory), config_sha256=config_sha256,
+                                                 device=options.device,
                                                  sample=sample.model_dump() if sample is not None else None), progress)
     cap, buffers = load_engine_capture(directory, model_dir)
     return cap, buffers, cap.startup_s or 0.0
@@ -291,8 +303,6 @@ def scored_isolated(model_dir: Path, prompts: Sequence[list[int]], max_tokens: i
 def _serve(req: dict, progress: Progress) -> None:
     """The child's side of `capture_isolated` (a capture, then maybe teacher-forced scores) and `scored_isolated`."""
     import json
-
-    from graphdiff.engines.vllm.process import save_engine_capture
 
     model_dir = Path(req["model_dir"])
     device = req.get("device", "cpu")
@@ -344,8 +354,6 @@ def engine_samples(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens:
     """The compiled model's teacher-forced scores of `prompts` continued by `max_tokens` seeded tokens, as the gate
     and the gap read them: from OUT/engine_samples.json when there (the scan's capture scored them), else scored in a
     child process and stored there."""
-    from graphdiff.engines.vllm.session import cached_run, samples_run, store_samples
-
     want = samples_run(model_dir, "compiled", prompts, max_tokens=max_tokens, seed=seed, temperature=temperature,
                        compilation_config=_device_key(device), versions=versions(), engine=NAME)
     hit = cached_run(out_dir, want)
@@ -358,15 +366,23 @@ def engine_samples(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens:
     return want
 
 
+def gap_samples(model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], options: EngineOptions,
+                *, max_tokens: int, seed: int = 0, temperature: float = 1.0, out_dir: Path | None = None,
+                isolate: bool = True, progress: Progress = lambda m: None) -> dict[EngineMode, EngineSamples]:
+    """The compiled model's teacher-forced scores as its one mode's samples (always in a child process)."""
+    if list(modes) != ["compiled"]:
+        raise GraphdiffError("--engine inductor has one mode, compiled: --modes is vLLM's")
+    return {"compiled": engine_samples(model_dir, prompts, max_tokens=max_tokens, seed=seed, temperature=temperature,
+                                       out_dir=out_dir, progress=progress, device=options.device)}
+
+
 def _device_key(device: str) -> dict:
     """The cached scores' key part for the device: none on the CPU (the key scores made before `--device` had)."""
     return {} if device == "cpu" else {"device": device}
 
 
 def _store(model_dir: Path, s: SampleRequest, samples: list[EngineSample], device: str = "cpu") -> None:
-    """The scores into out_dir/engine_samples.json, keyed as `sample_engine` looks them up for this engine."""
-    from graphdiff.engines.vllm.session import samples_run, store_samples
-
+    """The scores into out_dir/engine_samples.json, keyed as `engine_samples` looks them up."""
     store_samples(Path(s.out_dir), samples_run(model_dir, "compiled", s.prompts, max_tokens=s.max_tokens, seed=s.seed,
                                                temperature=s.temperature, compilation_config=_device_key(device),
                                                versions=versions(),

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphdiff.measure.logprobs import engine_logprobs, engine_runs, per_token, train_logprobs, trainer
+from graphdiff.measure.logprobs import engine_logprobs, per_token, train_logprobs, trainer
 from graphdiff.records import EngineSample, Manifest, Progress, RegionEffect, ScanResult, save_json
 
 BOOTSTRAP = 400
@@ -145,18 +145,20 @@ def gate(scan: ScanResult, patch_dir: Path, samples_dir: Path, *, max_tokens: in
     """Measure the patch in `patch_dir`, generated from `scan`, on the engine's samples (those cached in `samples_dir`,
     else from the engine, started as the scan configured it; `--engine inductor`: its teacher-forced scores) and leave
     out the regions that widen the gap."""
+    from graphdiff import engines
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.engines.vllm.session import random_prompts
+    from graphdiff.engines.base import EngineOptions
+    from graphdiff.engines.samples import random_prompts
     from graphdiff.models.prepare import scanned_model
     from graphdiff.models.resolve import read_config
 
     if model_dir is None:
         model_dir = scanned_model(scan, progress)
     asked = random_prompts(read_config(model_dir), prompts, 16, 0)
-    samples = engine_runs(str(scan.engine_config.get("engine", "vllm")), model_dir, asked, ["compiled"],
-                          max_tokens=max_tokens, out_dir=samples_dir, progress=progress,
-                          compilation_config=scan.compilation_config,
-                          device=str(scan.engine_config.get("device", "cpu")))["compiled"].samples
+    options = EngineOptions(engine=str(scan.engine_config.get("engine", "vllm")),
+                            device=str(scan.engine_config.get("device", "cpu"))).with_asked(scan.compilation_config)
+    samples = engines.kind(options.engine).gap_samples(model_dir, asked, ["compiled"], options, max_tokens=max_tokens,
+                                                       out_dir=samples_dir, progress=progress)["compiled"].samples
     return select_regions(load_hf_model(model_dir), patch_dir / "manifest.json", samples, progress)
 
 

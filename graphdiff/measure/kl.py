@@ -1,8 +1,8 @@
 """The engine-vs-trainer log-prob gap on the engine's own samples (the paper's KL estimate).
 
-The engine side (graphdiff.engines.vllm.session) samples once and caches the samples with the engine's
-log-probs. The trainer recomputes the same tokens (graphdiff.measure.logprobs.train_logprobs), with any
-callable model (eager, torch.compile'd, patched), so one set of engine samples serves many patch subsets.
+The engine side (the engine's `gap_samples`, found by name in graphdiff.engines) samples once and caches the
+samples with the engine's log-probs. The trainer recomputes the same tokens (graphdiff.measure.logprobs.train_logprobs),
+with any callable model (eager, torch.compile'd, patched), so one set of engine samples serves many patch subsets.
 
 diff = logp_engine - logp_train per token (FP32 values, differences in float64):
 k1 = mean(diff), the paper's per-token KL estimate (engine -> trainer, tokens drawn from the engine);
@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphdiff import runtime
-from graphdiff.engines.vllm.session import SAMPLES_FILE, random_prompts, read_prompts, sample_engine
+from graphdiff import engines, runtime
+from graphdiff.engines.base import EngineOptions
+from graphdiff.engines.samples import SAMPLES_FILE, random_prompts, read_prompts
 from graphdiff.errors import GraphdiffError
 from graphdiff.measure import routing
-from graphdiff.measure.logprobs import engine_logprobs, engine_runs, per_token, train_logprobs, trainer
+from graphdiff.measure.logprobs import engine_logprobs, per_token, train_logprobs, trainer
 from graphdiff.records import (
     Attribution,
     EngineMode,
@@ -38,28 +39,10 @@ from graphdiff.records import (
     TrainerMode,
 )
 
-__all__ = ["SAMPLES_FILE", "random_prompts", "read_prompts", "sample_engine", "measure",
-           "gap_metrics", "subset_gaps"]
+__all__ = ["SAMPLES_FILE", "random_prompts", "read_prompts", "measure", "gap_metrics", "subset_gaps"]
 
 BUCKET = 128  # position buckets of the gap curve, in tokens
 DEFAULT_MAX_TOKENS = 1024  # long enough to show how the gap grows with position
-
-METHOD = (
-    "engine: vLLM samples (temperature {temperature}, seed {seed}+i per prompt, EOS ignored) and returns each sampled "
-    "token's log-prob from its sampler (raw_logprobs = log_softmax(BF16 logits, dtype=float32), KV-cache decoding); "
-    "trainer: HF transformers, BF16 weights, one teacher-forced forward per sequence over prompt+continuation (batch "
-    "1, no padding, use_cache=False), log_softmax(BF16 logits, dtype=float32) at the sampled tokens; trainer "
-    "'compiled' = torch.compile(model) (inductor, default mode); engine 'eager' = enforce_eager=True; "
-    "diff = logp_engine - logp_train in float64 of the FP32 values; floor: the engine's decode log-probs vs its "
-    "prompt_logprobs scoring of the same prompt+continuation in one prefill"
-)
-TEACHER_FORCED = (  # --engine inductor: no sampler
-    "engine: the HF model under torch.compile (Inductor, default mode, dynamic shapes, CPU) scores seeded random "
-    "continuations (seed {seed}+i per prompt) teacher-forced, one forward per sequence over prompt+continuation, "
-    "log_softmax(BF16 logits, dtype=float32) at each continuation token; trainer: the same model eager, the same "
-    "forward; diff = logp_engine - logp_train in float64 of the FP32 values; floor: none (no decode: 0 by definition)"
-)
-
 
 def floor(samples: Sequence[EngineSample]) -> KLMeasurement | None:
     """The engine's own floor: its decode log-probs vs its prefill scoring of the same sequences. A trainer that
@@ -148,11 +131,6 @@ def manifest_regions(manifest: Path) -> list[str]:
 
 
 # --- the whole measurement ---------------------------------------------------------------------------------
-
-def method(engine: str, temperature: float, seed: int) -> str:
-    """How the gap was measured: on vLLM's samples, or (`--engine inductor`) on teacher-forced sequences."""
-    return (METHOD if engine == "vllm" else TEACHER_FORCED).format(temperature=temperature, seed=seed)
-
 
 def check_request(config: dict, prompts: Sequence[list[int]], max_tokens: int, metric: str, attribute: bool,
                   manifest: Path | None) -> None:
@@ -308,10 +286,11 @@ def _sources(model_dir: Path, manifest: Path, patched: list[str], run: Sequence[
 
 
 def _floor_ops(model_dir: Path, floor_m: KLMeasurement | None, prompts: Sequence[list[int]], max_tokens: int,
-               engine: str, progress: Progress) -> list[str]:
+               probes: bool, progress: Progress) -> list[str]:
     """Where the engine's decode differs from its own prefill: its ops probed for batch variance at this model's
-    shapes, the decode step's M being the prompts decoding in lockstep (measure.floor_ops)."""
-    if floor_m is None or floor_m.bitexact_fraction >= 1.0 or engine != "vllm":
+    shapes, the decode step's M being the prompts decoding in lockstep (measure.floor_ops); `probes`: the engine's
+    ops can be probed so (its kind's PROBES_FLOOR)."""
+    if floor_m is None or floor_m.bitexact_fraction >= 1.0 or not probes:
         return []
     from graphdiff.measure.floor_ops import floor_ops
 
@@ -322,15 +301,25 @@ def _floor_ops(model_dir: Path, floor_m: KLMeasurement | None, prompts: Sequence
         return [f"not probed: {e}"]
 
 
-def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = DEFAULT_MAX_TOKENS, seed: int = 0,
-            temperature: float = 1.0, modes: bool = False, manifest: Path | None = None,
-            regions: Sequence[str] | None = None, attribute: bool = False, metric: str = "k3", bootstrap: int = 1000,
-            out_dir: Path | None = None, isolate: bool = True, progress: Progress = lambda m: None,
-            reproduce: str = "", compilation_config: dict | None = None,
-            tensor_parallel_size: int = 1, engine: str = "vllm", device: str = "cpu") -> KLResult:
+def _patched_regions(base: torch.nn.Module, manifest: Path | None,
+                     regions: Sequence[str] | None) -> list[str] | None:
+    """The regions the patched trainer applies (None: no manifest); a bad manifest fails now, before the engine."""
+    if manifest is None:
+        return None
+    with trainer(base, "eager", manifest, regions):
+        pass
+    return list(regions) if regions is not None else manifest_regions(manifest)
+
+
+def measure(model_dir: Path, prompts: Sequence[list[int]], *, options: EngineOptions | None = None,
+            max_tokens: int = DEFAULT_MAX_TOKENS, seed: int = 0, temperature: float = 1.0, modes: bool = False,
+            manifest: Path | None = None, regions: Sequence[str] | None = None, attribute: bool = False,
+            metric: str = "k3", bootstrap: int = 1000, out_dir: Path | None = None, isolate: bool = True,
+            progress: Progress = lambda m: None, reproduce: str = "") -> KLResult:
     """Engine samples (compiled; with `modes` also eager) x trainer (eager; with `modes` also compiled),
     each trainer also patched by `manifest` when given; the engine's own floor; with `attribute`, Shapley over the
-    regions. `engine` "inductor": the torch.compile'd model's teacher-forced scores (on `device`) are the samples.
+    regions. The engine is `options.engine` as `options` start it (`--engine inductor`: the torch.compile'd model's
+    teacher-forced scores are the samples).
 
     The attribution's `metric` defaults to k3: k1 and k3 estimate the same KL without bias, but k1's
     per-token terms have both signs and are ~rms in size, so at thousands of tokens its noise (see
@@ -342,25 +331,22 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
     from graphdiff.capture.hf import load_hf_model
     from graphdiff.models.resolve import architecture, read_config
 
+    options = options or EngineOptions()
+    kind = engines.kind(options.engine)
     config = read_config(model_dir)
     check_request(config, prompts, max_tokens, metric, attribute, manifest)
     t0 = time.perf_counter()
     base = load_hf_model(model_dir)
-    patched: list[str] | None = None
-    if manifest is not None:  # a bad manifest fails now, not after the engine ran
-        with trainer(base, "eager", manifest, regions):
-            pass
-        patched = list(regions) if regions is not None else manifest_regions(manifest)
+    patched = _patched_regions(base, manifest, regions)
     engine_modes: list[EngineMode] = ["compiled", "eager"] if modes else ["compiled"]
     trainer_modes: list[TrainerMode] = ["eager", "compiled"] if modes else ["eager"]
-    samples = engine_runs(engine, model_dir, prompts, engine_modes, max_tokens=max_tokens, seed=seed,
-                          temperature=temperature, out_dir=out_dir, isolate=isolate, progress=progress,
-                          compilation_config=compilation_config, **({"device": device} if device != "cpu" else {}),
-                          **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}))
+    samples = kind.gap_samples(model_dir, prompts, engine_modes, options, max_tokens=max_tokens, seed=seed,
+                               temperature=temperature, out_dir=out_dir, isolate=isolate, progress=progress)
     t_engine = time.perf_counter()
     measurements, agree = _trainer_measurements(base, samples, trainer_modes, manifest, regions, patched, progress)
     attribution = None
-    notes = [f"engine: tensor_parallel_size {tensor_parallel_size}"] if tensor_parallel_size > 1 else []
+    tp = options.tensor_parallel_size
+    notes = [f"engine: tensor_parallel_size {tp}"] if tp > 1 else []
     if attribute:
         assert manifest is not None and patched is not None
         attribution, more = _attribution(base, manifest, patched, samples["compiled"].samples, metric, bootstrap,
@@ -373,12 +359,13 @@ def measure(model_dir: Path, prompts: Sequence[list[int]], *, max_tokens: int = 
     first = samples[engine_modes[0]]
     return KLResult(
         model=str(model_dir), architecture=architecture(config), seed=seed, temperature=temperature,
-        max_tokens=max_tokens, prompts=len(prompts), method=method(engine, temperature, seed),
+        max_tokens=max_tokens, prompts=len(prompts),
+        method=kind.GAP_METHOD.format(temperature=temperature, seed=seed),
         versions={**first.versions, "transformers": transformers.__version__, "graphdiff": graphdiff.__version__},
-        measurements=measurements, floor=floor_m, bucket=BUCKET, engine_attention=substituted,
-        sources=sources, sources_note=sources_note, left_out=left_out(manifest) if manifest is not None else [],
-        compilation_config=dict(compilation_config or {}), attribution=attribution,
+        measurements=measurements, floor=floor_m, bucket=BUCKET, engine_attention=substituted, sources=sources,
+        sources_note=sources_note, left_out=left_out(manifest) if manifest is not None else [],
+        compilation_config=options.asked, attribution=attribution,
         manifest=str(manifest) if manifest else None,
         timings={"engine_s": round(t_engine - t0, 3), "trainer_s": round(time.perf_counter() - t_engine, 3)},
         reproduce=reproduce, notes=notes, routing=agree,
-        floor_ops=_floor_ops(model_dir, floor_m, prompts, max_tokens, engine, progress))
+        floor_ops=_floor_ops(model_dir, floor_m, prompts, max_tokens, kind.PROBES_FLOOR, progress))

@@ -17,29 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from graphdiff import runtime
-from graphdiff.errors import GraphdiffError
-from graphdiff.records import EngineMode, EngineSample, EngineSamples, TrainerMode
-
-
-def engine_runs(engine: str, model_dir: Path, prompts: Sequence[list[int]], modes: Sequence[EngineMode], *,
-                max_tokens: int, out_dir: Path | None, progress: Callable[[str], None], **vllm: Any
-                ) -> dict[EngineMode, EngineSamples]:
-    """The engine side of a gap, by engine: vLLM's samples (engines/vllm/session.py `sample_engine`, `vllm` its
-    options), or the torch.compile'd model's teacher-forced scores (engines/inductor.py; it has one mode; `device`
-    in `vllm`: where it runs)."""
-    device = str(vllm.pop("device", "cpu"))
-    if engine == "vllm":
-        from graphdiff.engines.vllm.session import sample_engine
-
-        return sample_engine(model_dir, prompts, modes, max_tokens=max_tokens, out_dir=out_dir, progress=progress,
-                             **vllm)
-    from graphdiff.engines import inductor
-
-    if list(modes) != ["compiled"]:
-        raise GraphdiffError("--engine inductor has one mode, compiled: --modes is vLLM's")
-    return {"compiled": inductor.engine_samples(model_dir, prompts, max_tokens=max_tokens, seed=vllm.get("seed", 0),
-                                                temperature=vllm.get("temperature", 1.0), out_dir=out_dir,
-                                                progress=progress, device=device)}
+from graphdiff.records import EngineSample, TrainerMode
 
 
 class Scored(Protocol):

@@ -31,7 +31,7 @@ from graphdiff.capture.inductor_code import parse_kernel_calls, parse_kernel_def
 from graphdiff.capture.inductor_hooks import BufferRecorder, inductor_hooks, weight_inputs
 from graphdiff.capture.shapes import prefill, with_prompts
 from graphdiff.engines.base import EngineOptions
-from graphdiff.engines.vllm.cpu import asked_config, check_options, effective_config
+from graphdiff.engines.vllm.cpu import check_options, effective_config
 from graphdiff.engines.vllm.start import (
     EngineRun,
     attention_info,
@@ -106,7 +106,7 @@ def capture_vllm(model_dir: Path, shapes: list[Shape] | list[int], *, options: E
 
     `shapes` may be a bare prompt (token ids): one prefill of it."""
     options = options or EngineOptions()
-    check_options(options.compilation_config, options.optimization_level)
+    check_options(options.config, options.optimization_level)
     config = read_config(model_dir)
     prompt = [t for t in shapes if isinstance(t, int)]
     runs = with_prompts([prefill(len(prompt))], config, first=prompt) if prompt else \
@@ -138,7 +138,7 @@ def capture_vllm(model_dir: Path, shapes: list[Shape] | list[int], *, options: E
         side="engine", engine="vllm", model=str(model_dir), architecture=architecture(config),
         versions=versions(), graphs=graphs, packed=packed_params(model), prompt_tokens=list(runs[0].prompts[0]),
         shapes=runs, engine_config=effective_config(llm, forced_off), attention=attention_info(model), notes=notes,
-        compilation_config=asked_config(options.compilation_config, options.optimization_level),
+        compilation_config=options.asked,
         unread_params=unread_params(model, graphs), logits_weight=logits_weight(model),
     )
     return EngineRun(llm=llm, capture=cap, buffers=buffers, startup_s=startup, recorders=recorders)

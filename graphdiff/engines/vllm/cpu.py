@@ -57,19 +57,6 @@ def wants_vllm_compile(compilation_config: dict) -> bool:
     return compilation_config.get("mode") in (3, "VLLM_COMPILE", "CompilationMode.VLLM_COMPILE")
 
 
-def asked_config(compilation_config: dict, optimization_level: int | None) -> dict:
-    """The compilation config as asked, with the -O level under "optimization_level" (what restarts the engine)."""
-    return {**compilation_config, **({"optimization_level": optimization_level} if optimization_level is not None
-                                     else {})}
-
-
-def split_level(asked: dict) -> tuple[dict, int | None]:
-    """asked_config's inverse: the compilation config without its "optimization_level", and that -O level."""
-    config = dict(asked)
-    level = config.pop("optimization_level", None)
-    return config, int(level) if level is not None else None
-
-
 def check_options(compilation_config: dict, optimization_level: int | None) -> None:
     """Refuse, before any engine starts, options vLLM would refuse or that leave nothing to scan."""
     from graphdiff.engines.vllm.options import check_compilation_config

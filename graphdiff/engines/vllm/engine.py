@@ -11,7 +11,13 @@ from graphdiff.engines.base import EngineOptions
 from graphdiff.engines.vllm.capture import capture_vllm, record_routing
 from graphdiff.engines.vllm.llm import engine_sample, score_prefill, stop_engine
 from graphdiff.engines.vllm.start import EngineRun
-from graphdiff.records import Buffers, Capture, EngineSample, Progress, Shape
+from graphdiff.records import (
+    Buffers,
+    Capture,
+    EngineSample,
+    Progress,
+    Shape,
+)
 
 
 @dataclass
@@ -50,3 +56,4 @@ class VllmEngine:
 def start(model_dir: Path, shapes: list[Shape], options: EngineOptions, progress: Progress) -> VllmEngine:
     """vLLM on `model_dir`, compiled with `options`, its kernels recorded at every shape."""
     return VllmEngine(capture_vllm(model_dir, shapes, options=options, progress=progress))
+

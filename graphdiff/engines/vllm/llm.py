@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from graphdiff.engines.vllm.cpu import split_level
+from graphdiff.engines.base import split_level
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import EngineSample
 

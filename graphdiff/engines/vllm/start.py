@@ -116,7 +116,7 @@ class EngineRun:
 
 
 def llm_kwargs(model_dir: Path, options: EngineOptions, shapes: list[Shape]) -> dict[str, Any]:
-    compilation = dict(options.compilation_config)
+    compilation = options.config
     if torch.cuda.is_available():
         # A replayed CUDA graph bypasses the Python kernel wrappers: record with plain launches.
         compilation.setdefault("cudagraph_mode", "NONE")

@@ -108,7 +108,7 @@ def capture_vllm_tp(model_dir: Path, shapes: list[Shape], options: EngineOptions
     tp = options.tensor_parallel_size
     work = Path(tempfile.mkdtemp(prefix="graphdiff-engine-tp-"))
     kwargs = {**llm_kwargs(model_dir, options, shapes), **tp_kwargs(tp)}
-    kept = wants_vllm_compile(options.compilation_config) and on_cpu_platform()
+    kept = wants_vllm_compile(options.config) and on_cpu_platform()
     env = {**engine_env(work, options.debug_dir), **tp_env(tp, kept)}
     notes: list[str] = []
     with engine_process_state(env, options.debug_dir):
