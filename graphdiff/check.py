@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 
 from graphdiff.capture.shapes import parse_shapes
-from graphdiff.engines.base import EngineOptions
+from graphdiff.engines.base import EngineOptions, recorded_engine
 from graphdiff.errors import GraphdiffError
 from graphdiff.records import CheckFinding, CheckResult, Manifest, Progress, ScanResult
 
@@ -115,7 +115,7 @@ def check(manifest_path: Path, *, options: EngineOptions | None = None, model: s
     options = options or EngineOptions()
     path = manifest_path / "manifest.json" if manifest_path.is_dir() else manifest_path
     manifest = load_manifest(path)
-    made = str(manifest.engine_config.get("engine", "vllm"))
+    made = recorded_engine(manifest.engine_config)
     if made != options.engine:
         raise GraphdiffError(f"{path} was made against --engine {made}: check it with --engine {made}")
     spec = model or manifest.model

@@ -42,6 +42,14 @@ def split_level(asked: dict) -> tuple[dict, int | None]:
     return config, int(level) if level is not None else None
 
 
+DEFAULT_ENGINE = "vllm"  # `--engine`'s default, and the engine of a record made before it named one
+
+
+def recorded_engine(engine_config: dict) -> str:
+    """The engine a scan's or manifest's effective engine config was recorded from."""
+    return str(engine_config.get("engine", DEFAULT_ENGINE))
+
+
 def cpu_only(device: str) -> None:
     """Refuse `--device` other than cpu for what runs where it was built (vLLM, a recorded dump, the trainer)."""
     if device != "cpu":
@@ -54,7 +62,7 @@ class EngineOptions:
     """How the engine is started: which engine, what a user passes to `vllm serve`, and the capture's own settings.
     The one record of them that the CLI, the pipeline, the measurements and `check` pass along."""
 
-    engine: str = "vllm"  # as `--engine` names it (engines.ENGINES)
+    engine: str = DEFAULT_ENGINE  # as `--engine` names it (engines.ENGINES)
     # as `vllm serve --compilation-config`; None: not given (a fresh engine: none; a recorded capture: its own)
     compilation_config: dict[str, Any] | None = None
     optimization_level: int | None = None  # as `vllm serve -O N`

@@ -147,7 +147,7 @@ def gate(scan: ScanResult, patch_dir: Path, samples_dir: Path, *, max_tokens: in
     out the regions that widen the gap."""
     from graphdiff import engines
     from graphdiff.capture.hf import load_hf_model
-    from graphdiff.engines.base import EngineOptions
+    from graphdiff.engines.base import EngineOptions, recorded_engine
     from graphdiff.engines.samples import random_prompts
     from graphdiff.models.prepare import scanned_model
     from graphdiff.models.resolve import read_config
@@ -155,7 +155,7 @@ def gate(scan: ScanResult, patch_dir: Path, samples_dir: Path, *, max_tokens: in
     if model_dir is None:
         model_dir = scanned_model(scan, progress)
     asked = random_prompts(read_config(model_dir), prompts, 16, 0)
-    options = EngineOptions(engine=str(scan.engine_config.get("engine", "vllm")),
+    options = EngineOptions(engine=recorded_engine(scan.engine_config),
                             device=str(scan.engine_config.get("device", "cpu"))).with_asked(scan.compilation_config)
     samples = engines.kind(options.engine).gap_samples(model_dir, asked, ["compiled"], options, max_tokens=max_tokens,
                                                        out_dir=samples_dir, progress=progress)["compiled"].samples
