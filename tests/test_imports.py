@@ -150,3 +150,28 @@ def test_the_capture_names_the_collectives_the_registry_describes() -> None:
     # the collectives analysed are vLLM CPU's (tensor parallelism on CUDA is not analysed yet)
     assert {r.op for r in EXTERNS if r.kind == "allreduce" and "cpu" in r.devices} == set(ALLREDUCE_EXTERNS)
     assert {r.op for r in EXTERNS if r.kind == "matmul" and "cpu" in r.devices} == set(MATMUL_EXTERNS)
+
+
+def engine_of(module: str) -> str | None:
+    """The engine a module belongs to (`graphdiff.engines.vllm.tp` -> vllm), from the registry's names; None for
+    the modules every engine shares (base, store, samples, saved) and for everything outside engines/."""
+    from graphdiff.engines import ENGINES
+
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["graphdiff", "engines"] and parts[2] in ENGINES else None
+
+
+def test_engines_are_reached_through_the_registry() -> None:
+    """Outside engines/ (the CLI included), nothing imports an engine's own modules (`engines.vllm.*`,
+    `engines.inductor`): callers go through `graphdiff.engines` (`kind`, `start`) and `engines/base.py`; and no engine
+    imports another."""
+    graph, _ = import_graph()
+    modules = _package_modules(ROOT)
+    cli = [(f"cli.{p.stem}", target) for p in sorted((ROOT.parent / "cli").glob("*.py"))
+           for target, _ in _imports(p, f"cli.{p.stem}", modules)]
+    around = sorted(f"{a} -> {b}" for a, b in [*graph.edges, *cli]
+                    if not a.startswith("graphdiff.engines") and engine_of(b) is not None)
+    assert not around, "imports around the engine registry: " + ", ".join(around)
+    across = sorted(f"{a} -> {b}" for a, b in graph.edges
+                    if engine_of(a) is not None and engine_of(b) is not None and engine_of(a) != engine_of(b))
+    assert not across, "an engine importing another: " + ", ".join(across)
