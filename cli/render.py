@@ -17,10 +17,8 @@ from rich.table import Table
 from graphdiff.analysis.opaque import truncates_output
 from graphdiff.errors import GraphdiffError
 
-console = Console(stderr=True)
-
-
-out = Console(width=None if sys.stdout.isatty() else 160)
+console = Console(stderr=True)  # progress and errors
+out = Console(width=None if sys.stdout.isatty() else 160)  # what a command reports
 
 
 @contextlib.contextmanager
