@@ -49,6 +49,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
@@ -171,6 +172,13 @@ def load_generated(manifest: Manifest, path: Path) -> ModuleType:
     return module
 
 
+def eager(fn: Callable) -> Callable:
+    """`fn` run eagerly under `torch.compile` (Dynamo leaves it out of the graph it compiles): Inductor would fuse
+    a splice's FP32 ops and sum its rows in its own order, so a compiled patched model would compute other values
+    than the eager one; with the splices eager, the compiled model computes the patched values bit for bit."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def module_regex(module_pattern: str) -> re.Pattern:
     return re.compile("^" + re.escape(module_pattern).replace(r"\*", r"\d+") + "$")
 
@@ -186,13 +194,21 @@ def _chooser(gen: ModuleType, splice: ManifestSplice) -> Callable[..., tuple]:
     ref = getattr(gen, splice.torch_fn)
     kernel = getattr(gen, splice.triton_fn) if splice.triton_fn else None
 
+    keeps: dict[tuple, bool] = {}  # per align, lanes and inputs needing grad: does the function keep FP32 tensors?
+
     def compute(inputs: list[torch.Tensor], align: frozenset[str], lanes: int = 0) -> tuple:
         if kernel is not None and _use_triton(inputs):
             return kernel(*inputs, align=align, lanes=lanes)  # its backward kernel recomputes from the saved inputs
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-            # the PyTorch path keeps only its inputs too: its FP32 intermediates are recomputed in the backward
-            # (same ops, same values)
-            return torch.utils.checkpoint.checkpoint(ref, *inputs, align=align, lanes=lanes, use_reentrant=False)
+            # the PyTorch path keeps only its inputs too: where its autograd would keep FP32 intermediates (a
+            # norm's), they are recomputed in the backward (same ops, same values); where it keeps next to nothing
+            # of its own (RoPE's products save the cos/sin tables), it runs plainly, with no second forward
+            key = (align, lanes, *(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs))
+            if key not in keeps:
+                outs, keeps[key] = _keeps_intermediates(ref, inputs, align, lanes)
+                return outs
+            if keeps[key]:
+                return torch.utils.checkpoint.checkpoint(ref, *inputs, align=align, lanes=lanes, use_reentrant=False)
         return ref(*inputs, align=align, lanes=lanes)
 
     def run(inputs: list[torch.Tensor], align: frozenset[str], lanes: int = 0) -> tuple:
@@ -205,6 +221,33 @@ def _chooser(gen: ModuleType, splice: ManifestSplice) -> Callable[..., tuple]:
         return outs
 
     return run
+
+
+KEEP_FRACTION = 0.25  # a splice keeping more than this fraction of its inputs' bytes of its own is checkpointed
+
+
+def _keeps_intermediates(ref: Callable, inputs: list[torch.Tensor], align: frozenset[str], lanes: int
+                         ) -> tuple[tuple, bool]:
+    """`ref` run once with autograd, watching what it saves for the backward: its outputs, and whether the tensors
+    it saves that are not its inputs come to more than KEEP_FRACTION of its inputs' bytes. What it saves goes on
+    to the saved-tensor hooks that were active (the patch's recompute recipes, a trainer's offloading)."""
+    own = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    saved: dict[int, int] = {}
+    outer_pack, outer_unpack = _outer_saved_tensors_hooks()
+
+    def pack(t: torch.Tensor) -> Any:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return outer_pack(t) if outer_pack else t
+
+    def unpack(x: Any) -> torch.Tensor:
+        return outer_unpack(x) if outer_unpack else x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        outs = ref(*inputs, align=align, lanes=lanes)
+    size = sum(t.untyped_storage().nbytes() for t in inputs if isinstance(t, torch.Tensor))
+    return outs, sum(saved.values()) > KEEP_FRACTION * size
 
 
 class _Recompute:
@@ -233,12 +276,21 @@ def _outer_saved_tensors_hooks() -> tuple[Callable | None, Callable | None]:
     return top if top else (None, None)
 
 
+@functools.cache
+def _warn_compiled() -> None:
+    warnings.warn("graphdiff: a patched model under torch.compile runs its splices eagerly (the forward's values are "
+                  "the eager patch's, bit for bit), but Inductor differentiates the model's other ops in its own order: "
+                  "the gradients differ from the eager patched model's", stacklevel=2)
+
+
 def _saved_fp32_recomputed(model: torch.nn.Module) -> Callable[[], None]:
     """While `model` runs forward, a saved tensor that is a splice's FP32 output is stored as its recipe
     (`_Recompute`); any other goes to the saved-tensor hooks that were active (e.g. CPU offloading), if any."""
     stack: list[Any] = []
 
     def enter(module: torch.nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():
+            _warn_compiled()
         outer_pack, outer_unpack = _outer_saved_tensors_hooks()
 
         def pack(t: torch.Tensor) -> Any:
@@ -295,7 +347,7 @@ def _module_forward(mod: torch.nn.Module, splice: ManifestSplice, run: Callable,
             result[position] = value
         return tuple(result)
 
-    return forward
+    return eager(forward)
 
 
 def _function(original: Callable, splice: ManifestSplice, run: Callable, align: frozenset[str]) -> Callable:
@@ -314,7 +366,7 @@ def _function(original: Callable, splice: ManifestSplice, run: Callable, align: 
 
     replacement.__wrapped__ = original  # type: ignore[attr-defined]  # a function attribute, as functools sets it
     replacement.__name__ = getattr(original, "__name__", "replacement")
-    return replacement
+    return eager(replacement)
 
 
 def _dispatcher(key: str, original: Callable) -> Callable:
@@ -335,7 +387,7 @@ def _dispatcher(key: str, original: Callable) -> Callable:
 
     dispatch.__wrapped__ = original  # type: ignore[attr-defined]  # a function attribute, as functools sets it
     dispatch.__name__ = getattr(original, "__name__", "dispatch")
-    return dispatch
+    return eager(dispatch)
 
 
 def _calls_replacement(mod: torch.nn.Module, key: str, replacement: Callable) -> Callable[[], None]:
@@ -442,10 +494,10 @@ def _patch_attention(p: _Patching, splice: ManifestSplice, targets: _Targets) ->
     _require(splice)
     fn = getattr(p.gen, splice.torch_fn)
     if splice.function != TORCH_SDPA:
-        p.state.undo.append(_use_attention(p.model, fn))
+        p.state.undo.append(_use_attention(p.model, eager(fn)))
         return
-    p.state.undo.append(sdpa_calls([mod for _, mod in targets], lambda mod: functools.partial(p.gen.sdpa_call, fn,
-                                                                                              mod)))
+    p.state.undo.append(sdpa_calls([mod for _, mod in targets], lambda mod: eager(functools.partial(p.gen.sdpa_call,
+                                                                                                    fn, mod))))
 
 
 def sdpa_calls(modules: Sequence[torch.nn.Module], replacement: Callable[[torch.nn.Module], Callable]
@@ -475,7 +527,7 @@ def _patch_moe(p: _Patching, splice: ManifestSplice, targets: _Targets) -> None:
         _require(splice)
         for name, mod in targets:
             _check_moe_module(mod, name, splice.target)
-            mod.forward = functools.partial(getattr(p.gen, splice.torch_fn), mod)
+            mod.forward = eager(functools.partial(getattr(p.gen, splice.torch_fn), mod))
             p.state.undo.append(functools.partial(_drop_attributes, mod, ("forward", "_graphdiff_router_order",
                                                                            "_graphdiff_packed_experts",
                                                                            "_graphdiff_engine_gemm")))
@@ -493,7 +545,7 @@ def _one_output_linears(p: _Patching, experts: str) -> None:
     block = p.model.get_submodule(experts.rpartition(".")[0]) if "." in experts else p.model
     for child in block.children():
         if isinstance(child, torch.nn.Linear) and child.out_features == 1 and child.bias is None:
-            child.forward = functools.partial(p.gen.linear_engine_op, child)
+            child.forward = eager(functools.partial(p.gen.linear_engine_op, child))
             p.state.undo.append(functools.partial(_drop_attributes, child, ("forward", "_graphdiff_engine_gemm")))
 
 
@@ -641,7 +693,7 @@ def _split_k(mod: torch.nn.Module, name: str, fn: Callable, shards: int) -> Call
     if getattr(mod, "in_features", 0) % shards:
         raise PatchError(f"{name}: in_features {mod.in_features} is not divisible by the patch's {shards} "
                          "tensor-parallel shards")
-    mod.forward = lambda x: fn(mod, x, shards)
+    mod.forward = eager(lambda x: fn(mod, x, shards))
     return lambda: mod.__dict__.pop("forward", None)
 
 
