@@ -279,8 +279,8 @@ def _outer_saved_tensors_hooks() -> tuple[Callable | None, Callable | None]:
 @functools.cache
 def _warn_compiled() -> None:
     warnings.warn("graphdiff: a patched model under torch.compile runs its splices eagerly (the forward's values are "
-                  "the eager patch's, bit for bit), but Inductor differentiates the model's other ops in its own order: "
-                  "the gradients differ from the eager patched model's", stacklevel=2)
+                  "the eager patch's, bit for bit), but Inductor differentiates the model's other ops in its own order:"
+                  " the gradients differ from the eager patched model's", stacklevel=2)
 
 
 def _saved_fp32_recomputed(model: torch.nn.Module) -> Callable[[], None]:
