@@ -172,11 +172,15 @@ def load_generated(manifest: Manifest, path: Path) -> ModuleType:
     return module
 
 
-def eager(fn: Callable) -> Callable:
+def eager(fn: Callable, wrapped: Callable | None = None) -> Callable:
     """`fn` run eagerly under `torch.compile` (Dynamo leaves it out of the graph it compiles): Inductor would fuse
     a splice's FP32 ops and sum its rows in its own order, so a compiled patched model would compute other values
-    than the eager one; with the splices eager, the compiled model computes the patched values bit for bit."""
-    return torch.compiler.disable(fn, recursive=True)
+    than the eager one; with the splices eager, the compiled model's forward computes the patched values bit for
+    bit. `wrapped`: the function it stands in for (its `__wrapped__`)."""
+    out = torch.compiler.disable(fn, recursive=True)
+    if wrapped is not None:
+        out.__wrapped__ = wrapped  # type: ignore[attr-defined]  # a function attribute, as functools sets it
+    return out
 
 
 def module_regex(module_pattern: str) -> re.Pattern:
@@ -205,8 +209,7 @@ def _chooser(gen: ModuleType, splice: ManifestSplice) -> Callable[..., tuple]:
             # of its own (RoPE's products save the cos/sin tables), it runs plainly, with no second forward
             key = (align, lanes, *(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs))
             if key not in keeps:
-                outs, keeps[key] = _keeps_intermediates(ref, inputs, align, lanes)
-                return outs
+                keeps[key] = _keeps_intermediates(ref, inputs, align, lanes)
             if keeps[key]:
                 return torch.utils.checkpoint.checkpoint(ref, *inputs, align=align, lanes=lanes, use_reentrant=False)
         return ref(*inputs, align=align, lanes=lanes)
@@ -223,31 +226,22 @@ def _chooser(gen: ModuleType, splice: ManifestSplice) -> Callable[..., tuple]:
     return run
 
 
-KEEP_FRACTION = 0.25  # a splice keeping more than this fraction of its inputs' bytes of its own is checkpointed
+def _keeps_intermediates(ref: Callable, inputs: list[torch.Tensor], align: frozenset[str], lanes: int) -> bool:
+    """Does `ref`, run with autograd, save for its backward a tensor of its own (not an input) at least half as large
+    as its largest input (an activation, not a cos/sin table or a per-row statistic)? Found by running it once on its
+    inputs detached (needing grad where they do), the saved tensors watched and let go."""
+    probe = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
+    own = {t.untyped_storage().data_ptr() for t in probe if isinstance(t, torch.Tensor)}
+    largest = max((t.numel() for t in probe if isinstance(t, torch.Tensor)), default=0)
+    kept = []
 
+    def pack(t: torch.Tensor) -> None:
+        if t.untyped_storage().data_ptr() not in own and 2 * t.numel() >= largest:
+            kept.append(t.shape)
 
-def _keeps_intermediates(ref: Callable, inputs: list[torch.Tensor], align: frozenset[str], lanes: int
-                         ) -> tuple[tuple, bool]:
-    """`ref` run once with autograd, watching what it saves for the backward: its outputs, and whether the tensors
-    it saves that are not its inputs come to more than KEEP_FRACTION of its inputs' bytes. What it saves goes on
-    to the saved-tensor hooks that were active (the patch's recompute recipes, a trainer's offloading)."""
-    own = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-    saved: dict[int, int] = {}
-    outer_pack, outer_unpack = _outer_saved_tensors_hooks()
-
-    def pack(t: torch.Tensor) -> Any:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return outer_pack(t) if outer_pack else t
-
-    def unpack(x: Any) -> torch.Tensor:
-        return outer_unpack(x) if outer_unpack else x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        outs = ref(*inputs, align=align, lanes=lanes)
-    size = sum(t.untyped_storage().nbytes() for t in inputs if isinstance(t, torch.Tensor))
-    return outs, sum(saved.values()) > KEEP_FRACTION * size
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+        ref(*probe, align=align, lanes=lanes)
+    return bool(kept)
 
 
 class _Recompute:
@@ -366,7 +360,7 @@ def _function(original: Callable, splice: ManifestSplice, run: Callable, align: 
 
     replacement.__wrapped__ = original  # type: ignore[attr-defined]  # a function attribute, as functools sets it
     replacement.__name__ = getattr(original, "__name__", "replacement")
-    return eager(replacement)
+    return eager(replacement, original)
 
 
 def _dispatcher(key: str, original: Callable) -> Callable:
@@ -387,7 +381,7 @@ def _dispatcher(key: str, original: Callable) -> Callable:
 
     dispatch.__wrapped__ = original  # type: ignore[attr-defined]  # a function attribute, as functools sets it
     dispatch.__name__ = getattr(original, "__name__", "dispatch")
-    return eager(dispatch)
+    return eager(dispatch, original)
 
 
 def _calls_replacement(mod: torch.nn.Module, key: str, replacement: Callable) -> Callable[[], None]:
