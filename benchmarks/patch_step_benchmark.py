@@ -106,6 +106,7 @@ def main() -> None:
     ap.add_argument("--exact", action="store_true", help="the patch runs the engine's own ops (`patch --exact`)")
     ap.add_argument("--cpu-time", action="store_true", help="time each step by this process's CPU time")
     ap.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's)")
+    ap.add_argument("--no-peak", action="store_true", help="skip the peak-memory step (the CPU's profiler is slow)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -130,6 +131,8 @@ def main() -> None:
         use(v)
         step(model, ids)
         model.zero_grad(set_to_none=True)
+        if args.no_peak:
+            continue
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             step(model, ids)
@@ -153,7 +156,7 @@ def main() -> None:
         "variants": {v: {"regions": len(r) if r is not None else 0, "median_s": round(med[v], 4),
                          "min_s": round(min(times[v]), 4), "max_s": round(max(times[v]), 4),
                          "ratio": round(med[v] / base, 4) if base else None,
-                         ("peak_gib" if cuda else "peak_mib"): round(peak[v], 2),
+                         ("peak_gib" if cuda else "peak_mib"): round(peak[v], 2) if v in peak else None,
                          "peak_ratio": round(peak[v] / peak["unpatched"], 3) if peak.get("unpatched") else None}
                      for v, r in variants.items()},
     }
