@@ -29,9 +29,12 @@ How the generated code is spliced in (no per-model code; everything comes from t
   matmul input in low precision, and an FP32 value the patch produced must be rounded exactly there; every nn.LayerNorm
   normalizes an FP32 input in FP32 (weights upcast), as the engine's kernel normalizes the FP32 residual sum.
 Memory: a splice keeps only its inputs for the backward (the Triton backward kernel recomputes the forward; the
-PyTorch path runs under non-reentrant checkpointing), and an FP32 output that a later eager op saves (SiLU's
-output for the gate product, the q/k norm for RoPE) is saved as a recipe and recomputed in the backward, so the
-patch adds no FP32 activations to what autograd keeps.
+PyTorch path runs under non-reentrant checkpointing where its autograd would keep an activation-sized tensor of its
+own, and plainly, once, where it keeps only small ones: RoPE's tables), and an FP32 output that a later eager op
+saves (SiLU's output for the gate product, the q/k norm for RoPE) is saved as a recipe and recomputed in the
+backward, so the patch adds no FP32 activations to what autograd keeps.
+Under torch.compile the splices run eagerly (`eager`): the compiled forward keeps the patched values bit for bit;
+the first compiled forward warns that Inductor's gradients of the model's other ops differ.
 Splices of regions not in `regions` are installed too, rounding where HF eager rounds (bit-identical to
 unpatched HF), so that a value another region made FP32 is still handled; only their sites stay rounded.
 
