@@ -273,8 +273,8 @@ def _outer_saved_tensors_hooks() -> tuple[Callable | None, Callable | None]:
     return top if top else (None, None)
 
 
-@functools.cache
 def _warn_compiled() -> None:
+    """Once per process (the default warning filter shows a warning once per place)."""
     warnings.warn("graphdiff: a patched model under torch.compile runs its splices eagerly (the forward's values are "
                   "the eager patch's, bit for bit), but Inductor differentiates the model's other ops in its own order:"
                   " the gradients differ from the eager patched model's", stacklevel=2)
