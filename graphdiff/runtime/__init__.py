@@ -182,7 +182,7 @@ def eager(fn: Callable, wrapped: Callable | None = None) -> Callable:
     bit. `wrapped`: the function it stands in for (its `__wrapped__`)."""
     out = torch.compiler.disable(fn, recursive=True)
     if wrapped is not None:
-        out.__wrapped__ = wrapped  # type: ignore[attr-defined]  # a function attribute, as functools sets it
+        out.__wrapped__ = wrapped
     return out
 
 
@@ -242,7 +242,10 @@ def _keeps_intermediates(ref: Callable, inputs: list[torch.Tensor], align: froze
         if t.untyped_storage().data_ptr() not in own and 2 * t.numel() >= largest:
             kept.append(t.shape)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+    def unpack(_: Any) -> torch.Tensor:
+        raise AssertionError("the probe runs no backward")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         ref(*probe, align=align, lanes=lanes)
     return bool(kept)
 
