@@ -14,7 +14,9 @@ those regions aligned, the others spliced but rounding where HF does. Steps cycl
 (remove/apply between them) so that drift in machine speed hits all alike; medians are reported. Peak memory:
 on a GPU the allocator's maximum during one step (`peak_gib`, parameters included); on the CPU the most tensor
 memory live at once during one step above what was live before it (`peak_mib`, from the profiler's allocation and
-free events: patch_memory_benchmark.peak_of).
+free events: patch_memory_benchmark.peak_of). `--cpu-time`: each step's time is this process's CPU time (at
+`--threads 1` nothing of it is spinning threads), for a machine shared with other work, where wall time measures
+the neighbours; the spread (min, max) is reported beside each median.
 """
 
 from __future__ import annotations
@@ -34,14 +36,17 @@ from graphdiff.codegen import generate
 from graphdiff.records import Manifest
 
 
-def step(model: torch.nn.Module, ids: torch.Tensor) -> float:
+def step(model: torch.nn.Module, ids: torch.Tensor, cpu_time: bool = False) -> float:
+    """One forward + backward: wall seconds, or with `cpu_time` this process's CPU seconds (on a machine shared with
+    other work, what the step itself computed, whatever else ran beside it)."""
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    clock = time.process_time if cpu_time else time.perf_counter
     model.zero_grad(set_to_none=True)
     sync()
-    t = time.perf_counter()
+    t = clock()
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     sync()
-    return time.perf_counter() - t
+    return clock() - t
 
 
 def regions_of(variant: str, manifest: Manifest) -> list[str] | None:
@@ -99,7 +104,12 @@ def main() -> None:
     ap.add_argument("--attention", default="fp32", choices=("fp32", "engine"),
                     help="the attention splice: FP32 sdpa, or the engine's own op forward (needs vLLM CPU)")
     ap.add_argument("--exact", action="store_true", help="the patch runs the engine's own ops (`patch --exact`)")
+    ap.add_argument("--cpu-time", action="store_true", help="time each step by this process's CPU time")
+    ap.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's)")
+    ap.add_argument("--no-peak", action="store_true", help="skip the peak-memory step (the CPU's profiler is slow)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     work = Path(tempfile.mkdtemp(prefix="gd-bench-"))
     manifest = generate(args.scan, work / "patch", attention=args.attention, exact=args.exact)
@@ -121,6 +131,8 @@ def main() -> None:
         use(v)
         step(model, ids)
         model.zero_grad(set_to_none=True)
+        if args.no_peak:
+            continue
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             step(model, ids)
@@ -131,7 +143,7 @@ def main() -> None:
     for _ in range(args.steps):
         for v in variants:
             use(v)
-            times[v].append(step(model, ids))
+            times[v].append(step(model, ids, args.cpu_time))
     med = {v: statistics.median(t) for v, t in times.items()}
     base = med.get("unpatched")
     path = "triton" if cuda and any(s.triton_fn for s in manifest.splices) else "pytorch"
@@ -139,11 +151,12 @@ def main() -> None:
         "model": label, "architecture": manifest.architecture, "layers": model.config.num_hidden_layers,
         "device": torch.cuda.get_device_name() if cuda else "cpu", "path": path, "batch": args.batch,
         "seq": args.seq, "steps": args.steps, "threads": torch.get_num_threads(), "attention": args.attention,
-        "exact": args.exact,
+        "exact": args.exact, "clock": "cpu" if args.cpu_time else "wall",
         "torch": torch.__version__,
         "variants": {v: {"regions": len(r) if r is not None else 0, "median_s": round(med[v], 4),
+                         "min_s": round(min(times[v]), 4), "max_s": round(max(times[v]), 4),
                          "ratio": round(med[v] / base, 4) if base else None,
-                         ("peak_gib" if cuda else "peak_mib"): round(peak[v], 2),
+                         ("peak_gib" if cuda else "peak_mib"): round(peak[v], 2) if v in peak else None,
                          "peak_ratio": round(peak[v] / peak["unpatched"], 3) if peak.get("unpatched") else None}
                      for v, r in variants.items()},
     }

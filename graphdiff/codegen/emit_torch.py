@@ -10,6 +10,7 @@ are named by role (names.py): `names` maps each graph node of the fragment to it
 from __future__ import annotations
 
 import math
+import re
 
 from graphdiff.analysis.rounding import is_view
 from graphdiff.codegen.fragment import Fragment, rounding
@@ -279,5 +280,18 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
             outs.append(f"{x} if {cond} else {x}.to({DTYPES[str(n.dtype)]})")
         else:
             outs.append(f"{x}.to({DTYPES[str(n.dtype)]})")  # exact: already rounded, or rounded at the boundary
+            _store_once(lines, x, DTYPES[str(n.dtype)])
     lines.append(f"    return ({', '.join(outs)},)")
     return lines
+
+
+def _store_once(lines: list[str], x: str, dtype: str) -> None:
+    """An output that both sides store and nothing after its rounding reads: stored once (`x.to(dtype)`) instead of
+    rounded, widened back to FP32 and narrowed again at the return (two passes over it fewer; the same values and,
+    through the casts, the same gradient)."""
+    rounded = f"    {x} = _round({x}, {dtype})  # both sides store it"
+    if rounded not in lines:
+        return
+    at = len(lines) - 1 - lines[::-1].index(rounded)
+    if not any(re.search(rf"\b{re.escape(x)}\b", line) for line in lines[at + 1:]):
+        lines[at] = f"    {x} = {x}.to({dtype})  # both sides store it (an output nothing else reads: stored once)"

@@ -29,9 +29,12 @@ How the generated code is spliced in (no per-model code; everything comes from t
   matmul input in low precision, and an FP32 value the patch produced must be rounded exactly there; every nn.LayerNorm
   normalizes an FP32 input in FP32 (weights upcast), as the engine's kernel normalizes the FP32 residual sum.
 Memory: a splice keeps only its inputs for the backward (the Triton backward kernel recomputes the forward; the
-PyTorch path runs under non-reentrant checkpointing), and an FP32 output that a later eager op saves (SiLU's
-output for the gate product, the q/k norm for RoPE) is saved as a recipe and recomputed in the backward, so the
-patch adds no FP32 activations to what autograd keeps.
+PyTorch path runs under non-reentrant checkpointing where its autograd would keep an activation-sized tensor of its
+own, and plainly, once, where it keeps only small ones: RoPE's tables), and an FP32 output that a later eager op
+saves (SiLU's output for the gate product, the q/k norm for RoPE) is saved as a recipe and recomputed in the
+backward, so the patch adds no FP32 activations to what autograd keeps.
+Under torch.compile the splices run eagerly (`eager`): the compiled forward keeps the patched values bit for bit;
+the first compiled forward warns that Inductor's gradients of the model's other ops differ.
 Splices of regions not in `regions` are installed too, rounding where HF eager rounds (bit-identical to
 unpatched HF), so that a value another region made FP32 is still handled; only their sites stay rounded.
 
@@ -49,6 +52,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
@@ -185,6 +189,17 @@ def load_generated(manifest: Manifest, path: Path) -> ModuleType:
     return module
 
 
+def eager(fn: Callable, wrapped: Callable | None = None) -> Callable:
+    """`fn` run eagerly under `torch.compile` (Dynamo leaves it out of the graph it compiles): Inductor would fuse
+    a splice's FP32 ops and sum its rows in its own order, so a compiled patched model would compute other values
+    than the eager one; with the splices eager, the compiled model's forward computes the patched values bit for
+    bit. `wrapped`: the function it stands in for (its `__wrapped__`)."""
+    out = torch.compiler.disable(fn, recursive=True)
+    if wrapped is not None:
+        out.__wrapped__ = wrapped
+    return out
+
+
 def module_regex(module_pattern: str) -> re.Pattern:
     return re.compile("^" + re.escape(module_pattern).replace(r"\*", r"\d+") + "$")
 
@@ -200,13 +215,20 @@ def _chooser(gen: ModuleType, splice: CalledSplice) -> Callable[..., tuple]:
     ref = getattr(gen, splice.torch_fn)
     kernel = getattr(gen, splice.triton_fn) if splice.triton_fn else None
 
+    keeps: dict[tuple, bool] = {}  # per align, lanes and inputs needing grad: does the function keep FP32 tensors?
+
     def compute(inputs: list[torch.Tensor], align: frozenset[str], lanes: int = 0) -> tuple:
         if kernel is not None and _use_triton(inputs):
             return kernel(*inputs, align=align, lanes=lanes)  # its backward kernel recomputes from the saved inputs
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-            # the PyTorch path keeps only its inputs too: its FP32 intermediates are recomputed in the backward
-            # (same ops, same values)
-            return torch.utils.checkpoint.checkpoint(ref, *inputs, align=align, lanes=lanes, use_reentrant=False)
+            # the PyTorch path keeps only its inputs too: where its autograd would keep FP32 intermediates (a
+            # norm's), they are recomputed in the backward (same ops, same values); where it keeps next to nothing
+            # of its own (RoPE's products save the cos/sin tables), it runs plainly, with no second forward
+            key = (align, lanes, *(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs))
+            if key not in keeps:
+                keeps[key] = _keeps_intermediates(ref, inputs, align, lanes)
+            if keeps[key]:
+                return torch.utils.checkpoint.checkpoint(ref, *inputs, align=align, lanes=lanes, use_reentrant=False)
         return ref(*inputs, align=align, lanes=lanes)
 
     def run(inputs: list[torch.Tensor], align: frozenset[str], lanes: int = 0) -> tuple:
@@ -219,6 +241,27 @@ def _chooser(gen: ModuleType, splice: CalledSplice) -> Callable[..., tuple]:
         return outs
 
     return run
+
+
+def _keeps_intermediates(ref: Callable, inputs: list[torch.Tensor], align: frozenset[str], lanes: int) -> bool:
+    """Does `ref`, run with autograd, save for its backward a tensor of its own (not an input) at least half as large
+    as its largest input (an activation, not a cos/sin table or a per-row statistic)? Found by running it once on its
+    inputs detached (needing grad where they do), the saved tensors watched and let go."""
+    probe = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
+    own = {t.untyped_storage().data_ptr() for t in probe if isinstance(t, torch.Tensor)}
+    largest = max((t.numel() for t in probe if isinstance(t, torch.Tensor)), default=0)
+    kept = []
+
+    def pack(t: torch.Tensor) -> None:
+        if t.untyped_storage().data_ptr() not in own and 2 * t.numel() >= largest:
+            kept.append(t.shape)
+
+    def unpack(_: Any) -> torch.Tensor:
+        raise AssertionError("the probe runs no backward")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        ref(*probe, align=align, lanes=lanes)
+    return bool(kept)
 
 
 class _Recompute:
@@ -247,12 +290,21 @@ def _outer_saved_tensors_hooks() -> tuple[Callable | None, Callable | None]:
     return top if top else (None, None)
 
 
+def _warn_compiled() -> None:
+    """Once per process (the default warning filter shows a warning once per place)."""
+    warnings.warn("graphdiff: a patched model under torch.compile runs its splices eagerly (the forward's values are "
+                  "the eager patch's, bit for bit), but Inductor differentiates the model's other ops in its own order:"
+                  " the gradients differ from the eager patched model's", stacklevel=2)
+
+
 def _saved_fp32_recomputed(model: torch.nn.Module) -> Callable[[], None]:
     """While `model` runs forward, a saved tensor that is a splice's FP32 output is stored as its recipe
     (`_Recompute`); any other goes to the saved-tensor hooks that were active (e.g. CPU offloading), if any."""
     stack: list[Any] = []
 
     def enter(module: torch.nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():
+            _warn_compiled()
         outer_pack, outer_unpack = _outer_saved_tensors_hooks()
 
         def pack(t: torch.Tensor) -> Any:
@@ -309,7 +361,7 @@ def _module_forward(mod: torch.nn.Module, splice: ModuleSplice, run: Callable, a
             result[position] = value
         return tuple(result)
 
-    return forward
+    return eager(forward)
 
 
 def _function(original: Callable, splice: FunctionSplice, run: Callable, align: frozenset[str]) -> Callable:
@@ -328,7 +380,7 @@ def _function(original: Callable, splice: FunctionSplice, run: Callable, align: 
 
     replacement.__wrapped__ = original  # type: ignore[attr-defined]  # a function attribute, as functools sets it
     replacement.__name__ = getattr(original, "__name__", "replacement")
-    return replacement
+    return eager(replacement, original)
 
 
 def _dispatcher(key: str, original: Callable) -> Callable:
@@ -349,7 +401,7 @@ def _dispatcher(key: str, original: Callable) -> Callable:
 
     dispatch.__wrapped__ = original  # type: ignore[attr-defined]  # a function attribute, as functools sets it
     dispatch.__name__ = getattr(original, "__name__", "dispatch")
-    return dispatch
+    return eager(dispatch, original)
 
 
 def _calls_replacement(mod: torch.nn.Module, key: str, replacement: Callable) -> Callable[[], None]:
@@ -456,10 +508,10 @@ def _patch_attention(p: _Patching, splice: AttentionSplice, targets: _Targets) -
     _require(splice)
     fn = getattr(p.gen, splice.torch_fn)
     if splice.function != TORCH_SDPA:
-        p.state.undo.append(_use_attention(p.model, fn))
+        p.state.undo.append(_use_attention(p.model, eager(fn)))
         return
-    p.state.undo.append(sdpa_calls([mod for _, mod in targets], lambda mod: functools.partial(p.gen.sdpa_call, fn,
-                                                                                              mod)))
+    p.state.undo.append(sdpa_calls([mod for _, mod in targets], lambda mod: eager(functools.partial(p.gen.sdpa_call,
+                                                                                                    fn, mod))))
 
 
 def sdpa_calls(modules: Sequence[torch.nn.Module], replacement: Callable[[torch.nn.Module], Callable]
@@ -489,7 +541,7 @@ def _patch_moe(p: _Patching, splice: MoeSplice, targets: _Targets) -> None:
         _require(splice)
         for name, mod in targets:
             _check_moe_module(mod, name, splice.target)
-            mod.forward = functools.partial(getattr(p.gen, splice.torch_fn), mod)
+            mod.forward = eager(functools.partial(getattr(p.gen, splice.torch_fn), mod))
             p.state.undo.append(functools.partial(_drop_attributes, mod, ("forward", "_graphdiff_router_order",
                                                                            "_graphdiff_packed_experts",
                                                                            "_graphdiff_engine_gemm")))
@@ -507,7 +559,7 @@ def _one_output_linears(p: _Patching, experts: str) -> None:
     block = p.model.get_submodule(experts.rpartition(".")[0]) if "." in experts else p.model
     for child in block.children():
         if isinstance(child, torch.nn.Linear) and child.out_features == 1 and child.bias is None:
-            child.forward = functools.partial(p.gen.linear_engine_op, child)
+            child.forward = eager(functools.partial(p.gen.linear_engine_op, child))
             p.state.undo.append(functools.partial(_drop_attributes, child, ("forward", "_graphdiff_engine_gemm")))
 
 
@@ -657,7 +709,7 @@ def _split_k(mod: torch.nn.Module, name: str, fn: Callable, shards: int) -> Call
     if getattr(mod, "in_features", 0) % shards:
         raise PatchError(f"{name}: in_features {mod.in_features} is not divisible by the patch's {shards} "
                          "tensor-parallel shards")
-    mod.forward = lambda x: fn(mod, x, shards)
+    mod.forward = eager(lambda x: fn(mod, x, shards))
     return lambda: mod.__dict__.pop("forward", None)
 
 
