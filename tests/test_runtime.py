@@ -93,7 +93,8 @@ def test_apply_and_remove_leave_transformers_globals_as_they_were(tiny_models: d
 
     from graphdiff.capture.hf import load_hf_model
 
-    a, b = (load_hf_model(tiny_models["qwen3"]) for _ in range(2))
+    a, b, kept = (load_hf_model(tiny_models["qwen3"]) for _ in range(3))
+    runtime.apply(kept, patch_dir)  # a model patched before and kept: what it registered stays as it was
     registry, rope, impl = dict(AttentionInterface._global_mapping), modeling_qwen3.apply_rotary_pos_emb, \
         a.config._attn_implementation
     runtime.apply(a, patch_dir)
@@ -113,6 +114,7 @@ def test_apply_and_remove_leave_transformers_globals_as_they_were(tiny_models: d
     runtime.apply(a, patch_dir)
     runtime.remove(a)
     assert dict(AttentionInterface._global_mapping) == registry
+    runtime.remove(kept)
 
 
 def loss_and_grads(model) -> tuple[float, dict[str, torch.Tensor]]:  # noqa: ANN001

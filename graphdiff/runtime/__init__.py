@@ -57,7 +57,7 @@ from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any
 
 import torch
@@ -193,7 +193,12 @@ def eager(fn: Callable, wrapped: Callable | None = None) -> Callable:
     """`fn` run eagerly under `torch.compile` (Dynamo leaves it out of the graph it compiles): Inductor would fuse
     a splice's FP32 ops and sum its rows in its own order, so a compiled patched model would compute other values
     than the eager one; with the splices eager, the compiled model's forward computes the patched values bit for
-    bit. `wrapped`: the function it stands in for (its `__wrapped__`)."""
+    bit. `wrapped`: the function it stands in for (its `__wrapped__`). A plain function is wrapped once: what is
+    registered under its name (transformers' attention registry) stays the same object across applies."""
+    if wrapped is None and isinstance(fn, FunctionType):
+        if "_graphdiff_eager" not in fn.__dict__:
+            fn.__dict__["_graphdiff_eager"] = torch.compiler.disable(fn, recursive=True)
+        return fn.__dict__["_graphdiff_eager"]
     out = torch.compiler.disable(fn, recursive=True)
     if wrapped is not None:
         out.__wrapped__ = wrapped
