@@ -14,21 +14,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from patch_region_cost import timed  # beside this script
 
 
 def cpu_ms(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.process_time()
-        fn()
-        times.append(time.process_time() - t)
-    return round(1e3 * statistics.median(times), 1)
+    """Median CPU milliseconds of `repeat` runs after a warm-up (patch_region_cost.timed)."""
+    return round(1e3 * timed(fn, repeat), 1)
 
 
 class Layer(torch.nn.Module):

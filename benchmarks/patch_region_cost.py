@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from patch_step_benchmark import load_model, step  # beside this script
+from patch_step_benchmark import load_model, model_arguments, step  # beside this script
 
 from graphdiff import runtime
 from graphdiff.codegen import generate
@@ -168,14 +168,7 @@ def cost(key: str, rec: Recorder, patched: Callable, plain: Callable, repeat: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scan", type=Path, required=True)
-    ap.add_argument("--arch", default="qwen3")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--model", type=Path)
-    ap.add_argument("--config")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--device", default="cpu")
+    model_arguments(ap)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--exact", action="store_true")
     ap.add_argument("--attention", default="fp32", choices=("fp32", "engine"))

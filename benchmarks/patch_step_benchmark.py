@@ -49,6 +49,18 @@ def step(model: torch.nn.Module, ids: torch.Tensor, cpu_time: bool = False) -> f
     return clock() - t
 
 
+def model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The scan and the model a patch is timed or checked on (load_model reads them)."""
+    ap.add_argument("--scan", type=Path, required=True)
+    ap.add_argument("--arch", default="qwen3")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--config")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--device", default="cpu")
+
+
 def regions_of(variant: str, manifest: Manifest) -> list[str] | None:
     """None: unpatched; else the manifest regions the variant aligns."""
     if variant == "unpatched":

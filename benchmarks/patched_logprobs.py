@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from patch_step_benchmark import load_model  # beside this script
+from patch_step_benchmark import load_model, model_arguments  # beside this script
 
 from graphdiff import runtime
 from graphdiff.codegen import generate
@@ -42,14 +42,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scan", type=Path, required=True)
-    ap.add_argument("--arch", default="qwen3")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--model", type=Path)
-    ap.add_argument("--config")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--device", default="cpu")
+    model_arguments(ap)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--compare", type=Path)
     args = ap.parse_args()
