@@ -113,7 +113,8 @@ def patched_callables(model: torch.nn.Module, manifest: Any, path: Path) -> dict
             owner_name, name = s.function.rsplit(".", 1)
             owner = importlib.import_module(owner_name)
             dispatcher = getattr(owner, name)
-            replacement = runtime._function(dispatcher.__wrapped__, s, runtime._chooser(gen, s), align)
+            replacement = runtime.dispatch.function_replacement(dispatcher.__wrapped__, s,
+                                                                 runtime.dispatch.chooser(gen, s), align)
             found[s.key] = (replacement, dispatcher.__wrapped__, (owner, name))
         elif s.target == "attention":
             impl = model.config._attn_implementation

@@ -324,7 +324,8 @@ def test_a_module_forward_returning_cos_and_sin_is_re_emitted(tmp_path: Path) ->
     import torch
     import transformers
 
-    from graphdiff.runtime import _chooser, _module_forward, load_generated
+    from graphdiff.runtime import load_generated
+    from graphdiff.runtime.dispatch import chooser, module_forward
 
     edited = _scan_with_rotary_region(tmp_path)
     manifest = generate(edited, tmp_path / "patch", attention="engine")
@@ -346,7 +347,7 @@ def test_a_module_forward_returning_cos_and_sin_is_re_emitted(tmp_path: Path) ->
         fp32 = (emb.cos() * mod.attention_scaling, emb.sin() * mod.attention_scaling)
         for align, want in ((frozenset(), hf), (frozenset({ROPE}), hf), (frozenset({ROPE, attention}), hf),
                             (frozenset({ROPE, rope_fn}), fp32)):
-            forward = _module_forward(mod, splice, _chooser(gen, splice), align)
+            forward = module_forward(mod, splice, chooser(gen, splice), align)
             for got in (forward(x, positions), forward(x, position_ids=positions)):
                 assert isinstance(got, tuple) and len(got) == 2
                 assert all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want)), sorted(align)

@@ -36,12 +36,12 @@ def test_a_conv1d_projection_rounds_an_fp32_input_like_a_linear() -> None:
     """GPT-2's projections are transformers' Conv1D: the patched trainer's FP32 carry reaches them too."""
     from transformers.pytorch_utils import Conv1D
 
-    from graphdiff.runtime import _is_conv1d, _round_linear_input
+    from graphdiff.runtime.targets import is_conv1d, round_linear_input
 
     conv = Conv1D(8, 4).to(torch.bfloat16)
-    assert _is_conv1d(conv) and not _is_conv1d(torch.nn.Linear(4, 8))
+    assert is_conv1d(conv) and not is_conv1d(torch.nn.Linear(4, 8))
     x = torch.randn(2, 4)
-    (rounded,) = _round_linear_input(conv, (x,))
+    (rounded,) = round_linear_input(conv, (x,))
     assert rounded.dtype == torch.bfloat16 and conv(rounded).dtype == torch.bfloat16
 
 

@@ -18,7 +18,7 @@ from graphdiff.analysis.match import Match
 from graphdiff.codegen import carry
 from graphdiff.codegen.carry_plan import rounded_sums
 from graphdiff.records import CarrySplice, Graph, Node, ScanResult
-from graphdiff.runtime import _round_sums
+from graphdiff.runtime.carry import round_sums
 
 
 class _Norm(torch.nn.Module):
@@ -44,7 +44,7 @@ def _hooked(rounded: dict[str, list[int]], name: str = "model.layers.0") -> tupl
     layer, state = _Layer(), SimpleNamespace(undo=[])
     splice = CarrySplice(key="model.layers.*", module="model.layers.*", regions=["r"],
                             rounded_sums=rounded)
-    _round_sums(carry, splice, name, layer, state)  # the carry module's parts, as the generated module carries them
+    round_sums(carry, splice, name, layer, state)  # the carry module's parts, as the generated module carries them
     return layer, state
 
 
@@ -130,7 +130,7 @@ class _PreNormLayer(torch.nn.Module):
 def test_a_stored_sum_is_read_rounded_by_the_later_adds_only() -> None:
     layer, state = _PreNormLayer(), SimpleNamespace(undo=[])
     splice = CarrySplice(key="k", module="model.layers.*", regions=["r"], stored_sums={"attn": [0]})
-    _round_sums(carry, splice, "model.layers.0", layer, state)
+    round_sums(carry, splice, "model.layers.0", layer, state)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).float()
     normed, out = layer(x)
     mid = x + x * 1.001
@@ -206,7 +206,7 @@ def test_a_stored_sum_of_a_scaled_child_output_is_named_by_the_child() -> None:
     assert stored_sums(scan, graph, "model.layers.*") == {"self_attn": [1]}
     module, state = _ScaledLayer(), SimpleNamespace(undo=[])
     splice = CarrySplice(key="k", module="model.layers.*", regions=["r"], stored_sums={"attn": [0]})
-    _round_sums(carry, splice, "model.layers.0", module, state)
+    round_sums(carry, splice, "model.layers.0", module, state)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).float()
     normed, out = module(x)
     mid = x + (x * 1.001) * 0.22
@@ -230,7 +230,7 @@ class _ReshapingLayer(_PreNormLayer):
 def test_a_view_of_a_stored_sum_is_read_rounded_by_the_later_adds() -> None:
     layer, state = _ReshapingLayer(), SimpleNamespace(undo=[])
     splice = CarrySplice(key="k", module="model.layers.*", regions=["r"], stored_sums={"attn": [0]})
-    _round_sums(carry, splice, "model.layers.0", layer, state)
+    round_sums(carry, splice, "model.layers.0", layer, state)
     x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(2)).float()
     normed, out = layer(x)
     mid = (x + x * 1.001).reshape(-1, 64)

@@ -203,7 +203,7 @@ def test_config_check_reads_the_published_config_form(patch_dir: Path, tmp_path:
 
     from graphdiff.analysis.scan import scanned_config_of
     from graphdiff.models.resolve import _with_layers, bundled_config
-    from graphdiff.runtime import _check
+    from graphdiff.runtime.manifest import check_model
 
     published = bundled_config("Qwen/Qwen3-8B")
     assert "torch_dtype" in published and "rope_theta" in published
@@ -214,10 +214,10 @@ def test_config_check_reads_the_published_config_form(patch_dir: Path, tmp_path:
         model = AutoModelForCausalLM.from_config(config)
     manifest = runtime.load_manifest(patch_dir).model_copy(
         update={"layers_scanned": 2, "config": scanned_config_of(_with_layers(published, 2))})
-    _check(model, manifest, patch_dir / "manifest.json", allow_version_mismatch=False)
+    check_model(model, manifest, patch_dir / "manifest.json", allow_version_mismatch=False)
     model.config.intermediate_size += 1
     with pytest.raises(PatchError, match="intermediate_size=12289, the scanned one 12288"):
-        _check(model, manifest, patch_dir / "manifest.json", allow_version_mismatch=False)
+        check_model(model, manifest, patch_dir / "manifest.json", allow_version_mismatch=False)
 
 
 def _saved_bytes(model, ids: torch.Tensor) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:  # noqa: ANN001
@@ -302,7 +302,7 @@ def test_a_splice_keeping_no_activation_of_its_own_runs_without_checkpointing(qw
     loss, grads = loss_and_grads(qwen3)
     assert calls and "torch_apply_rotary_pos_emb" not in calls and "torch_model_norm" in calls
     runtime.remove(qwen3)
-    monkeypatch.setattr(runtime, "_keeps_intermediates", lambda *a: True)  # every splice checkpointed
+    monkeypatch.setattr(runtime.dispatch, "keeps_intermediates", lambda *a: True)  # every splice checkpointed
     runtime.apply(qwen3, patch_dir)
     loss2, grads2 = loss_and_grads(qwen3)
     runtime.remove(qwen3)
