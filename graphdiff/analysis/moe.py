@@ -43,8 +43,9 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
     the router logits from an FP32 input (`router_gemm`: vLLM's FP32 gate on oneDNN, whose sums run in another order
     than ATen's), and the constant it scales the op's output by (`output_scale`: vLLM applies a routed scaling factor
     to the experts' sum, where transformers scales the routing weights), `router_topk` "unsorted" where its router
-    takes the top-k unsorted, and `one_output_gemm` where it runs a one-output linear (a shared expert's gate) as its
-    own GEMM op; {} where no such call was captured."""
+    takes the top-k unsorted, `one_output_gemm` where it runs a one-output linear (a shared expert's gate) as its
+    own GEMM op, and `addmm_combine` where it adds the op's (scaled) output to a GEMM inside ATen's addmm (a shared
+    expert's down projection); {} where no such call was captured."""
     for graph in graphs:
         nodes = graph.node_map()
         for n in graph.nodes:
@@ -69,6 +70,8 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
             scale = _output_scale(graph, n)
             if scale is not None:
                 found["output_scale"] = repr(scale)
+            if _addmm_combine(graph, n):
+                found["addmm_combine"] = "extern_kernels.addmm"
             if router is not None and router_exp_scalar(router.code or ""):
                 found["router_exp"] = "scalar"
             return found
@@ -87,6 +90,18 @@ def _output_scale(graph: Graph, op: Node) -> float | None:
     args = readers[0].call[0] if readers[0].call else []
     consts = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
     return float(consts[0]) if len(consts) == 1 else None
+
+
+def _addmm_combine(graph: Graph, op: Node) -> bool:
+    """Is the fused-MoE op's output (its first argument), or its scaled copy, the bias an ATen addmm adds its GEMM
+    to (Inductor's `add(mm(a, b), c) -> addmm(c, a, b)` where the engine's GEMM is ATen's)?"""
+    if not op.inputs:
+        return False
+    nodes, users = graph.node_map(), graph.users()
+    out = op.inputs[0]
+    read = [out] + [u for u in users.get(out, []) if u != op.name and op_name(nodes[u].target) == "mul"]
+    return any(op_name(nodes[u].target) == "addmm" and nodes[u].inputs[:1] == [r]
+               for r in read for u in users.get(r, []))
 
 
 ENGINE_GEMMS = frozenset({"_C.onednn_mm.default"})  # the engine's own GEMM ops, writing into their first argument

@@ -25,6 +25,9 @@ MOE_ROUTER_SCALAR_EXP = False
 MOE_ROUTER_TOPK_SORTED = True
 # The engine runs the MoE block's one-output linears (a shared expert's gate) as a GEMM of its own (oneDNN)
 MOE_ONE_OUTPUT_GEMM = False
+# The engine adds a shared expert's down GEMM to the experts' sum inside one ATen addmm (Inductor folds
+# add(mm(a, b), c) into addmm(c, a, b) where the GEMM is ATen's: vLLM CPU's _C_AVX2 build has no oneDNN)
+MOE_ADDMM_COMBINE = False
 
 
 def moe_constants(engine_experts: dict[str, str]) -> list[str]:
@@ -35,7 +38,8 @@ def moe_constants(engine_experts: dict[str, str]) -> list[str]:
             f"MOE_OUTPUT_SCALE = {float(e.get('output_scale', 1.0))!r}",
             f"MOE_ROUTER_SCALAR_EXP = {e.get('router_exp') == 'scalar'}",
             f"MOE_ROUTER_TOPK_SORTED = {e.get('router_topk') != 'unsorted'}",
-            f"MOE_ONE_OUTPUT_GEMM = {bool(e.get('one_output_gemm'))}"]
+            f"MOE_ONE_OUTPUT_GEMM = {bool(e.get('one_output_gemm'))}",
+            f"MOE_ADDMM_COMBINE = {bool(e.get('addmm_combine'))}"]
 
 
 def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -260,7 +264,42 @@ def moe_router_engine_gemm(module, hidden_states: torch.Tensor) -> tuple[torch.T
     return outs
 
 
+class _AddmmCombine(torch.overrides.TorchFunctionMode):
+    """While an MoE block's own forward runs: a linear without bias whose output is added to a tensor of its shape
+    (the shared expert's down projection and the experts' sum) is computed as ATen's addmm of that tensor, in the
+    linear's dtype as the engine stores it, and the linear's input and weight: the GEMM and the sum accumulated in
+    FP32 and rounded once, as the engine's addmm; every other op as written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linears: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (output, input, weight)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and args[2:] in ((), (None,)) and kwargs.get("bias") is None:
+            out = func(*args, **kwargs)
+            self.linears.append((out, args[0], args[1]))
+            return out
+        if func in (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__) and len(args) == 2 \
+                and not kwargs:
+            for i, (out, x, weight) in enumerate(self.linears):
+                other = args[1] if args[0] is out else args[0] if args[1] is out else None
+                if isinstance(other, torch.Tensor) and other.shape == out.shape:
+                    del self.linears[i]
+                    bias = other.to(weight.dtype).reshape(-1, weight.shape[0])
+                    return torch.addmm(bias, x.to(weight.dtype).reshape(-1, x.shape[-1]), weight.t()).reshape(out.shape)
+        return func(*args, **kwargs)
+
+
+def moe_block_addmm_combine(module, forward, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+    """The MoE block's own `forward`, its shared expert's down projection and the add of the experts' sum computed as
+    the engine's one addmm (`_AddmmCombine`); `module` is the block."""
+    with _AddmmCombine():
+        return forward(*args, **kwargs)
+
+
 GEMM_PARTS = (_engine_gemm, _EngineGemm)
 ROUTER_GEMM_PARTS = (_EngineLinear, moe_router_engine_gemm)
 LINEAR_PARTS = (linear_engine_op,)
+ADDMM_PARTS = (_AddmmCombine, moe_block_addmm_combine)
 ENGINE_ROUTER_FN = moe_router_engine_gemm.__name__

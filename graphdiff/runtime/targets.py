@@ -107,6 +107,8 @@ def _patch_moe(p: Patching, splice: MoeSplice, targets: Targets) -> None:
                                                                            "_graphdiff_engine_gemm")))
             if splice.target == "experts" and getattr(p.gen, "MOE_ONE_OUTPUT_GEMM", False):
                 _one_output_linears(p, name)
+            if splice.target == "experts" and getattr(p.gen, "MOE_ADDMM_COMBINE", False):
+                _addmm_combine(p, name)
     elif splice.target == "router":  # left as it is, it still gets the other regions' FP32 stream: its
         for _, mod in targets:  # own F.linear (not an nn.Linear) reads it rounded, as the engine's GEMM
             p.state.undo.append(mod.register_forward_pre_hook(round_linear_input).remove)
@@ -121,6 +123,16 @@ def _one_output_linears(p: Patching, experts: str) -> None:
         if isinstance(child, torch.nn.Linear) and child.out_features == 1 and child.bias is None:
             child.forward = eager(functools.partial(p.gen.linear_engine_op, child))
             p.state.undo.append(functools.partial(_drop_attributes, child, ("forward", "_graphdiff_engine_gemm")))
+
+
+def _addmm_combine(p: Patching, experts: str) -> None:
+    """The MoE block around the experts module runs its own forward with its shared expert's down projection and
+    the add of the experts' sum as the engine's one addmm (the generated `moe_block_addmm_combine`)."""
+    block = p.model.get_submodule(experts.rpartition(".")[0]) if "." in experts else p.model
+    own = block.__dict__.get("forward")  # another splice's forward of the block, given back on undo
+    block.forward = eager(functools.partial(p.gen.moe_block_addmm_combine, block, block.forward))
+    p.state.undo.append(functools.partial(block.__dict__.__setitem__, "forward", own) if own is not None
+                        else functools.partial(_drop_attributes, block, ("forward",)))
 
 
 def _patch_linear(p: Patching, splice: LinearSplice, targets: Targets) -> None:
