@@ -125,6 +125,22 @@ def test_a_routed_scaling_of_the_experts_sum_is_read_from_the_engines_graph() ->
     assert "output_scale" not in engine_experts_op([_fused_moe_graph([{"node": "out"}, {"node": "x"}])])
 
 
+def test_an_addmm_of_the_experts_sum_is_read_from_the_engines_graph() -> None:
+    """vLLM CPU's _C_AVX2 build (no oneDNN) leaves its GEMMs to ATen, and Inductor folds the add of a shared expert's
+    down GEMM and the experts' (scaled) sum into one addmm: recorded where the addmm's bias is that sum."""
+    def addmm(bias: str) -> Node:
+        return Node(name="addmm", op="call_function", target="aten.addmm.default", inputs=[bias, "x", "w2"],
+                    call=[[{"node": bias}, {"node": "x"}, {"node": "w2"}], {}])
+
+    for bias, want in (("scaled", True), ("out", True), ("x", False)):
+        graph = _fused_moe_graph([{"node": "out"}, 1.5])
+        graph.nodes.append(addmm(bias))
+        assert ("addmm_combine" in engine_experts_op([graph])) is want, bias
+    assert "addmm_combine" not in engine_experts_op([_fused_moe_graph([{"node": "out"}, 1.5])])
+    assert "MOE_ADDMM_COMBINE = True" in moe_engine.moe_constants({"addmm_combine": "extern_kernels.addmm"})
+    assert "MOE_ADDMM_COMBINE = False" in moe_engine.moe_constants({})
+
+
 def test_an_unsorted_router_top_k_is_read_from_the_engines_graph() -> None:
     """vLLM CPU takes its router's top-k unsorted: the experts' order, which decides the order their weights and
     outputs are summed in, is the CPU top-k's own, and the router splice takes it so too."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphdiff.analysis.moe_engine import moe_experts_like_engine, moe_router_like_engine
+from graphdiff.analysis.moe_engine import moe_block_addmm_combine, moe_experts_like_engine, moe_router_like_engine
 
 
 class _Router(torch.nn.Module):
@@ -110,3 +110,42 @@ def test_a_grouped_routers_agreement_compares_its_experts_not_its_groups():
     assert row.differing == 0
     (row,) = routing_agreement(graph, values, {1: groups}, "prefill-16")  # only the groups' choice recorded
     assert row.differing == 0 and row.tokens == 16
+
+
+class _SharedBlock(torch.nn.Module):
+    """An MoE block's tail as transformers writes it: the experts' sum (FP32, scaled, as the experts splice hands it)
+    plus the shared expert's output."""
+
+    def __init__(self, bias: bool = False) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.up = torch.nn.Linear(32, 48, bias=False).bfloat16()
+        self.down = torch.nn.Linear(48, 32, bias=bias).bfloat16()
+        for p in self.parameters():
+            p.data = (torch.randn(p.shape, generator=g) * 0.2).bfloat16()
+
+    def forward(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        return routed + self.down(torch.nn.functional.silu(self.up(x)))
+
+
+def test_the_shared_experts_down_projection_and_its_add_run_as_one_addmm() -> None:
+    """The engine adds the shared expert's down GEMM to the experts' sum inside ATen's addmm (rounded once); the
+    block's forward, run by moe_block_addmm_combine, computes exactly that addmm (bias in the weight's dtype), with
+    the addmm's gradient; transformers' own forward rounds twice and differs. A linear with a bias is not folded."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 24, 32, generator=g).bfloat16()
+    routed = torch.randn(2, 24, 32, generator=g) * 1.5
+    block = _SharedBlock()
+    down = block.down.weight
+    got = moe_block_addmm_combine(block, block.forward, x, routed)
+    act = torch.nn.functional.silu(block.up(x)).reshape(-1, 48)
+    want = torch.addmm(routed.bfloat16().reshape(-1, 32), act, down.t()).reshape(2, 24, 32)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert not torch.equal(block(x, routed).bfloat16(), want)  # two roundings: the GEMM, then the sum
+    got.float().square().sum().backward()
+    grad = down.grad.clone()
+    down.grad = None
+    want.float().square().sum().backward()
+    assert torch.equal(grad, down.grad)
+    biased = _SharedBlock(bias=True)
+    assert torch.equal(moe_block_addmm_combine(biased, biased.forward, x, routed), biased(x, routed))

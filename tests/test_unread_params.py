@@ -68,3 +68,25 @@ def test_a_bias_read_through_a_handle_or_holding_zeros_is_not_flagged() -> None:
                                                         "model.layers.1.mlp.experts.shared.weight",
                                                         "model.layers.1.mlp.experts.shared.bias"]
     assert unread_params(model, [_graph(partial)]) == ["model.layers.0.mlp.experts.shared.bias"]
+
+
+def test_parameters_read_through_the_experts_layer_under_their_other_names_are_not_flagged() -> None:
+    """vLLM CPU's `_C_AVX2` build (no oneDNN; recorded from `graphdiff scan` of a tiny GLM-4-MoE there): the
+    shared expert is registered twice (`mlp.shared_experts`, and `mlp.experts.shared_experts.layer` inside the fused
+    MoE layer, which the graph reads it through), and the router's correction bias is read through the layer's
+    unregistered `router` attribute."""
+    model = _model()
+    for layer in model.model.layers:
+        layer.mlp.shared_experts = nn.Linear(4, 4, bias=False)
+        layer.mlp.experts.shared_experts = nn.Module()
+        layer.mlp.experts.shared_experts.layer = nn.Module()
+        layer.mlp.experts.shared_experts.layer.down_proj = layer.mlp.shared_experts
+    read = [n for i in (0, 1) for n in (
+        f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.mlp.experts.w13_weight",
+        f"model.layers.{i}.mlp.experts#modules_shared_cpu_linear_closure_1_cell_contents",
+        f"model.layers.{i}.mlp.experts#modules_shared_experts_modules_layer_modules_down_proj_parameters_weight",
+        f"model.layers.{i}.mlp.experts#router_e_score_correction_bias")]
+    assert unread_params(model, [_graph(read)]) == []
+    assert unread_params(model, [_graph([n for n in read if "router" not in n and "down_proj" not in n])]) == [
+        f"model.layers.{i}.mlp.{p}" for i in (0, 1)  # each parameter under the first name the model gives it
+        for p in ("gate.e_score_correction_bias", "experts.shared_experts.layer.down_proj.weight")]

@@ -98,6 +98,7 @@ def unread_params(model: torch.nn.Module, graphs: list[Graph]) -> list[str]:
                 read.add(name)
     roots = {n.split(".", 1)[0] for n in read if "." in n}
     modules = dict(model.named_modules())
+    canonical = {id(p): n for n, p in model.named_parameters()}  # a parameter under its first name
     for mod, path in handles:
         owner = modules.get(mod)
         if owner is None:
@@ -106,10 +107,16 @@ def unread_params(model: torch.nn.Module, graphs: list[Graph]) -> list[str]:
         subs = sorted(((n, f"modules_{'_modules_'.join(n.split('.'))}_") for n, _ in owner.named_modules() if n),
                       key=lambda kv: -len(kv[1]))
         sub, rest = next(((n, path[len(m):]) for n, m in subs if path.startswith(m)), ("", path))
-        prefix = f"{mod}.{sub}." if sub else f"{mod}."
-        for local, _ in (owner.get_submodule(sub) if sub else owner).named_parameters():
+        for local, param in (owner.get_submodule(sub) if sub else owner).named_parameters():
             if rest.endswith(local.replace(".", "_")) or ("linear" in rest and local in ("weight", "bias")):
-                read.add(prefix + local)
+                read.add(canonical.get(id(param), local))
+        # an attribute the module holds without registering it (an MoE layer's `router`), read through its own
+        # parameter name (`router_e_score_correction_bias`): a parameter of the enclosing block by that name
+        block = modules.get(mod.rpartition(".")[0], model)
+        for local, param in block.named_parameters():
+            leaf = local.rpartition(".")[2]
+            if leaf not in ("weight", "bias") and rest.endswith("_" + leaf):
+                read.add(canonical.get(id(param), local))
     unread = []
     for name, param in model.named_parameters():
         if name.split(".", 1)[0] not in roots or name in read or param.numel() < 2 or not param.is_floating_point():
