@@ -182,5 +182,5 @@ def test_the_gelu_is_computed_as_the_engines_inductor_kernel_does(patches: dict[
     xf = x.float()
     engine = ((xf * 0.5) * (inductor_math("erf", xf * 0.7071067811865476) + 1.0)).bfloat16()
     (aligned,), (plain,) = fn(x, align=frozenset({region})), fn(x, align=frozenset())
+    # they differ where this CPU's ATen GELU does (AVX-512's; an AVX2 CPU's ATen computes Inductor's values)
     assert torch.equal(aligned, engine) and torch.equal(plain, torch.nn.functional.gelu(x))
-    assert not torch.equal(aligned, plain)

@@ -47,15 +47,25 @@ def _buffers() -> dict:
     return next(iter(recorded.values()))
 
 
+def _aten_is_inductor_here() -> bool:
+    """Does this CPU's ATen GELU compute the recorded engine values (recorded on an AVX-512 CPU)? On an AVX2 CPU it
+    does: ATen's 8-lane vectorized erf gives what Inductor's kernel gave, and there is nothing to align."""
+    (x,), (out,) = (r.values() for r in (_buffers()[GELU_KERNEL]["in"], _buffers()[GELU_KERNEL]["out"]))
+    return torch.equal(torch.nn.functional.gelu(x).reshape(out.shape), out)
+
+
 def test_the_engine_gelu_is_found_computed_by_inductors_math() -> None:
     found = _analysis(_buffers())
-    assert {m: v for m, v in found.items() if "mlp.act" in m} == {
+    want = {} if _aten_is_inductor_here() else {
         "gpt_neox.layers.0.mlp.act": ["gelu"], "gpt_neox.layers.1.mlp.act": ["gelu_1"],
         "gpt_neox.layers.2.mlp.act": ["gelu_2"]}
+    assert {m: v for m, v in found.items() if "mlp.act" in m} == want
 
 
 def test_an_engine_value_atens_gelu_computes_is_not_recorded() -> None:
     """Layer 0's recorded output replaced by ATen's GELU of its recorded input: nothing to align there."""
+    if _aten_is_inductor_here():
+        pytest.skip("this CPU's ATen GELU computes the recorded engine values: no layer is found to replace")
     buffers = _buffers()
     record = buffers[GELU_KERNEL]
     (x,) = record["in"].values()
@@ -92,7 +102,7 @@ def test_the_patched_gelu_computes_the_engines_values(patch: Path, tmp_path: Pat
     (x,) = record["in"].values()
     (out,) = record["out"].values()
     act = model.gpt_neox.layers[0].mlp.act
-    assert not torch.equal(act(x).reshape(out.shape), out)
+    assert torch.equal(act(x).reshape(out.shape), out) == _aten_is_inductor_here()
     runtime.apply(model, patch, regions=[ACT])
     try:
         y = act(x.clone().requires_grad_(True))
