@@ -112,6 +112,33 @@ def test_a_grouped_routers_agreement_compares_its_experts_not_its_groups():
     assert row.differing == 0 and row.tokens == 16
 
 
+
+def test_a_conv1d_multiplies_its_weight_as_the_engine_holds_it() -> None:
+    """The engine holds a Conv1D's weight transposed (`[out, in]`) and runs a linear on it; where ATen's BF16 GEMM is
+    its own (no oneDNN BF16 matmul: AVX2) the `[in, out]` layout sums in another order. The patched Conv1D computes
+    the engine's product bit for bit, HF's shape and the weight's gradient, and the undo gives HF's forward back."""
+    from transformers.pytorch_utils import Conv1D
+
+    from graphdiff.runtime.targets import conv1d_as_linear
+
+    g = torch.Generator().manual_seed(5)
+    conv = Conv1D(768, 256).to(torch.bfloat16)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(256, 768, generator=g) * 0.08)
+        conv.bias.copy_(torch.randn(768, generator=g) * 0.08)
+    x = torch.randn(2, 16, 256, generator=g).bfloat16()
+    engine = torch.nn.functional.linear(x, conv.weight.t().contiguous(), conv.bias)
+    hf = conv(x)
+    undo = conv1d_as_linear(conv)
+    got = conv(x)
+    assert got.shape == hf.shape == (2, 16, 768) and torch.equal(got, engine)
+    got.float().sum().backward()
+    patched_grad, conv.weight.grad = conv.weight.grad, None
+    undo()
+    assert "forward" not in conv.__dict__ and torch.equal(conv(x), hf)
+    conv(x).float().sum().backward()
+    assert torch.allclose(patched_grad.float(), conv.weight.grad.float(), rtol=1e-2, atol=1e-3)
+
 class _SharedBlock(torch.nn.Module):
     """An MoE block's tail as transformers writes it: the experts' sum (FP32, scaled, as the experts splice hands it)
     plus the shared expert's output."""

@@ -26,7 +26,9 @@ How the generated code is spliced in (no per-model code; everything comes from t
   weight dtype, summed in FP32 and rounded once (the generated `linear_split_k`), as the engine's ranks and its
   all-reduce do;
 - every nn.Linear (and transformers' Conv1D) rounds a floating input to its weight dtype: the engine stores every
-  matmul input in low precision, and an FP32 value the patch produced must be rounded exactly there; every nn.LayerNorm
+  matmul input in low precision, and an FP32 value the patch produced must be rounded exactly there; a Conv1D
+  multiplies by its weight as the engine holds it (transposed, `[out, in]`: ATen's own BF16 GEMM, on a CPU without
+  oneDNN's BF16 matmul, sums the two layouts in other orders); every nn.LayerNorm
   normalizes an FP32 input in FP32 (weights upcast), as the engine's kernel normalizes the FP32 residual sum.
 Memory: a splice keeps only its inputs for the backward (the Triton backward kernel recomputes the forward; the
 PyTorch path runs under non-reentrant checkpointing where its autograd would keep an activation-sized tensor of its
@@ -52,7 +54,7 @@ from graphdiff.runtime.layers import splice_targets
 from graphdiff.runtime.manifest import check_model, load_generated, load_manifest, regions_to_apply
 from graphdiff.runtime.memory import saved_fp32_recomputed
 from graphdiff.runtime.state import ATTR, Patching, State
-from graphdiff.runtime.targets import PATCH, is_conv1d, layer_norm_takes_fp32, round_linear_input
+from graphdiff.runtime.targets import PATCH, conv1d_as_linear, is_conv1d, layer_norm_takes_fp32, round_linear_input
 
 
 def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[str] | None = None, *,
@@ -74,6 +76,8 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
     for _, mod in named:
         if isinstance(mod, torch.nn.Linear) or is_conv1d(mod):
             p.state.undo.append(mod.register_forward_pre_hook(round_linear_input).remove)
+        if is_conv1d(mod) and "forward" not in mod.__dict__:
+            p.state.undo.append(conv1d_as_linear(mod))
         elif isinstance(mod, torch.nn.LayerNorm):
             p.state.undo.append(layer_norm_takes_fp32(mod))
     p.state.undo.append(saved_fp32_recomputed(model))

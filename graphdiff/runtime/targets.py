@@ -40,6 +40,19 @@ def is_conv1d(mod: torch.nn.Module) -> bool:
     return type(mod).__name__ == "Conv1D" and isinstance(getattr(mod, "weight", None), torch.Tensor)
 
 
+def conv1d_as_linear(mod: torch.nn.Module) -> Callable[[], None]:
+    """A Conv1D computes as the engine's linear: the engine holds its weight transposed (`[out, in]`, as nn.Linear
+    does) and multiplies by that weight's transpose; where ATen's BF16 GEMM is its own (a CPU without oneDNN's BF16
+    matmul: AVX2) it sums the `[in, out]` weight's products in another order. The same values where both are one
+    GEMM library's. Returns the undo."""
+    mod.forward = functools.partial(_conv1d_forward, mod)
+    return functools.partial(_drop_attributes, mod, ("forward",))
+
+
+def _conv1d_forward(mod: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(hidden_states, mod.weight.t().contiguous(), mod.bias)
+
+
 def round_linear_input(module: torch.nn.Module, args: tuple) -> tuple | None:
     x, w = args[0] if args else None, module.weight
     if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.is_floating_point() and x.dtype != w.dtype:
