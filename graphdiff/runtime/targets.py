@@ -49,7 +49,7 @@ def conv1d_as_linear(mod: torch.nn.Module) -> Callable[[], None]:
     return functools.partial(_drop_attributes, mod, ("forward",))
 
 
-def _conv1d_forward(mod: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def _conv1d_forward(mod: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(hidden_states, mod.weight.t().contiguous(), mod.bias)
 
 
