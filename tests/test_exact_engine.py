@@ -45,15 +45,20 @@ def _assert_at_engine_floor(samples: list, patched: list, plain: list) -> None:
                                 f"its decode ({prefill_equal} equal its prefill)"
 
 
-# the fused-MoE op stores by build (the `_C_AVX512` and `_C_AVX2` experts leave no site): .ci/run runs it as each kind
-@pytest.mark.kind
-def test_exact_moe_gives_the_engines_logprobs_and_expert_choices(tmp_path):
-    model = make_tiny("qwen3_moe", tmp_path / "model", layers=2)
+# the fused-MoE op stores by build (the `_C_AVX512` and `_C_AVX2` experts leave no site), and the `_C_AVX2` build's
+# ATen GEMMs fold GLM-4-MoE's shared expert into an addmm: .ci/run runs the GLM-4-MoE case as each kind
+@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("glm4_moe", marks=pytest.mark.kind)])
+def test_exact_moe_gives_the_engines_logprobs_and_expert_choices(tmp_path, arch):
+    """Qwen3-MoE (softmax top-k router) and GLM-4-MoE (a dense first layer, sigmoid router with a correction bias,
+    a shared expert, whose down projection the `_C_AVX2` build adds to the experts' sum in one addmm)."""
+    model = make_tiny(arch, tmp_path / "model", layers=2)
     d = ScanDir(tmp_path / "scan")
     outcome = scan(str(model), shapes=[prefill(16)], out=d, sample=SAMPLE)
     d.save_scan(outcome.result)
     d.save_train(outcome.train.capture)
     assert outcome.result.engine_experts["op"] == "_C.cpu_fused_moe", outcome.result.engine_experts
+    folded = arch == "glm4_moe" and outcome.result.engine_attention.get("build") == "_C_AVX2"
+    assert ("addmm_combine" in outcome.result.engine_experts) == folded, outcome.result.engine_experts
     made = generate(d.root, d.patch_dir, exact=True)
     experts = next(s for s in made.splices if s.target == "experts")
     attention = next(s for s in made.splices if s.target == "attention")
