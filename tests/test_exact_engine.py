@@ -51,6 +51,11 @@ def _assert_at_engine_floor(samples: list, patched: list, plain: list) -> None:
 def test_exact_moe_gives_the_engines_logprobs_and_expert_choices(tmp_path, arch):
     """Qwen3-MoE (softmax top-k router) and GLM-4-MoE (a dense first layer, sigmoid router with a correction bias,
     a shared expert, whose down projection the `_C_AVX2` build adds to the experts' sum in one addmm)."""
+    from graphdiff.capture.cpu_kind import cpu_kind
+
+    if arch == "glm4_moe" and cpu_kind() == "amx":
+        pytest.skip("GLM-4-MoE's --exact is not at the engine on AMX CPUs yet (issue 47: vLLM runs its shared "
+                    "expert's small GEMMs as weight_packed_linear there)")
     model = make_tiny(arch, tmp_path / "model", layers=2)
     d = ScanDir(tmp_path / "scan")
     outcome = scan(str(model), shapes=[prefill(16)], out=d, sample=SAMPLE)
