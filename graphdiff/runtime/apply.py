@@ -76,8 +76,8 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
     for _, mod in named:
         if isinstance(mod, torch.nn.Linear) or is_conv1d(mod):
             p.state.undo.append(mod.register_forward_pre_hook(round_linear_input).remove)
-        if is_conv1d(mod) and "forward" not in mod.__dict__:
-            p.state.undo.append(conv1d_as_linear(mod))
+            if is_conv1d(mod) and "forward" not in mod.__dict__:
+                p.state.undo.append(conv1d_as_linear(mod))
         elif isinstance(mod, torch.nn.LayerNorm):
             p.state.undo.append(layer_norm_takes_fp32(mod))
     p.state.undo.append(saved_fp32_recomputed(model))
