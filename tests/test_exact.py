@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from graphdiff.analysis import moe_engine
-from graphdiff.analysis.moe import engine_experts_op
+from graphdiff.analysis.moe import addmm_folds, engine_experts_op
 from graphdiff.analysis.reads import mark_fp32_reads
 from graphdiff.artifacts import ScanDir
 from graphdiff.codegen import exact_ops, generate
@@ -139,6 +139,35 @@ def test_an_addmm_of_the_experts_sum_is_read_from_the_engines_graph() -> None:
     assert "addmm_combine" not in engine_experts_op([_fused_moe_graph([{"node": "out"}, 1.5])])
     assert "MOE_ADDMM_COMBINE = True" in moe_engine.moe_constants({"addmm_combine": "extern_kernels.addmm"})
     assert "MOE_ADDMM_COMBINE = False" in moe_engine.moe_constants({})
+
+
+def test_a_dense_add_the_engine_folds_into_an_addmm_is_read_from_its_graph() -> None:
+    """Falcon on vLLM CPU's `_C_AVX2` build: `mlp_output += attention_output` compiled to one addmm of the MLP's
+    output, the attention's input and its dense weight (recorded: `graphdiff scan` of a tiny Falcon there); an
+    addmm adding a linear's own bias vector is no fold."""
+    def node(name: str, target: str, inputs: list[str], shape: list | None = None, module: str = "") -> Node:
+        return Node(name=name, op="call_function", target=target, inputs=inputs, shape=shape, module=module or None)
+
+    dense, mlp = "transformer.h.0.self_attention.dense", "transformer.h.0.mlp.dense_4h_to_h"
+    graph = Graph(name="g", inputs={"arg1_1": f"{dense}.weight", "arg2_1": f"{mlp}.weight", "arg3_1": "lm_head.bias"},
+                  nodes=[Node(name="arg1_1", op="placeholder", target="arg1_1"),
+                         Node(name="arg2_1", op="placeholder", target="arg2_1"),
+                         Node(name="arg3_1", op="placeholder", target="arg3_1", shape=[32]),
+                         node("act", "aten.mul.Tensor", [], ["s0", 64]),
+                         node("attn", "aten.view.default", [], ["s0", 32]),
+                         node("permute", "aten.permute.default", ["arg2_1"]),
+                         node("mm", "aten.mm.default", ["act", "permute"], ["s0", 32], mlp),
+                         node("permute_1", "aten.permute.default", ["arg1_1"]),
+                         node("addmm", "aten.addmm.default", ["mm", "attn", "permute_1"], ["s0", 32],
+                              "transformer.h.0"),
+                         node("addmm_1", "aten.addmm.default", ["arg3_1", "addmm", "permute_1"], ["s0", 32],
+                              "transformer.h.1")])
+    assert addmm_folds([graph]) == {"transformer.h.*": ["transformer.h.*.self_attention.dense"]}
+    scan = ScanDir(QWEN2_MOE).load_scan()
+    scan.addmm_folds = addmm_folds([graph])
+    module = make_patch(scan, ScanDir(QWEN2_MOE).load_train()).module
+    assert "ADDMM_FOLDS = {'transformer.h.*': ['transformer.h.*.self_attention.dense']}" in module
+    assert "def addmm_folded_forward(" in module
 
 
 def test_an_unsorted_router_top_k_is_read_from_the_engines_graph() -> None:

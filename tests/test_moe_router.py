@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphdiff.analysis.moe_engine import moe_block_addmm_combine, moe_experts_like_engine, moe_router_like_engine
+from graphdiff.analysis.moe_engine import addmm_folded_forward, moe_experts_like_engine, moe_router_like_engine
 
 
 class _Router(torch.nn.Module):
@@ -157,14 +157,14 @@ class _SharedBlock(torch.nn.Module):
 
 def test_the_shared_experts_down_projection_and_its_add_run_as_one_addmm() -> None:
     """The engine adds the shared expert's down GEMM to the experts' sum inside ATen's addmm (rounded once); the
-    block's forward, run by moe_block_addmm_combine, computes exactly that addmm (bias in the weight's dtype), with
+    block's forward, run by addmm_folded_forward, computes exactly that addmm (bias in the weight's dtype), with
     the addmm's gradient; transformers' own forward rounds twice and differs. A linear with a bias is not folded."""
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, 24, 32, generator=g).bfloat16()
     routed = torch.randn(2, 24, 32, generator=g) * 1.5
     block = _SharedBlock()
     down = block.down.weight
-    got = moe_block_addmm_combine(block, block.forward, x, routed)
+    got = addmm_folded_forward(block, block.forward, (), x, routed)
     act = torch.nn.functional.silu(block.up(x)).reshape(-1, 48)
     want = torch.addmm(routed.bfloat16().reshape(-1, 32), act, down.t()).reshape(2, 24, 32)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
@@ -175,4 +175,39 @@ def test_the_shared_experts_down_projection_and_its_add_run_as_one_addmm() -> No
     want.float().square().sum().backward()
     assert torch.equal(grad, down.grad)
     biased = _SharedBlock(bias=True)
-    assert torch.equal(moe_block_addmm_combine(biased, biased.forward, x, routed), biased(x, routed))
+    assert torch.equal(addmm_folded_forward(biased, biased.forward, (), x, routed), biased(x, routed))
+
+
+class _ParallelLayer(torch.nn.Module):
+    """Falcon's parallel block: the MLP's output, then the attention's dense output added in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(6)
+        self.dense = torch.nn.Linear(32, 32, bias=False).bfloat16()
+        self.dense_4h_to_h = torch.nn.Linear(64, 32, bias=False).bfloat16()
+        for p in self.parameters():
+            p.data = (torch.randn(p.shape, generator=g) * 0.2).bfloat16()
+
+    def forward(self, attn: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        attention_output = self.dense(attn)
+        mlp_output = self.dense_4h_to_h(act)
+        mlp_output += attention_output
+        return mlp_output
+
+
+def test_an_in_place_add_of_two_linears_folds_the_second_as_inductor_does() -> None:
+    """`mlp_output += attention_output` of two bias-free linears: Inductor folds the second addend's GEMM (the
+    attention's dense) with the first as the bias, and so does the patched forward, writing into the first; given
+    the dense's weight it folds that linear only."""
+    g = torch.Generator().manual_seed(7)
+    attn, act = torch.randn(3, 8, 32, generator=g).bfloat16(), torch.randn(3, 8, 64, generator=g).bfloat16()
+    layer = _ParallelLayer()
+    mlp = layer.dense_4h_to_h(act)
+    want = torch.addmm(mlp.reshape(-1, 32), attn.reshape(-1, 32), layer.dense.weight.t()).reshape(3, 8, 32)
+    assert not torch.equal(layer(attn, act), want)
+    for weights in ((), (layer.dense.weight,)):
+        assert torch.equal(addmm_folded_forward(layer, layer.forward, weights, attn, act), want), weights
+    assert torch.equal(addmm_folded_forward(layer, layer.forward, (layer.dense_4h_to_h.weight,), attn, act),
+                       torch.addmm(layer.dense(attn).reshape(-1, 32), act.reshape(-1, 64),
+                                   layer.dense_4h_to_h.weight.t()).reshape(3, 8, 32))

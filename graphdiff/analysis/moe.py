@@ -14,6 +14,7 @@ Routing agreement: per layer, the fraction of tokens whose set of chosen experts
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from graphdiff.analysis.moe_engine import moe_experts_like_engine
+from graphdiff.analysis.regions import module_pattern
 from graphdiff.analysis.rounding import is_view
 from graphdiff.ops import CASTS, EXACT, is_heavy, is_low, op_name
 from graphdiff.records import Decision, Evidence, Graph, Node, RoutingAgreement, SideState, layer_of, walk
@@ -102,6 +104,37 @@ def _addmm_combine(graph: Graph, op: Node) -> bool:
     read = [out] + [u for u in users.get(out, []) if u != op.name and op_name(nodes[u].target) == "mul"]
     return any(op_name(nodes[u].target) == "addmm" and nodes[u].inputs[:1] == [r]
                for r in read for u in users.get(r, []))
+
+
+def addmm_folds(graphs: list[Graph]) -> dict[str, list[str]]:
+    """Where the engine adds a bias-free linear's GEMM to another value inside one ATen addmm (Inductor's post-grad
+    `add(mm(a, b), c) -> addmm(c, a, b)`, taken where the engine's GEMMs are ATen's: vLLM CPU's `_C_AVX2` build):
+    the module pattern the addmm is tagged with (whose forward adds) -> the module patterns of the linears it folds
+    ([] where the weight is read through a handle whose module is not named). An addmm whose bias is a parameter (a
+    linear's own bias) is none; nor is one adding the fused-MoE op's output (`engine_experts.addmm_combine`)."""
+    folds: dict[str, list[str]] = {}
+    for graph in graphs:
+        nodes, params = graph.node_map(), graph.inputs
+        moe_out = {n.inputs[0] for n in graph.nodes if n.target == "_C.cpu_fused_moe.default" and n.inputs}
+        for n in graph.nodes:
+            if op_name(n.target) != "addmm" or len(n.inputs) < 3 or not n.module:
+                continue
+            bias = nodes.get(n.inputs[0])
+            if bias is None or bias.name in params or len(bias.shape or []) < 2 or bias.name in moe_out \
+                    or any(i in moe_out for i in bias.inputs):
+                continue
+            weight = _walk_back(graph, n.inputs[2], functools.partial(_is_input, params))
+            name = params.get(weight.name, "") if weight is not None else ""
+            linears = folds.setdefault(module_pattern(n.module), [])
+            named = name.endswith(".weight") and "#" not in name
+            linear = module_pattern(name.removesuffix(".weight")) if named else ""
+            if linear and linear not in linears:
+                linears.append(linear)
+    return folds
+
+
+def _is_input(inputs: dict[str, str], node: Node) -> bool:
+    return node.name in inputs
 
 
 ENGINE_GEMMS = frozenset({"_C.onednn_mm.default"})  # the engine's own GEMM ops, writing into their first argument

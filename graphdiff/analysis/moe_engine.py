@@ -265,41 +265,49 @@ def moe_router_engine_gemm(module, hidden_states: torch.Tensor) -> tuple[torch.T
 
 
 class _AddmmCombine(torch.overrides.TorchFunctionMode):
-    """While an MoE block's own forward runs: a linear without bias whose output is added to a tensor of its shape
-    (the shared expert's down projection and the experts' sum) is computed as ATen's addmm of that tensor, in the
-    linear's dtype as the engine stores it, and the linear's input and weight: the GEMM and the sum accumulated in
-    FP32 and rounded once, as the engine's addmm; every other op as written."""
+    """While a module's own forward runs: a bias-free linear (of `weights`, by identity; any where empty) whose output
+    is added to a tensor of its shape is computed as ATen's addmm of that tensor, in the linear's dtype as the engine
+    stores it, and the linear's input and weight: the GEMM and the sum accumulated in FP32 and rounded once, as the
+    engine's addmm (Inductor folds `add(mm(a, b), c)` so where the engine's GEMMs are ATen's). Where both addends are
+    such linears the second is folded, as Inductor's pattern takes it; an in-place add writes the sum into its first
+    addend. Every other op runs as written."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: tuple[torch.Tensor, ...] = ()) -> None:
         super().__init__()
+        self.weights = weights
         self.linears: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (output, input, weight)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
         kwargs = kwargs or {}
-        if func is torch.nn.functional.linear and args[2:] in ((), (None,)) and kwargs.get("bias") is None:
+        if func is torch.nn.functional.linear and args[2:] in ((), (None,)) and kwargs.get("bias") is None \
+                and (not self.weights or any(args[1] is w for w in self.weights)):
             out = func(*args, **kwargs)
             self.linears.append((out, args[0], args[1]))
             return out
-        if func in (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__) and len(args) == 2 \
-                and not kwargs:
-            for i, (out, x, weight) in enumerate(self.linears):
-                other = args[1] if args[0] is out else args[0] if args[1] is out else None
-                if isinstance(other, torch.Tensor) and other.shape == out.shape:
-                    del self.linears[i]
-                    bias = other.to(weight.dtype).reshape(-1, weight.shape[0])
-                    return torch.addmm(bias, x.to(weight.dtype).reshape(-1, x.shape[-1]), weight.t()).reshape(out.shape)
+        in_place = func in (torch.Tensor.add_, torch.Tensor.__iadd__)
+        if (in_place or func in (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)) \
+                and len(args) == 2 and not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            found = next((i for a in (args[1], args[0]) for i, f in enumerate(self.linears) if f[0] is a), None)
+            folded = self.linears[found] if found is not None else None
+            other = args[0] if folded is not None and folded[0] is args[1] else args[1]
+            if found is not None and folded is not None and other.shape == folded[0].shape:
+                del self.linears[found]
+                out, x, weight = folded
+                bias = other.to(weight.dtype).reshape(-1, weight.shape[0])
+                total = torch.addmm(bias, x.to(weight.dtype).reshape(-1, x.shape[-1]), weight.t()).reshape(out.shape)
+                return args[0].copy_(total) if in_place else total
         return func(*args, **kwargs)
 
 
-def moe_block_addmm_combine(module, forward, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
-    """The MoE block's own `forward`, its shared expert's down projection and the add of the experts' sum computed as
-    the engine's one addmm (`_AddmmCombine`); `module` is the block."""
-    with _AddmmCombine():
+def addmm_folded_forward(module, forward, weights, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+    """`module`'s own `forward`, each bias-free linear of `weights` (any, where empty) whose output it adds to another
+    value computed with that add as the engine's one addmm (`_AddmmCombine`)."""
+    with _AddmmCombine(tuple(weights)):
         return forward(*args, **kwargs)
 
 
 GEMM_PARTS = (_engine_gemm, _EngineGemm)
 ROUTER_GEMM_PARTS = (_EngineLinear, moe_router_engine_gemm)
 LINEAR_PARTS = (linear_engine_op,)
-ADDMM_PARTS = (_AddmmCombine, moe_block_addmm_combine)
+ADDMM_PARTS = (_AddmmCombine, addmm_folded_forward)
 ENGINE_ROUTER_FN = moe_router_engine_gemm.__name__

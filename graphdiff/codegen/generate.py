@@ -278,8 +278,9 @@ def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Regi
         parts.body += ["", "", *prelude.source(moe_engine.ROUTER_GEMM_PARTS)]
     if engine_experts:
         parts.body += ["", "", *prelude.source(moe_engine.LINEAR_PARTS)]
-    if moe_regions and scan.engine_experts.get("addmm_combine"):
-        parts.body += ["", "", "# the MoE block's shared expert down projection and its add as the engine's one addmm",
+    if scan.addmm_folds or (moe_regions and scan.engine_experts.get("addmm_combine")):
+        parts.body += ["", "", "# where the engine adds a linear's GEMM to another value in one addmm: module "
+                       "pattern -> the linears folded there", f"ADDMM_FOLDS = {scan.addmm_folds!r}", "", "",
                        *prelude.source(moe_engine.ADDMM_PARTS)]
     for r in (r for r in wanted if r.kind == "allreduce"):
         linear, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),

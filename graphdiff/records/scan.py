@@ -160,6 +160,9 @@ class ScanResult(BaseModel):
     # the engine's fused-MoE op as its graph calls it (analysis.moe.engine_experts_op): op, activation, isa,
     # padded_intermediate; what `patch --exact` runs in the trainer
     engine_experts: dict[str, str] = Field(default_factory=dict)
+    # module pattern whose forward adds -> the bias-free linears (module patterns; [] unnamed) whose GEMM the engine
+    # adds to another value inside one ATen addmm (analysis.moe.addmm_folds: `_C_AVX2`'s GEMMs are ATen's)
+    addmm_folds: dict[str, list[str]] = Field(default_factory=dict)
     # the dtype of the table the engine's rotary embedding gathers cos/sin from by position (vLLM's `cos_sin_cache`)
     # where it is low precision (analysis.scan.rope_table_dtype); "" where the engine computes them in its graph
     engine_rope_table: str = ""

@@ -54,7 +54,14 @@ from graphdiff.runtime.layers import splice_targets
 from graphdiff.runtime.manifest import check_model, load_generated, load_manifest, regions_to_apply
 from graphdiff.runtime.memory import saved_fp32_recomputed
 from graphdiff.runtime.state import ATTR, Patching, State
-from graphdiff.runtime.targets import PATCH, conv1d_as_linear, is_conv1d, layer_norm_takes_fp32, round_linear_input
+from graphdiff.runtime.targets import (
+    PATCH,
+    addmm_folds,
+    conv1d_as_linear,
+    is_conv1d,
+    layer_norm_takes_fp32,
+    round_linear_input,
+)
 
 
 def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[str] | None = None, *,
@@ -73,6 +80,7 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
         if not splice.problems:
             PATCH[splice.target](p, splice, splice_targets(splice, named, manifest, model,
                                                                                    p.align))
+    addmm_folds(p, named)
     for _, mod in named:
         if isinstance(mod, torch.nn.Linear) or is_conv1d(mod):
             p.state.undo.append(mod.register_forward_pre_hook(round_linear_input).remove)

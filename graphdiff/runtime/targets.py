@@ -31,6 +31,7 @@ from graphdiff.runtime.dispatch import (
     sdpa_calls,
     swap_in,
 )
+from graphdiff.runtime.layers import module_regex
 from graphdiff.runtime.manifest import PatchError
 from graphdiff.runtime.state import Patching, Targets
 
@@ -140,12 +141,37 @@ def _one_output_linears(p: Patching, experts: str) -> None:
 
 def _addmm_combine(p: Patching, experts: str) -> None:
     """The MoE block around the experts module runs its own forward with its shared expert's down projection and
-    the add of the experts' sum as the engine's one addmm (the generated `moe_block_addmm_combine`)."""
+    the add of the experts' sum as the engine's one addmm."""
     block = p.model.get_submodule(experts.rpartition(".")[0]) if "." in experts else p.model
-    own = block.__dict__.get("forward")  # another splice's forward of the block, given back on undo
-    block.forward = eager(functools.partial(p.gen.moe_block_addmm_combine, block, block.forward))
-    p.state.undo.append(functools.partial(block.__dict__.__setitem__, "forward", own) if own is not None
-                        else functools.partial(_drop_attributes, block, ("forward",)))
+    fold_addmm(p, block, ())
+
+
+def fold_addmm(p: Patching, module: torch.nn.Module, weights: tuple[torch.Tensor, ...]) -> None:
+    """`module` runs its own forward with each bias-free linear of `weights` (any, where empty) that it adds to
+    another value computed as the engine's one addmm (the generated `addmm_folded_forward`)."""
+    own = module.__dict__.get("forward")  # another splice's forward of the module, given back on undo
+    module.forward = eager(functools.partial(p.gen.addmm_folded_forward, module, module.forward, weights))
+    p.state.undo.append(functools.partial(module.__dict__.__setitem__, "forward", own) if own is not None
+                        else functools.partial(_drop_attributes, module, ("forward",)))
+
+
+def addmm_folds(p: Patching, named: Targets) -> None:
+    """The modules whose adds the engine folds into an addmm (the generated `ADDMM_FOLDS`: module pattern -> the
+    patterns of the linears folded there) run as `fold_addmm` does; a linear this model lacks is refused."""
+    for pattern, linears in getattr(p.gen, "ADDMM_FOLDS", {}).items():
+        for name, mod in named:
+            if not module_regex(pattern).match(name):
+                continue
+            relative = [lin[len(pattern) + 1:] for lin in linears if lin.startswith(pattern + ".")]
+            if linears and not relative:  # folded linears outside the module: none of its own to fold
+                continue
+            try:
+                weights = tuple(torch.nn.Module.get_parameter(mod, f"{r}.weight") for r in relative)
+            except AttributeError as e:
+                raise PatchError(f"{name} ({type(mod).__name__}): {e}; the engine adds its linears "
+                                 f"{', '.join(linears)} in one addmm, which this model cannot run; rescan this model"
+                                 ) from e
+            fold_addmm(p, mod, weights)
 
 
 def _patch_linear(p: Patching, splice: LinearSplice, targets: Targets) -> None:
