@@ -190,24 +190,23 @@ class _ParallelLayer(torch.nn.Module):
             p.data = (torch.randn(p.shape, generator=g) * 0.2).bfloat16()
 
     def forward(self, attn: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
-        attention_output = self.dense(attn)
+        attention_output = attn @ self.dense.weight.T  # FalconLinear's form
         mlp_output = self.dense_4h_to_h(act)
         mlp_output += attention_output
         return mlp_output
 
 
 def test_an_in_place_add_of_two_linears_folds_the_second_as_inductor_does() -> None:
-    """`mlp_output += attention_output` of two bias-free linears: Inductor folds the second addend's GEMM (the
-    attention's dense) with the first as the bias, and so does the patched forward, writing into the first; given
-    the dense's weight it folds that linear only."""
+    """`mlp_output += attention_output` of two bias-free linears (the dense written `x @ weight.T`, as FalconLinear
+    does): Inductor folds the second addend's GEMM (the attention's dense) with the first as the bias, and so does
+    the patched forward given the dense's weight, writing into the first; given the MLP's weight it folds that one."""
     g = torch.Generator().manual_seed(7)
     attn, act = torch.randn(3, 8, 32, generator=g).bfloat16(), torch.randn(3, 8, 64, generator=g).bfloat16()
     layer = _ParallelLayer()
     mlp = layer.dense_4h_to_h(act)
     want = torch.addmm(mlp.reshape(-1, 32), attn.reshape(-1, 32), layer.dense.weight.t()).reshape(3, 8, 32)
     assert not torch.equal(layer(attn, act), want)
-    for weights in ((), (layer.dense.weight,)):
-        assert torch.equal(addmm_folded_forward(layer, layer.forward, weights, attn, act), want), weights
+    assert torch.equal(addmm_folded_forward(layer, layer.forward, (layer.dense.weight,), attn, act), want)
     assert torch.equal(addmm_folded_forward(layer, layer.forward, (layer.dense_4h_to_h.weight,), attn, act),
                        torch.addmm(layer.dense(attn).reshape(-1, 32), act.reshape(-1, 64),
                                    layer.dense_4h_to_h.weight.t()).reshape(3, 8, 32))

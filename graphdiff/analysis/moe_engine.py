@@ -284,6 +284,12 @@ class _AddmmCombine(torch.overrides.TorchFunctionMode):
             out = func(*args, **kwargs)
             self.linears.append((out, args[0], args[1]))
             return out
+        weight = next((w for w in self.weights if _is_transpose(args[1], w)), None) \
+            if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(args) == 2 else None
+        if weight is not None:  # a linear written `x @ self.weight.T` (Falcon's FalconLinear)
+            out = func(*args, **kwargs)
+            self.linears.append((out, args[0], weight))
+            return out
         in_place = func in (torch.Tensor.add_, torch.Tensor.__iadd__)
         if (in_place or func in (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)) \
                 and len(args) == 2 and not kwargs and all(isinstance(a, torch.Tensor) for a in args):
@@ -299,6 +305,12 @@ class _AddmmCombine(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _is_transpose(t: object, weight: torch.Tensor) -> bool:
+    """Is `t` the 2-D transpose view of `weight`?"""
+    return isinstance(t, torch.Tensor) and t._base is weight and t.dim() == 2 and t.shape == weight.shape[::-1] \
+        and t.stride() == weight.stride()[::-1]
+
+
 def addmm_folded_forward(module, forward, weights, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
     """`module`'s own `forward`, each bias-free linear of `weights` (any, where empty) whose output it adds to another
     value computed with that add as the engine's one addmm (`_AddmmCombine`)."""
@@ -309,5 +321,5 @@ def addmm_folded_forward(module, forward, weights, *args, **kwargs):  # noqa: AN
 GEMM_PARTS = (_engine_gemm, _EngineGemm)
 ROUTER_GEMM_PARTS = (_EngineLinear, moe_router_engine_gemm)
 LINEAR_PARTS = (linear_engine_op,)
-ADDMM_PARTS = (_AddmmCombine, addmm_folded_forward)
+ADDMM_PARTS = (_is_transpose, _AddmmCombine, addmm_folded_forward)
 ENGINE_ROUTER_FN = moe_router_engine_gemm.__name__
