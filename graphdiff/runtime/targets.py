@@ -132,8 +132,7 @@ def _one_output_linears(p: Patching, experts: str) -> None:
     """The MoE block's one-output linears without bias (a shared expert's gate), beside its experts module, by the
     engine's GEMM (the generated `linear_engine_op`): the engine runs them as a GEMM, ATen as a matrix-vector
     product that sums in another order."""
-    block = p.model.get_submodule(experts.rpartition(".")[0]) if "." in experts else p.model
-    for child in block.children():
+    for child in _block_of(p, experts).children():
         if isinstance(child, torch.nn.Linear) and child.out_features == 1 and child.bias is None:
             child.forward = eager(functools.partial(p.gen.linear_engine_op, child))
             p.state.undo.append(functools.partial(_drop_attributes, child, ("forward", "_graphdiff_engine_gemm")))
@@ -142,8 +141,12 @@ def _one_output_linears(p: Patching, experts: str) -> None:
 def _addmm_combine(p: Patching, experts: str) -> None:
     """The MoE block around the experts module runs its own forward with its shared expert's down projection and
     the add of the experts' sum as the engine's one addmm."""
-    block = p.model.get_submodule(experts.rpartition(".")[0]) if "." in experts else p.model
-    fold_addmm(p, block, ())
+    fold_addmm(p, _block_of(p, experts), ())
+
+
+def _block_of(p: Patching, experts: str) -> torch.nn.Module:
+    """The MoE block holding the experts module named `experts`."""
+    return p.model.get_submodule(experts.rpartition(".")[0]) if "." in experts else p.model
 
 
 def fold_addmm(p: Patching, module: torch.nn.Module, weights: tuple[torch.Tensor, ...]) -> None:
@@ -159,8 +162,9 @@ def addmm_folds(p: Patching, named: Targets) -> None:
     """The modules whose adds the engine folds into an addmm (the generated `ADDMM_FOLDS`: module pattern -> the
     patterns of the linears folded there) run as `fold_addmm` does; a linear this model lacks is refused."""
     for pattern, linears in getattr(p.gen, "ADDMM_FOLDS", {}).items():
+        regex = module_regex(pattern)
         for name, mod in named:
-            if not module_regex(pattern).match(name):
+            if not regex.match(name):
                 continue
             relative = [lin[len(pattern) + 1:] for lin in linears if lin.startswith(pattern + ".")]
             if linears and not relative:  # folded linears outside the module: none of its own to fold
