@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -36,17 +37,24 @@ from graphdiff.codegen import generate
 from graphdiff.records import Manifest
 
 
-def step(model: torch.nn.Module, ids: torch.Tensor, cpu_time: bool = False) -> float:
+def step(model: torch.nn.Module, ids: torch.Tensor, cpu_time: bool = False,
+         faults: list[tuple[float, int]] | None = None) -> float:
     """One forward + backward: wall seconds, or with `cpu_time` this process's CPU seconds (on a machine shared with
-    other work, what the step itself computed, whatever else ran beside it)."""
+    other work, what the step itself computed, whatever else ran beside it). `faults` gets the step's system CPU
+    seconds and minor page faults (the kernel's share: fresh memory the allocator took from the OS and touched)."""
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     clock = time.process_time if cpu_time else time.perf_counter
     model.zero_grad(set_to_none=True)
     sync()
+    before = resource.getrusage(resource.RUSAGE_SELF)
     t = clock()
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     sync()
-    return clock() - t
+    elapsed = clock() - t
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    if faults is not None:
+        faults.append((after.ru_stime - before.ru_stime, after.ru_minflt - before.ru_minflt))
+    return elapsed
 
 
 def model_arguments(ap: argparse.ArgumentParser) -> None:
@@ -152,10 +160,11 @@ def main() -> None:
         else:
             peak[v] = peak_of(lambda: step(model, ids)) / 2**20
     times: dict[str, list[float]] = {v: [] for v in variants}
+    kernel: dict[str, list[tuple[float, int]]] = {v: [] for v in variants}
     for _ in range(args.steps):
         for v in variants:
             use(v)
-            times[v].append(step(model, ids, args.cpu_time))
+            times[v].append(step(model, ids, args.cpu_time, kernel[v]))
     med = {v: statistics.median(t) for v, t in times.items()}
     base = med.get("unpatched")
     path = "triton" if cuda and any(s.triton_fn for s in manifest.splices) else "pytorch"
@@ -168,6 +177,8 @@ def main() -> None:
         "variants": {v: {"regions": len(r) if r is not None else 0, "median_s": round(med[v], 4),
                          "min_s": round(min(times[v]), 4), "max_s": round(max(times[v]), 4),
                          "ratio": round(med[v] / base, 4) if base else None,
+                         "system_s": round(statistics.median(k[0] for k in kernel[v]), 4),
+                         "page_faults": int(statistics.median(k[1] for k in kernel[v])),
                          ("peak_gib" if cuda else "peak_mib"): round(peak[v], 2) if v in peak else None,
                          "peak_ratio": round(peak[v] / peak["unpatched"], 3) if peak.get("unpatched") else None}
                      for v, r in variants.items()},

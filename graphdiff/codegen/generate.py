@@ -31,6 +31,7 @@ from graphdiff.codegen import (
     math_order,
     moe_order,
     names,
+    norm_backward,
     norm_order,
     prelude,
     probes,
@@ -43,6 +44,7 @@ from graphdiff.records import (
     MANIFEST_VERSION,
     AttentionForm,
     AttentionSplice,
+    CalledSplice,
     Capture,
     CarrySplice,
     FunctionSplice,
@@ -173,6 +175,7 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
                 lines = emit_torch.emit_function(frag, f"torch_{slug}", nodes, values)
                 frag.compiled = _compile(lines, f"torch_{slug}")
                 body += ["", "", f"# {frag.target} {frag.key}: regions {', '.join(frag.regions)}", *lines]
+                body += _closed_form_backward(frag, splice, slug, nodes, values)
                 kernel = ("its norm reads its input back rounded from the engine's store after the mean (PyTorch "
                           "only)" if emit_torch.store_readers(frag, nodes) else
                           "it reads an input as the engine's stored copy where another reader holds it FP32 (PyTorch "
@@ -185,6 +188,23 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
                     splice.triton_fn = f"triton_{slug}"
     splice.problems = list(frag.problems)
     return splice, body
+
+
+def _closed_form_backward(frag: Fragment, splice: ModuleSplice | FunctionSplice, slug: str, nodes: dict[str, Node],
+                          values: dict[str, str]) -> list[str]:
+    """The lines of the splice's closed-form gradient where its fragment is an RMS norm and the closed form checks
+    out against autograd through the emitted function (`splice.torch_backward` names it); else none."""
+    norm = norm_backward.rms_norm(frag, nodes)
+    if norm is None or frag.compiled is None:
+        return []
+    name = f"torch_{slug}_backward"
+    lines = norm_backward.emit(frag, norm, name, splice.torch_fn, values)
+    why = norm_backward.check(frag.compiled, _compile(lines, name), frag, nodes)
+    if why:
+        frag.notes.append(f"autograd differentiates {splice.torch_fn}: {why}")
+        return []
+    splice.torch_backward = name
+    return ["", "", *lines]
 
 
 def _fragment_splice(frag: Fragment) -> ModuleSplice | FunctionSplice | CarrySplice:
@@ -298,6 +318,9 @@ def _add_fragments(parts: _Parts, frags: list[Fragment], nodes: dict[str, Node],
         splice, lines = _emit_splice(frag, nodes, tokens)
         parts.splices.append(splice)
         parts.body += lines
+    if any(isinstance(s, CalledSplice) and s.torch_backward for s in parts.splices):
+        parts.body += ["", "", "# the closed-form gradient of an RMS norm (the *_backward functions above)",
+                       *prelude.source(norm_backward.PARTS)]
     carries = [f.carry for f in frags if f.carry is not None and not f.problems]
     if any(c.rounded_sums or c.stored_sums for c in carries):
         parts.body += ["", "", *prelude.source(carry.SUM_PARTS)]

@@ -58,4 +58,6 @@ def text() -> str:
 
 def namespace() -> dict[str, Any]:
     """The names emitted region code may call, bound to the real functions (and the modules it imports)."""
-    return {"torch": torch, "F": torch.nn.functional, **{part.__name__: part for part in PARTS}}
+    from graphdiff.codegen.norm_backward import PARTS as NORM_PARTS
+
+    return {"torch": torch, "F": torch.nn.functional, **{part.__name__: part for part in (*PARTS, *NORM_PARTS)}}

@@ -69,6 +69,9 @@ class CalledSplice(SpliceBase):
     # HF module -> the lanes its engine kernel sums rows in (Region.reduction_lanes); the runtime passes each
     # module's to the generated function, which sums the aligned regions' rows in that order
     reduction_lanes: dict[str, int] = Field(default_factory=dict)
+    # the closed-form gradient of torch_fn in the generated module (an RMS norm's), called by the runtime's PyTorch
+    # path with the gradient and torch_fn's inputs; "" where autograd differentiates torch_fn
+    torch_backward: str = ""
 
 
 class ModuleSplice(CalledSplice):

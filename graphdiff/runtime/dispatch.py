@@ -1,8 +1,9 @@
-"""How a generated function is called: `chooser` (the Triton kernel or the PyTorch path, checkpointed where it
-keeps activations), a module's forward (`module_forward`), a module-level function's replacement
-(`function_replacement`) and its process-wide dispatcher (`_dispatcher`, `swap_in`, `_unpatch`: the originals in
-`_FUNCTIONS`, the replacement of the patched module running now in `_CALLERS`), torch's sdpa called from a module's
-own code (`sdpa_calls`), and `eager` (a splice left out of torch.compile's graphs).
+"""How a generated function is called: `chooser` (the Triton kernel or the PyTorch path: with its closed-form
+gradient where the patch has one, else checkpointed where it keeps activations), a module's forward
+(`module_forward`), a module-level function's replacement (`function_replacement`) and its process-wide dispatcher
+(`_dispatcher`, `swap_in`, `_unpatch`: the originals in `_FUNCTIONS`, the replacement of the patched module running
+now in `_CALLERS`), torch's sdpa called from a module's own code (`sdpa_calls`), and `eager` (a splice left out of
+torch.compile's graphs).
 """
 
 from __future__ import annotations
@@ -66,9 +67,30 @@ def _use_triton(tensors: Sequence[torch.Tensor]) -> bool:
     return os.environ.get("GRAPHDIFF_TRITON") == "1" or any(t.is_cuda for t in tensors)
 
 
+class _ClosedForm(torch.autograd.Function):
+    """A generated function run without autograd, keeping only its inputs; its gradient from the generated closed
+    form (`CalledSplice.torch_backward`): no second forward, no FP32 intermediates kept or rebuilt by autograd."""
+
+    @staticmethod
+    def forward(ctx: Any, ref: Callable, backward: Callable, align: frozenset[str], lanes: int,
+                *inputs: torch.Tensor) -> Any:
+        ctx.backward, ctx.align, ctx.lanes = backward, align, lanes
+        ctx.save_for_backward(*inputs)
+        outs = ref(*inputs, align=align, lanes=lanes)
+        return outs[0] if len(outs) == 1 else outs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        inputs = ctx.saved_tensors
+        grads = ctx.backward(grad, *inputs, align=ctx.align, lanes=ctx.lanes, needs=tuple(ctx.needs_input_grad[4:]))
+        return (None, None, None, None, *grads)
+
+
 def chooser(gen: ModuleType, splice: CalledSplice) -> Callable[..., tuple]:
     ref = getattr(gen, splice.torch_fn)
     kernel = getattr(gen, splice.triton_fn) if splice.triton_fn else None
+    closed = getattr(gen, splice.torch_backward) if splice.torch_backward else None
 
     keeps: dict[tuple, bool] = {}  # per align, lanes and inputs needing grad: does the function keep FP32 tensors?
 
@@ -76,6 +98,8 @@ def chooser(gen: ModuleType, splice: CalledSplice) -> Callable[..., tuple]:
         if kernel is not None and _use_triton(inputs):
             return kernel(*inputs, align=align, lanes=lanes)  # its backward kernel recomputes from the saved inputs
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+            if closed is not None:  # one output; its gradient in closed form from the inputs
+                return (_ClosedForm.apply(ref, closed, align, lanes, *inputs),)
             # the PyTorch path keeps only its inputs too: where its autograd would keep FP32 intermediates (a
             # norm's), they are recomputed in the backward (same ops, same values); where it keeps next to nothing
             # of its own (RoPE's products save the cos/sin tables), it runs plainly, with no second forward

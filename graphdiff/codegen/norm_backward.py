@@ -1,0 +1,165 @@
+"""An RMS norm's gradient in closed form, for the PyTorch path of its splice.
+
+Autograd through a norm's FP32 ops keeps activation-sized FP32 intermediates, so the runtime would run the norm under
+checkpointing: its forward again in the backward, then autograd's reverse of every op, each a fresh FP32 tensor.
+For the norm `weight * round(x * rsqrt(mean(x²) + eps))` (x its input in FP32, `round` where the plan stores the
+normalized value) the gradient has a closed form from the inputs alone:
+
+    n  = x * r,  r = rsqrt(mean(x²) + eps)
+    d_weight = Σ_rows grad * round(n)
+    d_x      = r * (grad * weight - x * r² * mean(grad * weight * x))
+
+treating the roundings as identities, as autograd through `.to` does. It costs about what HF's own norm costs
+forward and backward (measured in docs/RESULTS.md), where the checkpointed autograd form cost twice that. The
+forward is unchanged (the emitted function, run without autograd), so the patched values are the same bit for bit;
+the gradient differs from autograd's reverse only in the FP32 order of its sums (`check` holds it to that).
+
+`rms_norm` recognises the fragment (the ATen ops HF's RMSNorm forward records, with no rounding but the normalized
+value's and the output's); `emit` writes the generated module's `torch_<slug>_backward`, which calls
+`rms_norm_backward` (carried in the patch as source, `PARTS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from graphdiff.codegen.fragment import Fragment, rounding
+from graphdiff.ops import op_name
+from graphdiff.records import Node
+from graphdiff.replay.sum_order import ordered_mean
+
+
+def rms_norm_backward(grad: torch.Tensor, hidden_states: torch.Tensor, weight: torch.Tensor, eps: float,
+                      round_normed: bool, lanes: int = 0, needs: tuple[bool, bool] = (True, True)
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(d_hidden_states, d_weight) of `weight * round(x * rsqrt(mean(x²) + eps))`, x = hidden_states in FP32, the
+    normalized value stored in BF16 where `round_normed`; the row mean in an engine kernel's order where `lanes`.
+    Only the gradients `needs` asks for; each in its input's dtype. FP32 temporaries are updated in place: a fresh
+    activation-sized tensor costs the CPU's allocator page faults that are most of an elementwise op's time."""
+    x = hidden_states.float()
+    squares = torch.pow(x, 2)
+    variance = ordered_mean(squares, [-1], True, lanes) if lanes else torch.mean(squares, [-1], keepdim=True)
+    del squares
+    r = torch.rsqrt(variance + eps)
+    d_weight = None
+    if needs[1]:
+        normed = x * r
+        normed = normed.to(torch.bfloat16) if round_normed else normed
+        d_weight = (grad.float() * normed).sum_to_size(weight.shape).to(weight.dtype)
+        del normed
+    if not needs[0]:
+        return None, d_weight
+    d_normed = grad.float().mul_(weight.float())
+    c = torch.mean(d_normed * x, [-1], keepdim=True).mul_(r).mul_(r)
+    d_x = d_normed.addcmul_(x, c, value=-1).mul_(r)
+    return d_x.to(hidden_states.dtype), d_weight
+
+
+PARTS: tuple[Callable, ...] = (rms_norm_backward,)
+
+
+@dataclass
+class RmsNorm:
+    """What the closed form needs of a recognised norm fragment."""
+
+    hidden_states: str  # the activation input (a fragment input)
+    weight: str  # the weight input (a parameter)
+    eps: float
+    normed: str  # the node whose rounding is the normalized value's (`rounding(frag, normed)`)
+    mean: str  # the row mean (ordered by its region where the fragment orders it)
+
+
+_CASTS = ("_to_copy", "convert_element_type")
+
+
+def rms_norm(frag: Fragment, nodes: dict[str, Node]) -> RmsNorm | None:
+    """The fragment as an RMS norm (`[cast] pow 2, mean -1, add eps, rsqrt, mul, [cast], mul weight, [cast]`), or None
+    where it is anything else or rounds anywhere but the normalized value and the output."""
+    if len(frag.inputs) != 2 or len(frag.outputs) != 1 or frag.carry is not None:
+        return None
+    if (frag.reads_store or frag.rounded_reads or frag.stored_input or frag.inductor_math or frag.engine_sites
+            or frag.table_inputs):
+        return None
+    params = [i for i in frag.inputs if i in frag.params]
+    if len(params) != 1:
+        return None
+    weight, x_in = params[0], next(i for i in frag.inputs if i not in frag.params)
+    ops = [(n, op_name(n.target)) for n in frag.nodes]
+    i = 0
+    x = x_in
+    if ops and ops[0][1] in _CASTS and ops[0][0].inputs == [x_in]:
+        x, i = ops[0][0].name, 1
+    want = ["pow", "mean", "add", "rsqrt", "mul"]
+    if [o for _, o in ops[i:i + 5]] != want:
+        return None
+    pow_, mean, add, rsqrt, mul = (n for n, _ in ops[i:i + 5])
+    if (pow_.inputs != [x] or pow_.call[0][1] != 2 or mean.call[0][1:] != [[-1], True]
+            or add.inputs != [mean.name] or not isinstance(add.call[0][1], float) or rsqrt.inputs != [add.name]
+            or sorted(mul.inputs) != sorted([x, rsqrt.name])):
+        return None
+    rest = ops[i + 5:]
+    normed = mul
+    if rest and rest[0][1] in _CASTS and rest[0][0].inputs == [mul.name]:
+        normed, rest = rest[0][0], rest[1:]
+    if not rest or rest[0][1] != "mul" or sorted(rest[0][0].inputs) != sorted([weight, normed.name]):
+        return None
+    scaled, rest = rest[0][0], rest[1:]
+    if rest and rest[0][1] in _CASTS and rest[0][0].inputs == [scaled.name]:  # (weight * normed).to(input_dtype)
+        rest = rest[1:]
+    out = frag.nodes[-1]
+    if rest or frag.outputs != [out.name] or any(rounding(frag, n.name) is not None for n in frag.nodes
+                                                 if n.name not in (normed.name, scaled.name, out.name)):
+        return None
+    when = rounding(frag, normed.name)
+    if when is not None and when != ("always", "") and when[0] != "unless-aligned":
+        return None
+    return RmsNorm(hidden_states=x_in, weight=weight, eps=float(add.call[0][1]), normed=normed.name, mean=mean.name)
+
+
+def emit(frag: Fragment, norm: RmsNorm, fn_name: str, forward: str, names: dict[str, str]) -> list[str]:
+    """`def fn_name(grad, <forward's inputs>, align, lanes, needs)`: the forward's gradient in closed form."""
+    when = rounding(frag, norm.normed)
+    ordered = frag.ordered.get(norm.mean)
+    flags = {r: f"a{k}" for k, r in enumerate(frag.regions) if r in (ordered, when and when[1])}
+    rounded = "True" if when == ("always", "") else "False" if when is None else f"not {flags[when[1]]}"
+    lanes = f"lanes if {flags[ordered]} else 0" if ordered in flags else "0"
+    own = [norm.hidden_states, norm.weight]
+    at = [frag.inputs.index(i) for i in own]
+    needs = "needs" if frag.inputs == own else f"(needs[{at[0]}], needs[{at[1]}])"
+    call = (f"rms_norm_backward(grad, {names[own[0]]}, {names[own[1]]}, eps={norm.eps!r}, round_normed={rounded}, "
+            f"lanes={lanes}, needs={needs})")
+    lines = [f"def {fn_name}(grad, {', '.join(names[i] for i in frag.inputs)}, align: frozenset[str], lanes: int = 0,",
+             "        needs: tuple[bool, ...] = (True, True)) -> tuple[torch.Tensor | None, ...]:",
+             f'    """The gradient of {forward} (an RMS norm) in closed form, from its inputs: no activation kept."""',
+             *[f"    {flag} = {region!r} in align" for region, flag in flags.items()]]
+    if frag.inputs == own:
+        return [*lines, f"    return {call}"]
+    return [*lines, f"    grads = {call}", f"    return ({', '.join(f'grads[{own.index(i)}]' for i in frag.inputs)},)"]
+
+
+def check(forward: Callable, backward: Callable, frag: Fragment, nodes: dict[str, Node]) -> str:
+    """Why the closed form is not the forward's gradient ("" where it is): both on seeded inputs of the captured
+    shapes, with no region aligned and with all, the largest difference within 1% of the largest gradient (BF16
+    gradients differ from autograd's in their last bit where the FP32 sums' order differs)."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = []
+    for i in frag.inputs:
+        shape = [s if isinstance(s, int) else 4 for s in (nodes[i].shape or [])]
+        dtype = getattr(torch, str(nodes[i].dtype or "bfloat16"))
+        inputs.append((torch.randn(shape, generator=gen) + (1.0 if i in frag.params else 0.0)).to(dtype))
+    for align in (frozenset(), frozenset(frag.regions)):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        out = forward(*leaves, align=align)[0]
+        grad = torch.randn(out.shape, generator=gen).to(out.dtype)
+        expected = torch.autograd.grad(out, leaves, grad)
+        with torch.no_grad():
+            got = backward(grad, *inputs, align=align)
+        for name, e, g in zip(frag.inputs, expected, got):
+            if g is None or g.shape != e.shape or g.dtype != e.dtype:
+                return f"closed-form gradient of {name}: {None if g is None else (g.dtype, tuple(g.shape))}"
+            if (g.float() - e.float()).abs().max() > 1e-2 * e.float().abs().max():
+                return f"closed-form gradient of {name} differs from autograd's (align {sorted(align)})"
+    return ""
