@@ -23,6 +23,7 @@ from graphdiff.codegen import (
     attention_splice,
     binding,
     carry,
+    closed_form,
     copy_reads,
     emit_torch,
     emit_triton,
@@ -31,7 +32,6 @@ from graphdiff.codegen import (
     math_order,
     moe_order,
     names,
-    norm_backward,
     norm_order,
     prelude,
     probes,
@@ -192,14 +192,14 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
 
 def _closed_form_backward(frag: Fragment, splice: ModuleSplice | FunctionSplice, slug: str, nodes: dict[str, Node],
                           values: dict[str, str]) -> list[str]:
-    """The lines of the splice's closed-form gradient where its fragment is an RMS norm and the closed form checks
-    out against autograd through the emitted function (`splice.torch_backward` names it); else none."""
-    norm = norm_backward.rms_norm(frag, nodes)
-    if norm is None or frag.compiled is None:
+    """The lines of the splice's closed-form gradient where its fragment has one (an RMS norm, a one-op activation)
+    and it checks out against autograd through the emitted function (`splice.torch_backward` names it); else none."""
+    form = closed_form.recognise(frag, nodes)
+    if form is None or frag.compiled is None:
         return []
     name = f"torch_{slug}_backward"
-    lines = norm_backward.emit(frag, norm, name, splice.torch_fn, values)
-    why = norm_backward.check(frag.compiled, _compile(lines, name), frag, nodes)
+    lines = closed_form.emit(frag, form, name, splice.torch_fn, values)
+    why = closed_form.check(frag.compiled, _compile(lines, name), frag, nodes)
     if why:
         frag.notes.append(f"autograd differentiates {splice.torch_fn}: {why}")
         return []
@@ -319,8 +319,8 @@ def _add_fragments(parts: _Parts, frags: list[Fragment], nodes: dict[str, Node],
         parts.splices.append(splice)
         parts.body += lines
     if any(isinstance(s, CalledSplice) and s.torch_backward for s in parts.splices):
-        parts.body += ["", "", "# the closed-form gradient of an RMS norm (the *_backward functions above)",
-                       *prelude.source(norm_backward.PARTS)]
+        parts.body += ["", "", "# closed-form gradients (the *_backward functions above)",
+                       *prelude.source(closed_form.PARTS)]
     carries = [f.carry for f in frags if f.carry is not None and not f.problems]
     if any(c.rounded_sums or c.stored_sums for c in carries):
         parts.body += ["", "", *prelude.source(carry.SUM_PARTS)]

@@ -58,6 +58,6 @@ def text() -> str:
 
 def namespace() -> dict[str, Any]:
     """The names emitted region code may call, bound to the real functions (and the modules it imports)."""
-    from graphdiff.codegen.norm_backward import PARTS as NORM_PARTS
+    from graphdiff.codegen.closed_form import PARTS as GRADIENT_PARTS
 
-    return {"torch": torch, "F": torch.nn.functional, **{part.__name__: part for part in (*PARTS, *NORM_PARTS)}}
+    return {"torch": torch, "F": torch.nn.functional, **{part.__name__: part for part in (*PARTS, *GRADIENT_PARTS)}}

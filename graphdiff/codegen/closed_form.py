@@ -1,22 +1,25 @@
-"""An RMS norm's gradient in closed form, for the PyTorch path of its splice.
+"""Closed-form gradients for the PyTorch path of a splice: an RMS norm's, a one-op activation's.
 
-Autograd through a norm's FP32 ops keeps activation-sized FP32 intermediates, so the runtime would run the norm under
-checkpointing: its forward again in the backward, then autograd's reverse of every op, each a fresh FP32 tensor.
-For the norm `weight * round(x * rsqrt(mean(x²) + eps))` (x its input in FP32, `round` where the plan stores the
-normalized value) the gradient has a closed form from the inputs alone:
+Autograd through a splice's FP32 ops keeps activation-sized FP32 intermediates, so the runtime would run it under
+checkpointing: its forward again in the backward, then autograd's reverse of every op, each a fresh FP32 tensor (on
+the CPU a fresh tensor's page faults cost more than the op). Where the fragment is one of these forms, the patch
+carries its gradient from the inputs alone, and the runtime runs the forward without autograd:
 
-    n  = x * r,  r = rsqrt(mean(x²) + eps)
-    d_weight = Σ_rows grad * round(n)
-    d_x      = r * (grad * weight - x * r² * mean(grad * weight * x))
+- an RMS norm `weight * round(x * rsqrt(mean(x²) + eps))` (x its input in FP32, `round` where the plan stores the
+  normalized value; `rms_norm_backward`):
 
-treating the roundings as identities, as autograd through `.to` does. It costs about what HF's own norm costs
-forward and backward (measured in docs/RESULTS.md), where the checkpointed autograd form cost twice that. The
-forward is unchanged (the emitted function, run without autograd), so the patched values are the same bit for bit;
-the gradient differs from autograd's reverse only in the FP32 order of its sums (`check` holds it to that).
+      n  = x * r,  r = rsqrt(mean(x²) + eps)
+      d_weight = Σ_rows grad * round(n)
+      d_x      = r * (grad * weight - x * r² * mean(grad * weight * x))
 
-`rms_norm` recognises the fragment (the ATen ops HF's RMSNorm forward records, with no rounding but the normalized
-value's and the output's); `emit` writes the generated module's `torch_<slug>_backward`, which calls
-`rms_norm_backward` (carried in the patch as source, `PARTS`).
+  the same as autograd's up to the FP32 order of its sums (`check` holds it to that);
+- a one-op activation (SiLU, GELU) on its FP32 input: ATen's own backward op of it (`activation_backward`), the
+  gradient autograd computes, bit for bit.
+
+Roundings are identities in the gradient, as autograd through `.to` treats them. The forward is the emitted function
+unchanged, so the patched values are the same bit for bit. `recognise` finds the form in the fragment (the ATen ops
+HF's forward records, rounding nowhere the gradient would see); `emit` writes the generated module's
+`torch_<slug>_backward`, which calls the helpers the patch carries as source (`PARTS`).
 """
 
 from __future__ import annotations
@@ -58,7 +61,26 @@ def rms_norm_backward(grad: torch.Tensor, hidden_states: torch.Tensor, weight: t
     return d_x.to(hidden_states.dtype), d_weight
 
 
-PARTS: tuple[Callable, ...] = (rms_norm_backward,)
+def activation_backward(op: str, grad: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """d_x of the FP32 activation `op` ("silu" or "gelu", `approximate` its form) of `x`: ATen's backward op, as
+    autograd calls it; in x's dtype."""
+    if op == "silu":
+        d_x = torch.ops.aten.silu_backward(grad.float(), x.float())
+    else:
+        d_x = torch.ops.aten.gelu_backward(grad.float(), x.float(), approximate=approximate)
+    return d_x.to(x.dtype)
+
+
+PARTS: tuple[Callable, ...] = (rms_norm_backward, activation_backward)
+
+
+@dataclass
+class Activation:
+    """A one-op activation fragment: its input and ATen op."""
+
+    x: str
+    op: str  # "silu" or "gelu"
+    approximate: str = "none"
 
 
 @dataclass
@@ -75,13 +97,35 @@ class RmsNorm:
 _CASTS = ("_to_copy", "convert_element_type")
 
 
+def recognise(frag: Fragment, nodes: dict[str, Node]) -> RmsNorm | Activation | None:
+    """The fragment's closed form, or None where it has none (anything but the forms above, or a rounding or an engine
+    read the gradient would have to see)."""
+    if frag.carry is not None or len(frag.outputs) != 1 or frag.reads_store or frag.rounded_reads or \
+            frag.stored_input or frag.engine_sites or frag.table_inputs:
+        return None
+    return rms_norm(frag, nodes) if len(frag.inputs) == 2 else activation(frag) if len(frag.inputs) == 1 else None
+
+
+def activation(frag: Fragment) -> Activation | None:
+    """`[cast] silu|gelu [cast]` of the fragment's one input."""
+    ops = [(n, op_name(n.target)) for n in frag.nodes]
+    x = frag.inputs[0]
+    if x in frag.params:
+        return None
+    if ops and ops[0][1] in _CASTS and ops[0][0].inputs == [x]:
+        ops = ops[1:]
+    if not ops or ops[0][1] not in ("silu", "gelu") or len(ops[0][0].inputs) != 1:
+        return None
+    act, kwargs = ops[0][0], ops[0][0].call[1]
+    if set(kwargs) - {"approximate"} or len(act.call[0]) != 1 or any(o not in _CASTS for _, o in ops[1:]):
+        return None
+    return Activation(x=x, op=ops[0][1], approximate=str(kwargs.get("approximate", "none")))
+
+
 def rms_norm(frag: Fragment, nodes: dict[str, Node]) -> RmsNorm | None:
     """The fragment as an RMS norm (`[cast] pow 2, mean -1, add eps, rsqrt, mul, [cast], mul weight, [cast]`), or None
     where it is anything else or rounds anywhere but the normalized value and the output."""
-    if len(frag.inputs) != 2 or len(frag.outputs) != 1 or frag.carry is not None:
-        return None
-    if (frag.reads_store or frag.rounded_reads or frag.stored_input or frag.inductor_math or frag.engine_sites
-            or frag.table_inputs):
+    if frag.inductor_math:
         return None
     params = [i for i in frag.inputs if i in frag.params]
     if len(params) != 1:
@@ -119,8 +163,20 @@ def rms_norm(frag: Fragment, nodes: dict[str, Node]) -> RmsNorm | None:
     return RmsNorm(hidden_states=x_in, weight=weight, eps=float(add.call[0][1]), normed=normed.name, mean=mean.name)
 
 
-def emit(frag: Fragment, norm: RmsNorm, fn_name: str, forward: str, names: dict[str, str]) -> list[str]:
+def _header(frag: Fragment, fn_name: str, forward: str, what: str, names: dict[str, str]) -> list[str]:
+    return [f"def {fn_name}(grad, {', '.join(names[i] for i in frag.inputs)}, align: frozenset[str], lanes: int = 0,",
+            f"        needs: tuple[bool, ...] = {(True,) * len(frag.inputs)!r}) -> tuple[torch.Tensor | None, ...]:",
+            f'    """The gradient of {forward} ({what}) in closed form, from its inputs: no activation kept."""']
+
+
+def emit(frag: Fragment, form: RmsNorm | Activation, fn_name: str, forward: str, names: dict[str, str]) -> list[str]:
     """`def fn_name(grad, <forward's inputs>, align, lanes, needs)`: the forward's gradient in closed form."""
+    if isinstance(form, Activation):
+        approximate = f", approximate={form.approximate!r}" if form.approximate != "none" else ""
+        return [*_header(frag, fn_name, forward, f"{form.op}'s, by ATen's backward op", names),
+                f"    return (activation_backward({form.op!r}, grad, {names[form.x]}{approximate}) if needs[0] else "
+                "None,)"]
+    norm = form
     when = rounding(frag, norm.normed)
     ordered = frag.ordered.get(norm.mean)
     flags = {r: f"a{k}" for k, r in enumerate(frag.regions) if r in (ordered, when and when[1])}
@@ -131,9 +187,7 @@ def emit(frag: Fragment, norm: RmsNorm, fn_name: str, forward: str, names: dict[
     needs = "needs" if frag.inputs == own else f"(needs[{at[0]}], needs[{at[1]}])"
     call = (f"rms_norm_backward(grad, {names[own[0]]}, {names[own[1]]}, eps={norm.eps!r}, round_normed={rounded}, "
             f"lanes={lanes}, needs={needs})")
-    lines = [f"def {fn_name}(grad, {', '.join(names[i] for i in frag.inputs)}, align: frozenset[str], lanes: int = 0,",
-             "        needs: tuple[bool, ...] = (True, True)) -> tuple[torch.Tensor | None, ...]:",
-             f'    """The gradient of {forward} (an RMS norm) in closed form, from its inputs: no activation kept."""',
+    lines = [*_header(frag, fn_name, forward, "an RMS norm", names),
              *[f"    {flag} = {region!r} in align" for region, flag in flags.items()]]
     if frag.inputs == own:
         return [*lines, f"    return {call}"]

@@ -1,5 +1,5 @@
-"""An RMS norm splice's closed-form gradient: recognised in the graph, checked against autograd, run by the runtime
-with the forward's values unchanged."""
+"""A splice's closed-form gradient (an RMS norm's, a one-op activation's): recognised in the graph, checked against
+autograd, run by the runtime with the forward's values unchanged."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphdiff import runtime
-from graphdiff.codegen import generate, norm_backward
+from graphdiff.codegen import closed_form, generate
 from graphdiff.codegen.generate import MODULE_FILE
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "scans"
@@ -34,24 +34,25 @@ def patches(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return closed, autograd
 
 
-def test_the_norms_and_only_they_get_a_closed_form(patches: tuple[Path, Path]) -> None:
+def test_the_norms_and_the_activation_get_a_closed_form(patches: tuple[Path, Path]) -> None:
     splices = json.loads((patches[0] / "manifest.json").read_text())["splices"]
     closed = {s["key"] for s in splices if s.get("torch_backward")}
-    assert closed == set(NORMS)
+    assert closed == {*NORMS, "model.layers.*.mlp.act_fn"}  # not RoPE: its autograd keeps no activation anyway
     source = (patches[0] / MODULE_FILE).read_text()
-    assert "def rms_norm_backward(" in source  # carried as source: the runtime imports nothing of the scanner
+    # carried as source: the runtime imports nothing of the scanner
+    assert "def rms_norm_backward(" in source and "def activation_backward(" in source
 
 
-def test_which_norms_get_one(tmp_path: Path) -> None:
+def test_which_splices_get_one(tmp_path: Path) -> None:
     """OLMo2's norm scales the FP32 normalized value and casts the product: recognised. Gemma's scales by
-    (1 + weight): not the form the closed gradient is for."""
+    (1 + weight): not the form the closed gradient is for. Both models' activation (SiLU, GELU): recognised."""
     olmo2 = generate(FIXTURES / "tiny-olmo2-3", tmp_path / "olmo2").splices
     assert {s.key for s in olmo2 if getattr(s, "torch_backward", "")} == {
         "model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm", "model.layers.*.post_attention_layernorm",
-        "model.layers.*.post_feedforward_layernorm", "model.norm"}
+        "model.layers.*.post_feedforward_layernorm", "model.norm", "model.layers.*.mlp.act_fn"}
     gemma = generate(FIXTURES / "tiny-gemma-3", tmp_path / "gemma").splices
     assert any(s.key == "model.norm" for s in gemma)
-    assert not any(getattr(s, "torch_backward", "") for s in gemma)
+    assert {s.key for s in gemma if getattr(s, "torch_backward", "")} == {"model.layers.*.mlp.act_fn"}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -70,14 +71,27 @@ def test_closed_form_is_autograds_gradient(dtype: torch.dtype, round_normed: boo
 
     leaves = [x.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
     expected = torch.autograd.grad(forward(*leaves), leaves, grad)
-    got = norm_backward.rms_norm_backward(grad, x, weight, 1e-6, round_normed)
+    got = closed_form.rms_norm_backward(grad, x, weight, 1e-6, round_normed)
     for e, g in zip(expected, got):
         assert g is not None and g.dtype == e.dtype and g.shape == e.shape
         assert (g.float() - e.float()).abs().max() <= 2**-7 * e.float().abs().max()
-    assert norm_backward.rms_norm_backward(grad, x, weight, 1e-6, round_normed, needs=(False, True))[0] is None
-    assert norm_backward.rms_norm_backward(grad, x, weight, 1e-6, round_normed, needs=(True, False))[1] is None
-    wrong = norm_backward.rms_norm_backward(grad, x, weight, 1e-6, not round_normed)[1]
+    assert closed_form.rms_norm_backward(grad, x, weight, 1e-6, round_normed, needs=(False, True))[0] is None
+    assert closed_form.rms_norm_backward(grad, x, weight, 1e-6, round_normed, needs=(True, False))[1] is None
+    wrong = closed_form.rms_norm_backward(grad, x, weight, 1e-6, not round_normed)[1]
     assert not torch.equal(wrong, expected[1])  # the test can tell the rounding apart
+
+
+@pytest.mark.parametrize(("op", "approximate"), [("silu", "none"), ("gelu", "none"), ("gelu", "tanh")])
+def test_an_activations_closed_form_is_autograds_gradient_bit_for_bit(op: str, approximate: str) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 96, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(5, 96, generator=gen)
+    leaf = x.clone().requires_grad_(True)
+    out = torch.nn.functional.silu(leaf.float()) if op == "silu" else \
+        torch.nn.functional.gelu(leaf.float(), approximate=approximate)
+    (expected,) = torch.autograd.grad(out, leaf, grad)
+    got = closed_form.activation_backward(op, grad, x, approximate)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
 
 
 def test_the_patched_model_keeps_its_values_and_its_gradient(tiny_models: dict[str, Path],
