@@ -18,6 +18,7 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "scans"
 IDS = torch.randint(0, 2000, (2, 48), generator=torch.Generator().manual_seed(3))
 NORMS = ["model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.layers.*.self_attn.q_norm",
          "model.layers.*.self_attn.k_norm", "model.norm"]
+ROPE = "transformers.models.qwen3.modeling_qwen3.apply_rotary_pos_emb"
 
 
 @pytest.fixture(scope="module")
@@ -37,22 +38,24 @@ def patches(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_the_norms_and_the_activation_get_a_closed_form(patches: tuple[Path, Path]) -> None:
     splices = json.loads((patches[0] / "manifest.json").read_text())["splices"]
     closed = {s["key"] for s in splices if s.get("torch_backward")}
-    assert closed == {*NORMS, "model.layers.*.mlp.act_fn"}  # not RoPE: its autograd keeps no activation anyway
+    assert closed == {*NORMS, "model.layers.*.mlp.act_fn", ROPE}
     source = (patches[0] / MODULE_FILE).read_text()
     # carried as source: the runtime imports nothing of the scanner
-    assert "def rms_norm_backward(" in source and "def activation_backward(" in source
+    assert all(f"def {part.__name__}(" in source for part in closed_form.PARTS)
 
 
 def test_which_splices_get_one(tmp_path: Path) -> None:
     """OLMo2's norm scales the FP32 normalized value and casts the product: recognised. Gemma's scales by
-    (1 + weight): not the form the closed gradient is for. Both models' activation (SiLU, GELU): recognised."""
+    (1 + weight): not the form the closed gradient is for. Both models' activation (SiLU, GELU) and Gemma's rotary
+    embedding: recognised."""
     olmo2 = generate(FIXTURES / "tiny-olmo2-3", tmp_path / "olmo2").splices
     assert {s.key for s in olmo2 if getattr(s, "torch_backward", "")} == {
         "model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm", "model.layers.*.post_attention_layernorm",
         "model.layers.*.post_feedforward_layernorm", "model.norm", "model.layers.*.mlp.act_fn"}
     gemma = generate(FIXTURES / "tiny-gemma-3", tmp_path / "gemma").splices
     assert any(s.key == "model.norm" for s in gemma)
-    assert {s.key for s in gemma if getattr(s, "torch_backward", "")} == {"model.layers.*.mlp.act_fn"}
+    assert {s.key for s in gemma if getattr(s, "torch_backward", "")} == {
+        "model.layers.*.mlp.act_fn", "transformers.models.gemma.modeling_gemma.apply_rotary_pos_emb"}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -114,3 +117,51 @@ def test_the_patched_model_keeps_its_values_and_its_gradient(tiny_models: dict[s
     assert closed_grads.keys() == auto_grads.keys()
     for name, g in closed_grads.items():
         assert (g - auto_grads[name]).abs().max() <= 2**-7 * auto_grads[name].abs().max(), name
+
+
+def test_a_rotary_embeddings_closed_form_is_autograds_gradient_bit_for_bit() -> None:
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(2, heads, 24, 64, generator=gen).to(torch.bfloat16) for heads in (4, 2))
+    cos, sin = (torch.randn(2, 24, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    grads = [torch.randn(2, heads, 24, 64, generator=gen).to(torch.bfloat16) for heads in (4, 2)]
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, cos, sin)]
+    outs = apply_rotary_pos_emb(*(t.float() for t in leaves))
+    expected = torch.autograd.grad(outs, leaves, grads)
+    d_q, d_cos_q, d_sin_q = closed_form.rotary_backward(grads[0], q, cos, sin, 1, (True, True, True))
+    d_k, d_cos_k, d_sin_k = closed_form.rotary_backward(grads[1], k, cos, sin, 1, (True, True, True))
+    assert torch.equal(d_q, expected[0]) and torch.equal(d_k, expected[1])
+    tables = ((d_cos_q.float() + d_cos_k.float(), expected[2]), (d_sin_q.float() + d_sin_k.float(), expected[3]))
+    for got, want in tables:
+        assert (got - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+
+
+def test_with_closed_forms_nothing_is_checkpointed_and_without_them_only_what_keeps_activations(
+        tiny_models: dict[str, Path], patches: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Autograd through RoPE keeps only its cos/sin tables: it runs once even without its closed form; the norms keep
+    FP32 activations and run checkpointed there. Loss and gradients are the all-checkpointed patch's, bit for bit."""
+    from graphdiff.capture.hf import load_hf_model
+
+    model = load_hf_model(tiny_models["qwen3"]).train()
+    calls: list[str] = []
+    checkpoint = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda fn, *a, **k: calls.append(fn.__name__) or checkpoint(fn, *a, **k))
+
+    def loss_and_grads(path: Path) -> tuple[float, dict[str, torch.Tensor]]:
+        runtime.apply(model, path)
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=IDS, labels=IDS, use_cache=False)
+        out.loss.backward()
+        runtime.remove(model)
+        return float(out.loss), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_and_grads(patches[0])
+    assert calls == []
+    loss, grads = loss_and_grads(patches[1])
+    assert "torch_apply_rotary_pos_emb" not in calls and "torch_model_norm" in calls
+    monkeypatch.setattr(runtime.dispatch, "keeps_intermediates", lambda *a: True)  # every splice checkpointed
+    loss2, grads2 = loss_and_grads(patches[1])
+    assert "torch_apply_rotary_pos_emb" in calls
+    assert loss == loss2 and all(torch.equal(grads[n], grads2[n]) for n in grads)

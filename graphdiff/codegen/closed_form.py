@@ -8,18 +8,21 @@ carries its gradient from the inputs alone, and the runtime runs the forward wit
 - an RMS norm `weight * round(x * rsqrt(mean(x²) + eps))` (x its input in FP32, `round` where the plan stores the
   normalized value; `rms_norm_backward`):
 
-      n  = x * r,  r = rsqrt(mean(x²) + eps)
+      n  = x * r,  r = rsqrt(mean(x²) + eps),  d_n = round(grad * weight)
       d_weight = Σ_rows grad * round(n)
-      d_x      = r * (grad * weight - x * r² * mean(grad * weight * x))
+      d_x      = r * (d_n - x * r² * mean(d_n * x))
 
   the same as autograd's up to the FP32 order of its sums (`check` holds it to that);
 - a one-op activation (SiLU, GELU) on its FP32 input: ATen's own backward op of it (`activation_backward`), the
   gradient autograd computes, bit for bit.
 
-Roundings are identities in the gradient, as autograd through `.to` treats them. The forward is the emitted function
-unchanged, so the patched values are the same bit for bit. `recognise` finds the form in the fragment (the ATen ops
-HF's forward records, rounding nowhere the gradient would see); `emit` writes the generated module's
-`torch_<slug>_backward`, which calls the helpers the patch carries as source (`PARTS`).
+- a rotary embedding `x * cos + rotate_half(x) * sin` per rotated input (`rotary_backward`): grad * cos plus
+  rotate_half's transpose of grad * sin, each half one add, as autograd sums it.
+
+A rounding passes the gradient rounded to the stored dtype, as autograd through `.to` does. The forward is the emitted
+function unchanged, so the patched values are the same bit for bit. `recognise` finds the form in the fragment (the ATen
+ops HF's forward records); `emit` writes the generated module's `torch_<slug>_backward`, which calls the helpers the
+patch carries as source (`PARTS`), and generation keeps it only where `check` finds it autograd's gradient.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ def rms_norm_backward(grad: torch.Tensor, hidden_states: torch.Tensor, weight: t
         del normed
     if not needs[0]:
         return None, d_weight
-    d_normed = grad.float().mul_(weight.float())
+    d_normed = grad.to(torch.float32, copy=True).mul_(weight.float())  # a copy: the incoming gradient is autograd's
+    if round_normed:  # the gradient rounds where the value was stored, as autograd through `.to` rounds it
+        d_normed = d_normed.to(torch.bfloat16).float()
     c = torch.mean(d_normed * x, [-1], keepdim=True).mul_(r).mul_(r)
     d_x = d_normed.addcmul_(x, c, value=-1).mul_(r)
     return d_x.to(hidden_states.dtype), d_weight
@@ -71,7 +76,32 @@ def activation_backward(op: str, grad: torch.Tensor, x: torch.Tensor, approximat
     return d_x.to(x.dtype)
 
 
-PARTS: tuple[Callable, ...] = (rms_norm_backward, activation_backward)
+def rotary_backward(grad: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
+                    needs: tuple[bool, bool, bool] = (True, False, False)
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(d_x, d_cos, d_sin) of `x * cos + rotate_half(x) * sin` (cos and sin unsqueezed at `unsqueeze_dim`,
+    rotate_half(x) = cat(-x[..., h:], x[..., :h])), each in its input's dtype, those `needs` asks for: d_x is
+    grad * cos plus rotate_half's transpose of grad * sin, summed as autograd sums it (each half one add)."""
+    g = grad.float()
+    c, s = cos.float().unsqueeze(unsqueeze_dim), sin.float().unsqueeze(unsqueeze_dim)
+    d_x = d_cos = d_sin = None
+    if needs[0]:
+        h = x.shape[-1] // 2
+        g_sin = g * s
+        d_x = g * c
+        d_x[..., :h] += g_sin[..., h:]
+        d_x[..., h:] -= g_sin[..., :h]
+        d_x = d_x.to(x.dtype)
+    if needs[1]:
+        d_cos = (g * x.float()).sum_to_size(c.shape).squeeze(unsqueeze_dim).to(cos.dtype)
+    if needs[2]:
+        xf = x.float()
+        rotated = torch.cat((-xf[..., xf.shape[-1] // 2:], xf[..., :xf.shape[-1] // 2]), dim=-1)
+        d_sin = (g * rotated).sum_to_size(s.shape).squeeze(unsqueeze_dim).to(sin.dtype)
+    return d_x, d_cos, d_sin
+
+
+PARTS: tuple[Callable, ...] = (rms_norm_backward, activation_backward, rotary_backward)
 
 
 @dataclass
@@ -81,6 +111,16 @@ class Activation:
     x: str
     op: str  # "silu" or "gelu"
     approximate: str = "none"
+
+
+@dataclass
+class Rotary:
+    """A rotary embedding fragment: `x * cos + rotate_half(x) * sin` for each of its rotated inputs."""
+
+    cos: str
+    sin: str
+    unsqueeze_dim: int
+    rotated: list[str]  # the input each output rotates, in output order
 
 
 @dataclass
@@ -97,13 +137,87 @@ class RmsNorm:
 _CASTS = ("_to_copy", "convert_element_type")
 
 
-def recognise(frag: Fragment, nodes: dict[str, Node]) -> RmsNorm | Activation | None:
+def recognise(frag: Fragment, nodes: dict[str, Node]) -> RmsNorm | Activation | Rotary | None:
     """The fragment's closed form, or None where it has none (anything but the forms above, or a rounding or an engine
     read the gradient would have to see)."""
-    if frag.carry is not None or len(frag.outputs) != 1 or frag.reads_store or frag.rounded_reads or \
-            frag.stored_input or frag.engine_sites or frag.table_inputs:
+    if frag.carry is not None or frag.reads_store or frag.rounded_reads or frag.stored_input or frag.engine_sites \
+            or frag.table_inputs or frag.inductor_math:
         return None
+    if len(frag.outputs) != 1:
+        return rotary(frag, nodes)
     return rms_norm(frag, nodes) if len(frag.inputs) == 2 else activation(frag) if len(frag.inputs) == 1 else None
+
+
+def _last_dim(n: Node, dim: object) -> bool:
+    return dim == -1 or (isinstance(dim, int) and n.shape is not None and dim == len(n.shape) - 1)
+
+
+def _rotated(add: Node, by: dict[str, Node], unsqueezed: dict[str, str], inputs: set[str]
+             ) -> tuple[str, str, str, list[str]] | None:
+    """(x, cos input, sin input, the nodes) of `add = x * cos + cat(-x[h:], x[:h]) * sin`, or None."""
+    if op_name(add.target) != "add" or len(add.inputs) != 2:
+        return None
+    for plain, turned in (add.inputs, add.inputs[::-1]):
+        a, b = by.get(plain), by.get(turned)
+        if a is None or b is None or op_name(a.target) != "mul" or op_name(b.target) != "mul":
+            continue
+        x = next((i for i in a.inputs if i in inputs), None)
+        cos = next((i for i in a.inputs if i in unsqueezed), None)
+        cat = by.get(next((i for i in b.inputs if i not in unsqueezed), ""))
+        sin = next((i for i in b.inputs if i in unsqueezed), None)
+        if x is None or cos is None or sin is None or cat is None or op_name(cat.target) != "cat":
+            continue
+        parts = [by.get(i) for i in cat.inputs]
+        if len(parts) != 2 or cat.call[0][1:] not in ([-1], [len(cat.shape or []) - 1]):
+            continue
+        neg, first = parts
+        if neg is None or first is None:
+            continue
+        upper = by.get(neg.inputs[0]) if op_name(neg.target) == "neg" and neg.inputs else None
+        if upper is None or _half(x, upper, first) is None:
+            continue
+        return x, unsqueezed[cos], unsqueezed[sin], [add.name, a.name, b.name, cat.name, neg.name, upper.name,
+                                                     first.name]
+    return None
+
+
+def _half(x: str, upper: Node, first: Node) -> int | None:
+    """h where `upper` is x[..., h:] and `first` x[..., :h] of the last dim, both slices of x."""
+    def bounds(n: Node) -> tuple[int, int] | None:
+        a = n.call[0]
+        if op_name(n.target) != "slice" or n.inputs != [x] or len(a) != 4 or not _last_dim(n, a[1]):
+            return None
+        return a[2], a[3]
+    lo, hi = bounds(first), bounds(upper)
+    half = (first.shape or [0])[-1]
+    if lo is None or hi is None or not isinstance(half, int) or lo != (0, half) or hi[0] != half or hi[1] < 2 * half \
+            or (upper.shape or [0])[-1] != half:
+        return None
+    return half
+
+
+def rotary(frag: Fragment, nodes: dict[str, Node]) -> Rotary | None:
+    """`x * cos + rotate_half(x) * sin` for every output, cos and sin inputs unsqueezed once at one dim, no other
+    node."""
+    by = {n.name: n for n in frag.nodes}
+    squeezes = [n for n in frag.nodes if op_name(n.target) == "unsqueeze"]
+    if len(squeezes) != 2 or any(len(n.inputs) != 1 or n.inputs[0] not in frag.inputs for n in squeezes):
+        return None
+    dims = {n.call[0][1] for n in squeezes}
+    if len(dims) != 1:
+        return None
+    unsqueezed = {n.name: n.inputs[0] for n in squeezes}
+    rotated_inputs = set(frag.inputs) - set(unsqueezed.values()) - set(frag.params)
+    found = [_rotated(by[o], by, unsqueezed, rotated_inputs) if o in by else None for o in frag.outputs]
+    if None in found or len({(f[1], f[2]) for f in found if f}) != 1:
+        return None
+    used = {n for f in found if f for n in f[3]} | set(unsqueezed)
+    if used != set(by) or len({f[0] for f in found if f}) != len(found):
+        return None
+    first = found[0]
+    assert first is not None
+    return Rotary(cos=first[1], sin=first[2], unsqueeze_dim=int(next(iter(dims))),
+                  rotated=[f[0] for f in found if f])
 
 
 def activation(frag: Fragment) -> Activation | None:
@@ -169,8 +283,30 @@ def _header(frag: Fragment, fn_name: str, forward: str, what: str, names: dict[s
             f'    """The gradient of {forward} ({what}) in closed form, from its inputs: no activation kept."""']
 
 
-def emit(frag: Fragment, form: RmsNorm | Activation, fn_name: str, forward: str, names: dict[str, str]) -> list[str]:
-    """`def fn_name(grad, <forward's inputs>, align, lanes, needs)`: the forward's gradient in closed form."""
+def _emit_rotary(frag: Fragment, form: Rotary, fn_name: str, forward: str, names: dict[str, str]) -> list[str]:
+    grads = [f"grad_{names[o]}" for o in frag.outputs]
+    at = {i: k for k, i in enumerate(frag.inputs)}
+    lines = [f"def {fn_name}({', '.join(grads)}, {', '.join(names[i] for i in frag.inputs)}, align: frozenset[str],",
+             f"        lanes: int = 0, needs: tuple[bool, ...] = {(True,) * len(frag.inputs)!r}"
+             ") -> tuple[torch.Tensor | None, ...]:",
+             f'    """The gradient of {forward} (a rotary embedding) in closed form, from its inputs."""']
+    cos, sin = names[form.cos], names[form.sin]
+    for g, x in zip(grads, form.rotated):
+        lines.append(f"    d_{names[x]}, d_cos_{names[x]}, d_sin_{names[x]} = rotary_backward({g}, {names[x]}, {cos}, "
+                     f"{sin}, {form.unsqueeze_dim}, (needs[{at[x]}], needs[{at[form.cos]}], needs[{at[form.sin]}]))")
+    for table in ("cos", "sin"):
+        parts = [f"d_{table}_{names[x]}" for x in form.rotated]
+        lines.append(f"    d_{table} = {' + '.join(parts)} if needs[{at[getattr(form, table)]}] else None")
+    by_input = {form.cos: "d_cos", form.sin: "d_sin", **{x: f"d_{names[x]}" for x in form.rotated}}
+    return [*lines, f"    return ({', '.join(by_input.get(i, 'None') for i in frag.inputs)},)"]
+
+
+def emit(frag: Fragment, form: RmsNorm | Activation | Rotary, fn_name: str, forward: str, names: dict[str, str]
+         ) -> list[str]:
+    """`def fn_name(grad, <forward's inputs>, align, lanes, needs)`: the forward's gradient in closed form (a rotary
+    embedding's takes one gradient per output)."""
+    if isinstance(form, Rotary):
+        return _emit_rotary(frag, form, fn_name, forward, names)
     if isinstance(form, Activation):
         approximate = f", approximate={form.approximate!r}" if form.approximate != "none" else ""
         return [*_header(frag, fn_name, forward, f"{form.op}'s, by ATen's backward op", names),
@@ -206,12 +342,14 @@ def check(forward: Callable, backward: Callable, frag: Fragment, nodes: dict[str
         inputs.append((torch.randn(shape, generator=gen) + (1.0 if i in frag.params else 0.0)).to(dtype))
     for align in (frozenset(), frozenset(frag.regions)):
         leaves = [t.clone().requires_grad_(True) for t in inputs]
-        out = forward(*leaves, align=align)[0]
-        grad = torch.randn(out.shape, generator=gen).to(out.dtype)
-        expected = torch.autograd.grad(out, leaves, grad)
+        outs = forward(*leaves, align=align)
+        grads = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
+        expected = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
         with torch.no_grad():
-            got = backward(grad, *inputs, align=align)
+            got = backward(*grads, *inputs, align=align)
         for name, e, g in zip(frag.inputs, expected, got):
+            if e is None:
+                continue
             if g is None or g.shape != e.shape or g.dtype != e.dtype:
                 return f"closed-form gradient of {name}: {None if g is None else (g.dtype, tuple(g.shape))}"
             if (g.float() - e.float()).abs().max() > 1e-2 * e.float().abs().max():

@@ -77,14 +77,14 @@ class _ClosedForm(torch.autograd.Function):
         ctx.backward, ctx.align, ctx.lanes = backward, align, lanes
         ctx.save_for_backward(*inputs)
         outs = ref(*inputs, align=align, lanes=lanes)
-        return outs[0] if len(outs) == 1 else outs
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         inputs = ctx.saved_tensors
-        grads = ctx.backward(grad, *inputs, align=ctx.align, lanes=ctx.lanes, needs=tuple(ctx.needs_input_grad[4:]))
-        return (None, None, None, None, *grads)
+        found = ctx.backward(*grads, *inputs, align=ctx.align, lanes=ctx.lanes, needs=tuple(ctx.needs_input_grad[4:]))
+        return (None, None, None, None, *found)
 
 
 def chooser(gen: ModuleType, splice: CalledSplice) -> Callable[..., tuple]:
@@ -98,8 +98,9 @@ def chooser(gen: ModuleType, splice: CalledSplice) -> Callable[..., tuple]:
         if kernel is not None and _use_triton(inputs):
             return kernel(*inputs, align=align, lanes=lanes)  # its backward kernel recomputes from the saved inputs
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-            if closed is not None:  # one output; its gradient in closed form from the inputs
-                return (_ClosedForm.apply(ref, closed, align, lanes, *inputs),)
+            if closed is not None:  # the gradient in closed form from the inputs
+                outs = _ClosedForm.apply(ref, closed, align, lanes, *inputs)
+                return outs if isinstance(outs, tuple) else (outs,)
             # the PyTorch path keeps only its inputs too: where its autograd would keep FP32 intermediates (a
             # norm's), they are recomputed in the backward (same ops, same values); where it keeps next to nothing
             # of its own (RoPE's products save the cos/sin tables), it runs plainly, with no second forward
