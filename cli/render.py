@@ -152,8 +152,11 @@ def print_summary(cap, show_kernels: bool = True) -> None:  # noqa: ANN001 - Cap
 
 def print_patch(manifest) -> None:  # noqa: ANN001 - Manifest
     t = Table(title=f"patch for {manifest.model} ({manifest.architecture})")
-    for col in ("region", "kind", "splice", "pytorch", "triton", "enabled", "k3 with it (1e-4)"):
+    for col in ("region", "kind", "splice", "pytorch", "triton", "enabled", "k3 with it (1e-4)", "step +ms"):
         t.add_column(col)
+    if manifest.step_tokens:
+        t.caption = ("step +ms: what the region's splice adds to a training step (forward + backward, CPU time) of "
+                     f"the scanned model ({manifest.step_layers} layers, {manifest.step_tokens} tokens)")
     for r in manifest.regions:
         s = next((s for s in manifest.splices if r.name in s.regions), None)
         triton = "-" if s is None else ("yes" if s.triton_fn else (s.triton_problem or "n/a (hook)"))
@@ -162,7 +165,8 @@ def print_patch(manifest) -> None:  # noqa: ANN001 - Manifest
             f"; equal to the engine {r.effect.equal_with} (without {r.effect.equal_without})"
             if r.effect.decided_by == "equality" else "")
         t.add_row(r.name, r.kind, "-" if s is None else f"{s.target} {s.key}", "yes" if r.generated else r.reason,
-                  triton, "yes" if r.generated and r.enabled else "no", effect)
+                  triton, "yes" if r.generated and r.enabled else "no", effect,
+                  "-" if r.step_ms is None else f"{r.step_ms:+.1f}")
     out.print(t)
     for note in manifest.notes:
         out.print(f"[yellow]note:[/] {note}", highlight=False)

@@ -5,7 +5,8 @@ region, each region's effect is what removing it changes (leave-one-out, k3 over
 paired bootstrap interval over sequences); while one widens the gap, the worst is left out and the rest measured
 again. If what remains does not narrow the gap against the unpatched trainer measurably (k3 and RMS lower, and
 the 95% interval of the k3 change below zero), nothing is enabled. The manifest records every region's effect and
-which are enabled; `runtime.apply` applies the enabled ones unless told otherwise.
+which are enabled; `runtime.apply` applies the enabled ones unless told otherwise. Beside its effect, each region's
+cost: what its splice adds to a training step (`with_step_costs`).
 
 A patch that claims exactness (`--exact`) is judged by equality, not by a gap estimate: a region is left out only
 where removing it makes more of the trainer's log-probs equal the engine's prefill scoring of the same sequences (the
@@ -138,6 +139,7 @@ def _why_left_out(e: RegionEffect | None) -> str:
 
 GATE_TOKENS = 256  # tokens per sample the patch is measured on when no longer samples are at hand
 GATE_PROMPTS = 8
+STEP_TOKENS = 256  # the training step each region's splice cost is timed in (batch 1)
 
 
 def gate(scan: ScanResult, patch_dir: Path, samples_dir: Path, *, max_tokens: int = GATE_TOKENS,
@@ -159,7 +161,26 @@ def gate(scan: ScanResult, patch_dir: Path, samples_dir: Path, *, max_tokens: in
                             device=str(scan.engine_config.get("device", "cpu"))).with_asked(scan.compilation_config)
     samples = engines.kind(options.engine).gap_samples(model_dir, asked, ["compiled"], options, max_tokens=max_tokens,
                                                        out_dir=samples_dir, progress=progress)["compiled"].samples
-    return select_regions(load_hf_model(model_dir), patch_dir / "manifest.json", samples, progress)
+    base = load_hf_model(model_dir)
+    manifest = select_regions(base, patch_dir / "manifest.json", samples, progress)
+    return with_step_costs(base, manifest, patch_dir, progress)
+
+
+def with_step_costs(base: torch.nn.Module, manifest: Manifest, patch_dir: Path, progress: Progress = lambda m: None,
+                    tokens: int = STEP_TOKENS) -> Manifest:
+    """The manifest with each generated region's training-step cost (`splice_cost.region_costs`), written back."""
+    from graphdiff.measure.splice_cost import region_costs
+
+    if not any(r.generated for r in manifest.regions):
+        return manifest
+    progress(f"timing each region's splice in a training step ({tokens} tokens)")
+    costs = region_costs(base, patch_dir, tokens)
+    for region in manifest.regions:
+        region.step_ms = round(costs[region.name], 2) if region.name in costs else None
+    manifest.step_tokens = tokens
+    manifest.step_layers = int(getattr(getattr(base, "config", None), "num_hidden_layers", 0) or 0)
+    save_json(manifest, patch_dir / "manifest.json")
+    return manifest
 
 
 def gate_patch(scan_dir: Path, patch_dir: Path, *, max_tokens: int = GATE_TOKENS, prompts: int = GATE_PROMPTS,

@@ -174,6 +174,9 @@ class ManifestRegion(BaseModel):
     reason: str = ""  # why not, when not generated
     enabled: bool = True  # applied by default (`runtime.apply(model, manifest)`); False: measured to widen the gap
     effect: RegionEffect | None = None  # its measured effect on the gap, where measured
+    # ms its splice adds to a training step (forward + backward, CPU time; a splice serving several regions counts for
+    # each) of the gate's model at Manifest.step_tokens tokens, where measured
+    step_ms: float | None = None
     # the recorded shapes where the region has sites, when not all of them (Region.shape_dependent): the code
     # rounds at the union of its sites, which is the engine's rounding only at these shapes
     shapes: list[str] = Field(default_factory=list)
@@ -204,4 +207,6 @@ class Manifest(BaseModel):
     splices: list[ManifestSplice]
     replaced: list[str] = Field(default_factory=list)  # HF module classes and functions replaced
     exact: bool = False  # made with --exact: the gate keeps a region by equality with the engine, not by k3
+    step_tokens: int = 0  # the tokens (batch 1) ManifestRegion.step_ms was measured at; 0: not measured
+    step_layers: int = 0  # the decoder layers of the model it was measured on
     notes: list[str] = Field(default_factory=list)
