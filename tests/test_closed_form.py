@@ -120,21 +120,43 @@ def test_the_patched_model_keeps_its_values_and_its_gradient(tiny_models: dict[s
 
 
 def test_a_rotary_embeddings_closed_form_is_autograds_gradient_bit_for_bit() -> None:
+    """Bit for bit, and from the tables alone: the rotated input is given as its shape (a meta tensor)."""
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
     gen = torch.Generator().manual_seed(4)
     q, k = (torch.randn(2, heads, 24, 64, generator=gen).to(torch.bfloat16) for heads in (4, 2))
     cos, sin = (torch.randn(2, 24, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
     grads = [torch.randn(2, heads, 24, 64, generator=gen).to(torch.bfloat16) for heads in (4, 2)]
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, cos, sin)]
-    outs = apply_rotary_pos_emb(*(t.float() for t in leaves))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k)]
+    outs = apply_rotary_pos_emb(*(t.float() for t in leaves), cos.float(), sin.float())
     expected = torch.autograd.grad(outs, leaves, grads)
-    d_q, d_cos_q, d_sin_q = closed_form.rotary_backward(grads[0], q, cos, sin, 1, (True, True, True))
-    d_k, d_cos_k, d_sin_k = closed_form.rotary_backward(grads[1], k, cos, sin, 1, (True, True, True))
+    d_q = closed_form.rotary_backward(grads[0], torch.empty_like(q, device="meta"), cos, sin, 1)
+    d_k = closed_form.rotary_backward(grads[1], torch.empty_like(k, device="meta"), cos, sin, 1)
     assert torch.equal(d_q, expected[0]) and torch.equal(d_k, expected[1])
-    tables = ((d_cos_q.float() + d_cos_k.float(), expected[2]), (d_sin_q.float() + d_sin_k.float(), expected[3]))
-    for got, want in tables:
-        assert (got - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+
+
+def test_the_closed_forms_keep_no_more_for_the_backward_than_autograd(tiny_models: dict[str, Path],
+                                                                       patches: tuple[Path, Path]) -> None:
+    """The bytes a patched forward saves for its backward: with the closed forms at most autograd's (each keeps only
+    the inputs it reads; RoPE's keeps its tables, not the rotated q and k)."""
+    from graphdiff.capture.hf import load_hf_model
+
+    model = load_hf_model(tiny_models["qwen3"]).train()
+    kept = []
+    for path in patches:
+        runtime.apply(model, path)
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=IDS, labels=IDS, use_cache=False).loss.backward()
+        runtime.remove(model)
+        kept.append(sum(saved.values()))
+    closed, autograd = kept
+    assert closed <= autograd, kept
 
 
 def test_with_closed_forms_nothing_is_checkpointed_and_without_them_only_what_keeps_activations(

@@ -17,7 +17,9 @@ carries its gradient from the inputs alone, and the runtime runs the forward wit
   gradient autograd computes, bit for bit.
 
 - a rotary embedding `x * cos + rotate_half(x) * sin` per rotated input (`rotary_backward`): grad * cos plus
-  rotate_half's transpose of grad * sin, each half one add, as autograd sums it.
+  rotate_half's transpose of grad * sin, each half one add, as autograd sums it (bit for bit); it reads the cos and
+  sin tables only, so the runtime keeps no rotated input (the tables' own gradient is autograd's: none in HF, where
+  they are made from a buffer).
 
 A rounding passes the gradient rounded to the stored dtype, as autograd through `.to` does. The forward is the emitted
 function unchanged, so the patched values are the same bit for bit. `recognise` finds the form in the fragment (the ATen
@@ -76,29 +78,18 @@ def activation_backward(op: str, grad: torch.Tensor, x: torch.Tensor, approximat
     return d_x.to(x.dtype)
 
 
-def rotary_backward(grad: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
-                    needs: tuple[bool, bool, bool] = (True, False, False)
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(d_x, d_cos, d_sin) of `x * cos + rotate_half(x) * sin` (cos and sin unsqueezed at `unsqueeze_dim`,
-    rotate_half(x) = cat(-x[..., h:], x[..., :h])), each in its input's dtype, those `needs` asks for: d_x is
-    grad * cos plus rotate_half's transpose of grad * sin, summed as autograd sums it (each half one add)."""
+def rotary_backward(grad: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    unsqueeze_dim: int) -> torch.Tensor:
+    """d_x of `x * cos + rotate_half(x) * sin` (cos and sin unsqueezed at `unsqueeze_dim`, rotate_half(x) =
+    cat(-x[..., h:], x[..., :h])) in x's dtype: grad * cos plus rotate_half's transpose of grad * sin, each half one
+    add, as autograd sums it. It reads x's shape and dtype only (the runtime keeps no value of it)."""
     g = grad.float()
-    c, s = cos.float().unsqueeze(unsqueeze_dim), sin.float().unsqueeze(unsqueeze_dim)
-    d_x = d_cos = d_sin = None
-    if needs[0]:
-        h = x.shape[-1] // 2
-        g_sin = g * s
-        d_x = g * c
-        d_x[..., :h] += g_sin[..., h:]
-        d_x[..., h:] -= g_sin[..., :h]
-        d_x = d_x.to(x.dtype)
-    if needs[1]:
-        d_cos = (g * x.float()).sum_to_size(c.shape).squeeze(unsqueeze_dim).to(cos.dtype)
-    if needs[2]:
-        xf = x.float()
-        rotated = torch.cat((-xf[..., xf.shape[-1] // 2:], xf[..., :xf.shape[-1] // 2]), dim=-1)
-        d_sin = (g * rotated).sum_to_size(s.shape).squeeze(unsqueeze_dim).to(sin.dtype)
-    return d_x, d_cos, d_sin
+    h = x.shape[-1] // 2
+    g_sin = g * sin.float().unsqueeze(unsqueeze_dim)
+    d_x = g * cos.float().unsqueeze(unsqueeze_dim)
+    d_x[..., :h] += g_sin[..., h:]
+    d_x[..., h:] -= g_sin[..., :h]
+    return d_x.to(x.dtype)
 
 
 PARTS: tuple[Callable, ...] = (rms_norm_backward, activation_backward, rotary_backward)
@@ -289,16 +280,21 @@ def _emit_rotary(frag: Fragment, form: Rotary, fn_name: str, forward: str, names
     lines = [f"def {fn_name}({', '.join(grads)}, {', '.join(names[i] for i in frag.inputs)}, align: frozenset[str],",
              f"        lanes: int = 0, needs: tuple[bool, ...] = {(True,) * len(frag.inputs)!r}"
              ") -> tuple[torch.Tensor | None, ...]:",
-             f'    """The gradient of {forward} (a rotary embedding) in closed form, from its inputs."""']
+             f'    """The gradient of {forward} (a rotary embedding) in closed form: the rotated inputs\',',
+             '    from the cos and sin tables."""']
     cos, sin = names[form.cos], names[form.sin]
-    for g, x in zip(grads, form.rotated):
-        lines.append(f"    d_{names[x]}, d_cos_{names[x]}, d_sin_{names[x]} = rotary_backward({g}, {names[x]}, {cos}, "
-                     f"{sin}, {form.unsqueeze_dim}, (needs[{at[x]}], needs[{at[form.cos]}], needs[{at[form.sin]}]))")
-    for table in ("cos", "sin"):
-        parts = [f"d_{table}_{names[x]}" for x in form.rotated]
-        lines.append(f"    d_{table} = {' + '.join(parts)} if needs[{at[getattr(form, table)]}] else None")
-    by_input = {form.cos: "d_cos", form.sin: "d_sin", **{x: f"d_{names[x]}" for x in form.rotated}}
-    return [*lines, f"    return ({', '.join(by_input.get(i, 'None') for i in frag.inputs)},)"]
+    d = {x: f"rotary_backward({g}, {names[x]}, {cos}, {sin}, {form.unsqueeze_dim}) if needs[{at[x]}] else None"
+         for g, x in zip(grads, form.rotated)}
+    return [*lines, "    return (", *[f"        {d.get(i, 'None')}," for i in frag.inputs], "    )"]
+
+
+def saved(frag: Fragment, form: RmsNorm | Activation | Rotary) -> tuple[list[int], list[int]]:
+    """(the inputs whose values the closed form reads, the inputs it gives a gradient), as positions of the forward's
+    inputs: the runtime keeps only the first, and differentiates by autograd where another input needs a gradient."""
+    every = list(range(len(frag.inputs)))
+    if isinstance(form, Rotary):
+        return [frag.inputs.index(form.cos), frag.inputs.index(form.sin)], [frag.inputs.index(x) for x in form.rotated]
+    return every, every
 
 
 def emit(frag: Fragment, form: RmsNorm | Activation | Rotary, fn_name: str, forward: str, names: dict[str, str]
@@ -330,28 +326,31 @@ def emit(frag: Fragment, form: RmsNorm | Activation | Rotary, fn_name: str, forw
     return [*lines, f"    grads = {call}", f"    return ({', '.join(f'grads[{own.index(i)}]' for i in frag.inputs)},)"]
 
 
-def check(forward: Callable, backward: Callable, frag: Fragment, nodes: dict[str, Node]) -> str:
+def check(forward: Callable, backward: Callable, frag: Fragment, nodes: dict[str, Node],
+          form: RmsNorm | Activation | Rotary) -> str:
     """Why the closed form is not the forward's gradient ("" where it is): both on seeded inputs of the captured
-    shapes, with no region aligned and with all, the largest difference within 1% of the largest gradient (BF16
-    gradients differ from autograd's in their last bit where the FP32 sums' order differs)."""
+    shapes, with no region aligned and with all, the inputs it does not read (`saved`) given as shapes only; each
+    gradient it gives within 1% of autograd's largest (BF16 gradients differ from autograd's in their last bit where
+    the FP32 sums' order differs)."""
+    reads, gives = saved(frag, form)
     gen = torch.Generator().manual_seed(0)
     inputs = []
     for i in frag.inputs:
         shape = [s if isinstance(s, int) else 4 for s in (nodes[i].shape or [])]
         dtype = getattr(torch, str(nodes[i].dtype or "bfloat16"))
         inputs.append((torch.randn(shape, generator=gen) + (1.0 if i in frag.params else 0.0)).to(dtype))
+    kept = [t if k in reads else torch.empty_like(t, device="meta") for k, t in enumerate(inputs)]
     for align in (frozenset(), frozenset(frag.regions)):
-        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        leaves = [t.clone().requires_grad_(k in gives) for k, t in enumerate(inputs)]
         outs = forward(*leaves, align=align)
         grads = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
-        expected = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+        expected = torch.autograd.grad(outs, [leaves[k] for k in gives], grads)
         with torch.no_grad():
-            got = backward(*grads, *inputs, align=align)
-        for name, e, g in zip(frag.inputs, expected, got):
-            if e is None:
-                continue
+            got = backward(*grads, *kept, align=align)
+        for k, e in zip(gives, expected):
+            g = got[k]
             if g is None or g.shape != e.shape or g.dtype != e.dtype:
-                return f"closed-form gradient of {name}: {None if g is None else (g.dtype, tuple(g.shape))}"
+                return f"closed-form gradient of {frag.inputs[k]}: {None if g is None else (g.dtype, tuple(g.shape))}"
             if (g.float() - e.float()).abs().max() > 1e-2 * e.float().abs().max():
-                return f"closed-form gradient of {name} differs from autograd's (align {sorted(align)})"
+                return f"closed-form gradient of {frag.inputs[k]} differs from autograd's (align {sorted(align)})"
     return ""

@@ -199,11 +199,12 @@ def _closed_form_backward(frag: Fragment, splice: ModuleSplice | FunctionSplice,
         return []
     name = f"torch_{slug}_backward"
     lines = closed_form.emit(frag, form, name, splice.torch_fn, values)
-    why = closed_form.check(frag.compiled, _compile(lines, name), frag, nodes)
+    why = closed_form.check(frag.compiled, _compile(lines, name), frag, nodes, form)
     if why:
         frag.notes.append(f"autograd differentiates {splice.torch_fn}: {why}")
         return []
     splice.torch_backward = name
+    splice.torch_backward_reads, splice.torch_backward_grads = closed_form.saved(frag, form)
     return ["", "", *lines]
 
 

@@ -72,6 +72,10 @@ class CalledSplice(SpliceBase):
     # the closed-form gradient of torch_fn in the generated module (an RMS norm's), called by the runtime's PyTorch
     # path with the gradient and torch_fn's inputs; "" where autograd differentiates torch_fn
     torch_backward: str = ""
+    # the inputs (positions) whose values torch_backward reads (the others reach it as shapes: meta tensors), and those
+    # it gives a gradient (another input needing one: autograd differentiates torch_fn)
+    torch_backward_reads: list[int] = Field(default_factory=list)
+    torch_backward_grads: list[int] = Field(default_factory=list)
 
 
 class ModuleSplice(CalledSplice):

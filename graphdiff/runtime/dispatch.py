@@ -68,29 +68,33 @@ def _use_triton(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 class _ClosedForm(torch.autograd.Function):
-    """A generated function run without autograd, keeping only its inputs; its gradient from the generated closed
-    form (`CalledSplice.torch_backward`): no second forward, no FP32 intermediates kept or rebuilt by autograd."""
+    """A generated function run without autograd, keeping only the inputs its closed-form gradient reads
+    (`CalledSplice.torch_backward_reads`; the others as their shape and dtype); its gradient from that closed form:
+    no second forward, no FP32 intermediates kept or rebuilt by autograd."""
 
     @staticmethod
-    def forward(ctx: Any, ref: Callable, backward: Callable, align: frozenset[str], lanes: int,
+    def forward(ctx: Any, ref: Callable, backward: Callable, reads: frozenset[int], align: frozenset[str], lanes: int,
                 *inputs: torch.Tensor) -> Any:
         ctx.backward, ctx.align, ctx.lanes = backward, align, lanes
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(*(t if k in reads else None for k, t in enumerate(inputs)))
+        ctx.shapes = [None if k in reads or not isinstance(t, torch.Tensor) else torch.empty_like(t, device="meta")
+                      for k, t in enumerate(inputs)]
         outs = ref(*inputs, align=align, lanes=lanes)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        inputs = ctx.saved_tensors
-        found = ctx.backward(*grads, *inputs, align=ctx.align, lanes=ctx.lanes, needs=tuple(ctx.needs_input_grad[4:]))
-        return (None, None, None, None, *found)
+        inputs = [t if shape is None else shape for t, shape in zip(ctx.saved_tensors, ctx.shapes)]
+        found = ctx.backward(*grads, *inputs, align=ctx.align, lanes=ctx.lanes, needs=tuple(ctx.needs_input_grad[5:]))
+        return (None, None, None, None, None, *found)
 
 
 def chooser(gen: ModuleType, splice: CalledSplice) -> Callable[..., tuple]:
     ref = getattr(gen, splice.torch_fn)
     kernel = getattr(gen, splice.triton_fn) if splice.triton_fn else None
     closed = getattr(gen, splice.torch_backward) if splice.torch_backward else None
+    reads, gives = frozenset(splice.torch_backward_reads), frozenset(splice.torch_backward_grads)
 
     keeps: dict[tuple, bool] = {}  # per align, lanes and inputs needing grad: does the function keep FP32 tensors?
 
@@ -98,8 +102,9 @@ def chooser(gen: ModuleType, splice: CalledSplice) -> Callable[..., tuple]:
         if kernel is not None and _use_triton(inputs):
             return kernel(*inputs, align=align, lanes=lanes)  # its backward kernel recomputes from the saved inputs
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-            if closed is not None:  # the gradient in closed form from the inputs
-                outs = _ClosedForm.apply(ref, closed, align, lanes, *inputs)
+            if closed is not None and all(k in gives for k, t in enumerate(inputs)
+                                          if isinstance(t, torch.Tensor) and t.requires_grad):
+                outs = _ClosedForm.apply(ref, closed, reads, align, lanes, *inputs)
                 return outs if isinstance(outs, tuple) else (outs,)
             # the PyTorch path keeps only its inputs too: where its autograd would keep FP32 intermediates (a
             # norm's), they are recomputed in the backward (same ops, same values); where it keeps next to nothing
