@@ -1,4 +1,4 @@
-"""Closed-form gradients for the PyTorch path of a splice: an RMS norm's, a one-op activation's.
+"""Closed-form gradients for the PyTorch path of a splice: an RMS norm's, a one-op activation's, a rotary embedding's.
 
 Autograd through a splice's FP32 ops keeps activation-sized FP32 intermediates, so the runtime would run it under
 checkpointing: its forward again in the backward, then autograd's reverse of every op, each a fresh FP32 tensor (on
@@ -14,8 +14,8 @@ carries its gradient from the inputs alone, and the runtime runs the forward wit
 
   the same as autograd's up to the FP32 order of its sums (`check` holds it to that);
 - a one-op activation (SiLU, GELU) on its FP32 input: ATen's own backward op of it (`activation_backward`), the
-  gradient autograd computes, bit for bit.
-
+  gradient autograd computes, bit for bit (where the engine's Inductor math computes the forward, autograd's gradient
+  is still the eager op's);
 - a rotary embedding `x * cos + rotate_half(x) * sin` per rotated input (`rotary_backward`): grad * cos plus
   rotate_half's transpose of grad * sin, each half one add, as autograd sums it (bit for bit); it reads the cos and
   sin tables only, so the runtime keeps no rotated input (the tables' own gradient is autograd's: none in HF, where
@@ -132,10 +132,10 @@ def recognise(frag: Fragment, nodes: dict[str, Node]) -> RmsNorm | Activation | 
     """The fragment's closed form, or None where it has none (anything but the forms above, or a rounding or an engine
     read the gradient would have to see)."""
     if frag.carry is not None or frag.reads_store or frag.rounded_reads or frag.stored_input or frag.engine_sites \
-            or frag.table_inputs or frag.inductor_math:
+            or frag.table_inputs:
         return None
     if len(frag.outputs) != 1:
-        return rotary(frag, nodes)
+        return None if frag.inductor_math else rotary(frag, nodes)
     return rms_norm(frag, nodes) if len(frag.inputs) == 2 else activation(frag) if len(frag.inputs) == 1 else None
 
 
