@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import tempfile
@@ -35,6 +36,8 @@ from patch_memory_benchmark import peak_of  # beside this script
 from graphdiff import runtime
 from graphdiff.codegen import generate
 from graphdiff.records import Manifest
+
+AUTOGRAD = "/autograd"  # a variant's suffix: its splices' gradients by autograd, not their closed forms
 
 
 def step(model: torch.nn.Module, ids: torch.Tensor, cpu_time: bool = False,
@@ -70,7 +73,8 @@ def model_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def regions_of(variant: str, manifest: Manifest) -> list[str] | None:
-    """None: unpatched; else the manifest regions the variant aligns."""
+    """None: unpatched; else the manifest regions the variant aligns (`/autograd`: the same, gradients by autograd)."""
+    variant = variant.removesuffix(AUTOGRAD)
     if variant == "unpatched":
         return None
     if variant == "all":
@@ -117,7 +121,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--variants", default="unpatched,all", help="comma-separated: unpatched, all, KIND[+KIND]")
+    ap.add_argument("--variants", default="unpatched,all",
+                    help="comma-separated: unpatched, all, KIND[+KIND]; a /autograd suffix: gradients by autograd "
+                         "(checkpointed), not the splices' closed forms")
     ap.add_argument("--allow-version-mismatch", action="store_true",
                     help="apply although torch/transformers differ from the scan's (timing only)")
     ap.add_argument("--json", type=Path, help="also write the result here")
@@ -140,6 +146,7 @@ def main() -> None:
 
     def use(variant: str) -> None:
         regions = variants[variant]
+        os.environ["GRAPHDIFF_CLOSED_FORM"] = "0" if variant.endswith(AUTOGRAD) else "1"
         if regions is None:
             runtime.remove(model)
         else:

@@ -179,8 +179,13 @@ def test_with_closed_forms_nothing_is_checkpointed_and_without_them_only_what_ke
         runtime.remove(model)
         return float(out.loss), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    loss_and_grads(patches[0])
+    closed = loss_and_grads(patches[0])
     assert calls == []
+    monkeypatch.setenv("GRAPHDIFF_CLOSED_FORM", "0")  # the closed forms switched off: autograd, as without them
+    switched_off = loss_and_grads(patches[0])
+    assert "torch_model_norm" in calls and switched_off[0] == closed[0]
+    monkeypatch.delenv("GRAPHDIFF_CLOSED_FORM")
+    calls.clear()
     loss, grads = loss_and_grads(patches[1])
     assert "torch_apply_rotary_pos_emb" not in calls and "torch_model_norm" in calls
     monkeypatch.setattr(runtime.dispatch, "keeps_intermediates", lambda *a: True)  # every splice checkpointed

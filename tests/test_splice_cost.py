@@ -28,7 +28,7 @@ def test_every_splice_the_model_calls_gets_a_row(tiny_models: dict[str, Path], p
 
     model = load_hf_model(tiny_models["qwen3"]).train()
     ids = torch.randint(0, 1000, (1, 64), generator=torch.Generator().manual_seed(0))
-    rows = splice_cost.splice_costs(model, patch_dir, ids, repeat=1)
+    rows = splice_cost.splice_costs(model, patch_dir, ids, repeat=1, autograd=True)
     manifest = load_manifest(patch_dir / "manifest.json")
     called = {s.key for s in manifest.splices if s.target in ("module", "function", "attention")}
     assert set(rows) == called
@@ -38,6 +38,7 @@ def test_every_splice_the_model_calls_gets_a_row(tiny_models: dict[str, Path], p
         assert row["patched_fwd_bwd_ms"] > 0 and row["unpatched_fwd_bwd_ms"] > 0
         added = row["calls"] * (row["patched_fwd_bwd_ms"] - row["unpatched_fwd_bwd_ms"])
         assert row["added_ms"] == pytest.approx(added, abs=0.01)
+        assert row["autograd_fwd_bwd_ms"] > 0 and "autograd_added_ms" in row
     assert active_regions(model) is None  # left unpatched
 
 

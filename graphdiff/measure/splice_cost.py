@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -150,12 +151,14 @@ def record(model: torch.nn.Module, ids: torch.Tensor, found: dict) -> Recorder:
 
 
 def cost(key: str, rec: Recorder, patched: Callable, plain: Callable, repeat: int, model: torch.nn.Module,
-         best: bool = False) -> dict[str, float]:
-    """One splice's row: calls per step, patched and unpatched forward and forward + backward ms, added ms per step.
-    The model is left unpatched."""
+         best: bool = False, autograd: bool = False) -> dict[str, float]:
+    """One splice's row: calls per step, patched and unpatched forward and forward + backward ms, added ms per step
+    (`autograd`: the patched splice's gradient by autograd too, not its closed form: `autograd_*`). The model is left
+    unpatched."""
     args, kwargs = rec.calls[key]
     row: dict[str, float] = {"calls": rec.counts[key]}
-    for label, fn in (("patched", patched), ("unpatched", plain)):
+    labels = [("patched", patched), *([("autograd", patched)] if autograd else []), ("unpatched", plain)]
+    for label, fn in labels:
         if label == "unpatched":
             runtime.remove(model)  # the module forward / function as HF runs them
         a, k, leaves = fresh(args, kwargs)
@@ -164,15 +167,24 @@ def cost(key: str, rec: Recorder, patched: Callable, plain: Callable, repeat: in
                       if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in a)
             leaves = [t for t in a if isinstance(t, torch.Tensor) and t.requires_grad]
         call = functools.partial(fn, *a, **k)
-        with torch.no_grad():
-            row[f"{label}_fwd_ms"] = 1e3 * timed(call, repeat, best)
-        row[f"{label}_fwd_bwd_ms"] = 1e3 * timed(fwd_bwd(call, leaves), repeat, best)
+        before = os.environ.get("GRAPHDIFF_CLOSED_FORM")
+        os.environ["GRAPHDIFF_CLOSED_FORM"] = "0" if label == "autograd" else "1"
+        try:
+            with torch.no_grad():
+                row[f"{label}_fwd_ms"] = 1e3 * timed(call, repeat, best)
+            row[f"{label}_fwd_bwd_ms"] = 1e3 * timed(fwd_bwd(call, leaves), repeat, best)
+        finally:
+            os.environ.pop("GRAPHDIFF_CLOSED_FORM")
+            if before is not None:
+                os.environ["GRAPHDIFF_CLOSED_FORM"] = before
     row["added_ms"] = row["calls"] * (row["patched_fwd_bwd_ms"] - row["unpatched_fwd_bwd_ms"])
+    if autograd:
+        row["autograd_added_ms"] = row["calls"] * (row["autograd_fwd_bwd_ms"] - row["unpatched_fwd_bwd_ms"])
     return {k: round(v, 3) for k, v in row.items()}
 
 
 def splice_costs(model: torch.nn.Module, patch_dir: Path, ids: torch.Tensor, repeat: int = 3,
-                 regions: list[str] | None = None, best: bool = False,
+                 regions: list[str] | None = None, best: bool = False, autograd: bool = False,
                  on_row: Callable[[str, dict[str, float]], None] = lambda k, r: None) -> dict[str, dict[str, float]]:
     """splice key -> its row (`cost`) for each splice of the patch in `patch_dir` that `model` calls, patched with
     `regions` (default: the enabled ones); the model is left unpatched."""
@@ -188,7 +200,7 @@ def splice_costs(model: torch.nn.Module, patch_dir: Path, ids: torch.Tensor, rep
         if key not in rec.calls:
             continue  # a splice this model never calls (a group of layers it does not have)
         runtime.apply(model, patch_dir, regions=regions)
-        rows[key] = cost(key, rec, patched, plain, repeat, model, best)
+        rows[key] = cost(key, rec, patched, plain, repeat, model, best, autograd)
         on_row(key, rows[key])
     return rows
 

@@ -1,9 +1,9 @@
 """How a generated function is called: `chooser` (the Triton kernel or the PyTorch path: with its closed-form
-gradient where the patch has one, else checkpointed where it keeps activations), a module's forward
-(`module_forward`), a module-level function's replacement (`function_replacement`) and its process-wide dispatcher
-(`_dispatcher`, `swap_in`, `_unpatch`: the originals in `_FUNCTIONS`, the replacement of the patched module running
-now in `_CALLERS`), torch's sdpa called from a module's own code (`sdpa_calls`), and `eager` (a splice left out of
-torch.compile's graphs).
+gradient where the patch has one and GRAPHDIFF_CLOSED_FORM is not 0, else checkpointed where it keeps activations),
+a module's forward (`module_forward`), a module-level function's replacement (`function_replacement`) and its
+process-wide dispatcher (`_dispatcher`, `swap_in`, `_unpatch`: the originals in `_FUNCTIONS`, the replacement of the
+patched module running now in `_CALLERS`), torch's sdpa called from a module's own code (`sdpa_calls`), and `eager` (a
+splice left out of torch.compile's graphs).
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def chooser(gen: ModuleType, splice: CalledSplice) -> Callable[..., tuple]:
         if kernel is not None and _use_triton(inputs):
             return kernel(*inputs, align=align, lanes=lanes)  # its backward kernel recomputes from the saved inputs
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-            if closed is not None and all(k in gives for k, t in enumerate(inputs)
-                                          if isinstance(t, torch.Tensor) and t.requires_grad):
+            if closed is not None and os.environ.get("GRAPHDIFF_CLOSED_FORM") != "0" and all(
+                    k in gives for k, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad):
                 outs = _ClosedForm.apply(ref, closed, reads, align, lanes, *inputs)
                 return outs if isinstance(outs, tuple) else (outs,)
             # the PyTorch path keeps only its inputs too: where its autograd would keep FP32 intermediates (a
