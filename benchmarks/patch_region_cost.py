@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--exact", action="store_true")
     ap.add_argument("--attention", default="fp32", choices=("fp32", "engine"))
+    ap.add_argument("--best", action="store_true",
+                    help="each time the least of --repeat runs (a machine running other work), not the median")
     ap.add_argument("--autograd", action="store_true",
                     help="also time each patched splice with its gradient by autograd (not its closed form)")
     ap.add_argument("--step", action="store_true", help="also time whole steps, unpatched and patched (3 each)")
@@ -47,7 +49,7 @@ def main() -> None:
     model, label = load_model(args, work)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(0)).to(args.device)
-    rows = splice_costs(model, work / "patch", ids, args.repeat, autograd=args.autograd,
+    rows = splice_costs(model, work / "patch", ids, args.repeat, best=args.best, autograd=args.autograd,
                         on_row=lambda key, row: print(key, json.dumps(row), flush=True))
     result: dict[str, Any] = {"model": label, "batch": args.batch, "seq": args.seq, "exact": args.exact,
                               "threads": torch.get_num_threads(), "splices": rows,
