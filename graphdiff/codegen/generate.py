@@ -192,8 +192,9 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
 
 def _closed_form_backward(frag: Fragment, splice: ModuleSplice | FunctionSplice, slug: str, nodes: dict[str, Node],
                           values: dict[str, str]) -> list[str]:
-    """The lines of the splice's closed-form gradient where its fragment has one (an RMS norm, a one-op activation)
-    and it checks out against autograd through the emitted function (`splice.torch_backward` names it); else none."""
+    """The lines of the splice's closed-form gradient where its fragment has one (an RMS norm, a one-op activation, a
+    rotary embedding) and it checks out against autograd through the emitted function (`splice.torch_backward` names
+    it, with what it reads and differentiates); else none."""
     form = closed_form.recognise(frag, nodes)
     if form is None or frag.compiled is None:
         return []
