@@ -111,7 +111,7 @@ def departure_line(d, shape: str) -> str:  # noqa: ANN001 - Departure | None
     """Where the trainer's values first differ from the engine's (the next thing to look at once no site is left)."""
     if d is None:
         return f"every matched value is bit-identical to the engine's at {shape}"
-    where = f" from row {d.first_row}" if d.first_row is not None else " (sorted values; layouts differ)"
+    where = f" from row {d.first_row}" if d.first_row is not None else " (in the engine's layout)"
     return (f"first departure from the engine at {shape}: layer {d.layer} {d.node} ({d.op.removeprefix('aten.')}, "
             f"{d.source or d.module}): {d.differing:.3%} of elements differ{where}; engine {d.engine_node} in "
             f"{d.kernel.split(':')[0] or '?'}; the {d.equal_before} matched values before it are bit-identical"

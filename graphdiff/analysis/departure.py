@@ -13,35 +13,74 @@ whose output both sides may hold otherwise) can part first and hand the differen
 departure also walks up from that value to the compared values it reads: where those agree, the cause lies in the
 trainer ops between them and it (`cause_ops`, the first that computes rather than moves data named as the cause);
 where one of them differs too, that is reported instead.
+
+A value the trainer reaches from agreeing compared values through data movement only (views, an index, a cat) cannot
+differ from the engine's same value: where its matched engine value differs, that engine value is another quantity
+(the matcher paired Falcon's value heads with the engine's key heads, both slices of one agreeing qkv GEMM), and
+the value counts as not compared, so a departure downstream walks through it. Values of the same shape in other
+layouts are compared in the engine's layout, the trainer's dims permuted where the shapes allow; the share reported
+is that of one element order, never of sorted values (which shifts every element after a changed one).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Iterator
+
 import torch
 
 from graphdiff.analysis.match import Match
-from graphdiff.ops import VIEWS, op_name
+from graphdiff.ops import EXACT, VIEWS, op_name
 from graphdiff.records import Departure, Graph, Node, layer_of, walk
 
 LOW = ("bfloat16", "float16")
 
-LAYOUT_GUESS = 0.5  # more differing elements than this while the sorted values agree: the layouts differ
+LAYOUT_GUESS = 0.5  # more differing elements than this: the layouts may differ (a transpose), other orders are tried
+MOST_PERMUTED = 5  # the most non-unit dims whose orders are tried (5! = 120)
 
 
 def differing(t: torch.Tensor, e: torch.Tensor) -> tuple[float, int | None]:
     """(fraction of elements that differ, first differing row of the trainer's value) for two values of one
-    dtype; layouts that differ (a transpose) are compared by their sorted values, without a row."""
+    dtype. Where more than LAYOUT_GUESS differ in the trainer's element order, the same values in another order
+    (sorted values equal) are equal, and the trainer's dims are permuted into each order the engine's shape allows
+    (`_orders`): the fewest differing there, without a row, where that is fewer than in the trainer's order."""
     a, b = t.detach().reshape(-1), e.detach().reshape(-1)
     ne = a != b
     frac = float(ne.float().mean())
-    if frac > LAYOUT_GUESS:
-        sa, sb = a.sort().values, b.sort().values
-        return float((sa != sb).float().mean()), None
     if not frac:
         return 0.0, None
+    if frac > LAYOUT_GUESS:
+        if torch.equal(a.sort().values, b.sort().values):
+            return 0.0, None
+        other = min((float((p.reshape(-1) != b).float().mean()) for p in _orders(t.detach(), list(e.shape))),
+                    default=frac)
+        if other < frac:
+            return other, None
     rows = t.reshape(-1, t.shape[-1]) if t.dim() > 1 else t.reshape(1, -1)
     row = int(ne.reshape(rows.shape).any(-1).nonzero()[0, 0])
     return frac, row
+
+
+def _orders(t: torch.Tensor, shape: list[int]) -> Iterator[torch.Tensor]:
+    """`t` with its non-unit dims in each other order whose element order `shape` (the engine's) can be: the
+    running products of the two shapes' non-unit sizes, one a subset of the other (a reshape that only merges or
+    splits adjacent dims)."""
+    dims = [d for d in range(t.dim()) if t.shape[d] != 1]
+    if len(dims) > MOST_PERMUTED:
+        return
+    squeezed = t.reshape([t.shape[d] for d in dims])
+    target = _prefixes([s for s in shape if s != 1])
+    for order in itertools.permutations(range(len(dims))):
+        if order == tuple(range(len(dims))):
+            continue
+        mine = _prefixes([squeezed.shape[i] for i in order])
+        if mine <= target or target <= mine:
+            yield squeezed.permute(order)
+
+
+def _prefixes(sizes: list[int]) -> set[int]:
+    return {math.prod(sizes[:i + 1]) for i in range(len(sizes))}
 
 
 def activation_values(graph: Graph) -> set[str]:
@@ -89,9 +128,11 @@ def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[
             equal += 1
             compared.add(m.train)
             continue
+        inputs, between = _upstream(tgraph, m.train, compared, forward)
+        if _moves_only(nodes, between):  # agreeing values moved: the engine value paired with it is another one
+            continue
         n = nodes[m.train]
         kernel, graph = kernel_of.get((g, m.engine), ""), g
-        inputs, between = _upstream(tgraph, m.train, compared, forward)
         return Departure(node=m.train, op=n.target, module=n.module, layer=layer_of(n.module), dtype=str(n.dtype),
                          engine_node=m.engine, engine_graph=graph, kernel=kernel, differing=frac, first_row=row,
                          equal_before=equal, source=_line(n), inputs_agree=inputs, cause_ops=between,
@@ -99,13 +140,19 @@ def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[
     return None
 
 
+def _moves_only(nodes: dict[str, Node], between: list[str]) -> bool:
+    """Do the ops from the agreeing compared values to a value only move data (views, index, cat, neg)? Then the
+    value cannot differ from the engine's same value: a difference says the matched engine value is another."""
+    return all(op_name(nodes[b].target) in EXACT for b in between)
+
+
 def _computing(nodes: dict[str, Node], between: list[str], most: int = 8) -> str:
-    """The ops of `between` that compute (not views), by module and op, in graph order: `self_attn: sdpa; o_proj:
-    mm`."""
+    """The ops of `between` that compute (not views nor other data movement), by module and op, in graph order:
+    `self_attn: sdpa; o_proj: mm`."""
     by: dict[str, list[str]] = {}
     for b in between:
         op, module = op_name(nodes[b].target), (nodes[b].module or "").rsplit(".", 1)[-1] or "-"
-        if op not in VIEWS and op not in by.get(module, []):
+        if op not in EXACT and op not in VIEWS and op not in by.get(module, []):
             by.setdefault(module, []).append(op)
     parts = [f"{m}: {', '.join(ops)}" for m, ops in by.items()]
     return "; ".join(parts[:most]) + ("; ..." if len(parts) > most else "")

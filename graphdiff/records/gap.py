@@ -35,7 +35,8 @@ class Departure(BaseModel):
     engine_graph: str = ""
     kernel: str = ""  # the engine kernel (or extern) computing it
     differing: float  # fraction of its elements that differ
-    first_row: int | None = None  # first differing row (token) of the trainer's value; None: layouts differ
+    # first differing row (token) of the trainer's value; None: compared in the engine's layout (its dims permuted)
+    first_row: int | None = None
     equal_before: int  # matched values before it that are bit-identical
     source: str = ""  # the trainer's source line
     # the compared (bit-identical) values it reads through uncompared ops, and those ops with it, in graph order:
