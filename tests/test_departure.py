@@ -132,3 +132,25 @@ def test_values_in_another_layout_are_compared_in_the_engines_order() -> None:
     assert differing(t, e) == (0.0, None)
     e[0, 0, 0] += 10  # one element, which shifts many positions of the sorted values
     assert differing(t, e) == (1 / t.numel(), None)
+
+
+def test_a_moved_value_is_a_departure_where_its_engine_value_is_no_other_trainer_value() -> None:
+    """OLMo 2's rotate_half (`cat(-x2, x1)` of the agreeing q norm output) differs from the engine's in one element:
+    the engine's cat reads its own stored copy of the halves. No other trainer value holds that engine value, so
+    the pairing stands and the cat is the departure."""
+    q = _n("q", "model.layers.0.self_attn.q_norm")
+    neg = Node(name="neg", op="call_function", target="aten.neg.default", dtype="bfloat16", shape=[2, 4],
+               module="model.layers.0.self_attn", inputs=["q"])
+    cat = Node(name="cat", op="call_function", target="aten.cat.default", dtype="bfloat16", shape=[2, 8],
+               module="model.layers.0.self_attn", inputs=["neg", "q"])
+    train = Graph(name="train", nodes=[X, W, q, neg, cat])
+    a = torch.randn(2, 4).bfloat16()
+    rotated = torch.cat([-a, a], -1)
+    theirs = rotated.clone()
+    theirs[1, 5] += 1
+    engine = Graph(name="g", nodes=[Node(name=n, op="placeholder", target="", dtype="bfloat16") for n in ("q", "c")])
+    matched = {"g": ([Match("q", "q", 0.0, 1.0, ""), Match("cat", "c", 0.0, 1.0, "")], [])}
+    left = first_departure(train, {"q": a, "neg": -a, "cat": rotated}, matched, [engine],
+                           {"g": {"q": a, "c": theirs}})
+    assert left is not None and left.node == "cat" and left.first_row == 1 and left.inputs_agree == ["q"]
+    assert left.cause == "self_attn: neg, cat", left.cause

@@ -14,10 +14,12 @@ departure also walks up from that value to the compared values it reads: where t
 trainer ops between them and it (`cause_ops`, the first that computes rather than moves data named as the cause);
 where one of them differs too, that is reported instead.
 
-A value the trainer reaches from agreeing compared values through data movement only (views, an index, a cat) cannot
-differ from the engine's same value: where its matched engine value differs, that engine value is another quantity
-(the matcher paired Falcon's value heads with the engine's key heads, both slices of one agreeing qkv GEMM), and
-the value counts as not compared, so a departure downstream walks through it. Values of the same shape in other
+A value the trainer reaches from agreeing compared values through data movement only (views, an index, a cat) whose
+matched engine value differs from it but is bit-identical to another trainer value matched to it is paired with
+another quantity (the matcher paired Falcon's value heads with the engine's key heads, both slices of one agreeing
+qkv GEMM): it counts as not compared, and a departure downstream walks through it. Without that second value it
+stays a departure: the engine can move another copy of an agreeing value (OLMo 2's rotate_half reads its own
+stored halves of the q norm's output, one element apart). Values of the same shape in other
 layouts are compared in the engine's layout, the trainer's dims permuted where the shapes allow; the share reported
 is that of one element order, never of sorted values (which shifts every element after a changed one).
 """
@@ -129,8 +131,8 @@ def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[
             compared.add(m.train)
             continue
         inputs, between = _upstream(tgraph, m.train, compared, forward)
-        if _moves_only(nodes, between):  # agreeing values moved: the engine value paired with it is another one
-            continue
+        if _moves_only(nodes, between) and _held_by_another(m, g, pairs, train_values, e, low):
+            continue  # agreeing values moved, paired with an engine value that is another trainer value
         n = nodes[m.train]
         kernel, graph = kernel_of.get((g, m.engine), ""), g
         return Departure(node=m.train, op=n.target, module=n.module, layer=layer_of(n.module), dtype=str(n.dtype),
@@ -141,18 +143,32 @@ def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[
 
 
 def _moves_only(nodes: dict[str, Node], between: list[str]) -> bool:
-    """Do the ops from the agreeing compared values to a value only move data (views, index, cat, neg)? Then the
-    value cannot differ from the engine's same value: a difference says the matched engine value is another."""
+    """Do the ops from the agreeing compared values to a value only move data (views, index, cat, neg)?"""
     return all(op_name(nodes[b].target) in EXACT for b in between)
 
 
+def _held_by_another(m: Match, graph: str, pairs: list[tuple[Match, str]], train_values: dict, e: torch.Tensor,
+                     low: str) -> bool:
+    """Is the engine value `m` matched bit-identical to another trainer value matched to it (Falcon's key heads,
+    where the matcher paired the value heads with them too)? Then it is that value, not `m.train`."""
+    dtype = getattr(torch, low)
+    for other, g in pairs:
+        t = train_values.get(other.train)
+        if g == graph and other.engine == m.engine and other.train != m.train and isinstance(t, torch.Tensor) \
+                and t.is_floating_point() and t.numel() == e.numel() and not differing(t.to(dtype), e.to(dtype))[0]:
+            return True
+    return False
+
+
 def _computing(nodes: dict[str, Node], between: list[str], most: int = 8) -> str:
-    """The ops of `between` that compute (not views nor other data movement), by module and op, in graph order:
-    `self_attn: sdpa; o_proj: mm`."""
+    """The ops of `between` that compute (not views nor other data movement; where none does, those that are not
+    views: the engine moved another copy), by module and op, in graph order: `self_attn: sdpa; o_proj: mm`."""
+    ops = [b for b in between if op_name(nodes[b].target) not in EXACT | VIEWS] \
+        or [b for b in between if op_name(nodes[b].target) not in VIEWS]
     by: dict[str, list[str]] = {}
-    for b in between:
+    for b in ops:
         op, module = op_name(nodes[b].target), (nodes[b].module or "").rsplit(".", 1)[-1] or "-"
-        if op not in EXACT and op not in VIEWS and op not in by.get(module, []):
+        if op not in by.get(module, []):
             by.setdefault(module, []).append(op)
     parts = [f"{m}: {', '.join(ops)}" for m, ops in by.items()]
     return "; ".join(parts[:most]) + ("; ..." if len(parts) > most else "")
