@@ -201,11 +201,54 @@ def _softcapped_fp32(module, query, key, value, attention_mask, scaling=None, so
     return out.transpose(1, 2).contiguous(), weights
 
 
+class _FlashFP32(torch.autograd.Function):
+    """FP32 causal attention by torch's CPU flash kernel, the kernel HF's sdpa runs on these inputs: the same output
+    and gradient bit for bit, but it keeps the BF16 q/k/v the caller holds (upcast again in the backward) with the
+    FP32 output and log-sum-exp, where autograd through sdpa would keep FP32 copies of q/k/v as well."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scale):  # noqa: ANN001, ANN205 - autograd.Function signature
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query.float(), key.float(), value.float(), 0.0, True, scale=scale)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.scale = scale
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: ANN001, ANN205
+        query, key, value, out, lse = ctx.saved_tensors
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_output.float().transpose(1, 2), query.float(), key.float(), value.float(), out, lse, 0.0, True,
+            scale=ctx.scale)
+        return (*(g.to(t.dtype) for g, t in zip(grads, (query, key, value))), None)
+
+
+def _flash_fp32_takes(module, query, key, value, attention_mask, kwargs) -> bool:  # noqa: ANN001
+    """Would HF's sdpa on these FP32-upcast inputs run torch's CPU flash kernel causally, with no mask, dropout or
+    softcap (what `_FlashFP32` computes)? Only where it does is `_FlashFP32` the same attention."""
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    if (query.device.type != "cpu" or attention_mask is not None or kwargs.get("softcap") or kwargs.get("dropout")
+            or not causal or query.shape[2] < 2 or query.shape[2] != key.shape[2]):
+        return False
+    grouped = key.shape[1] != query.shape[1]
+    if grouped and not key.shape[-1] == value.shape[-1] <= 256:  # HF repeats k/v there: another gradient sum
+        return False
+    scale = kwargs.get("scaling")
+    q, k, v = (t[..., :1, :].float() for t in (query, key, value))  # the choice reads dtypes, shapes and strides
+    choice = torch._fused_sdp_choice(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True, scale=scale,
+                                     enable_gqa=grouped)
+    return choice == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
+
+
 def _attention_in_fp32(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()
+    if torch.is_grad_enabled() and _flash_fp32_takes(module, query, key, value, attention_mask, kwargs):
+        scale = kwargs.get("scaling")
+        return _FlashFP32.apply(query, key, value, query.shape[-1] ** -0.5 if scale is None else scale), None
     query, key, value = query.float(), key.float(), value.float()
     if kwargs.get("softcap"):
         return _softcapped_fp32(module, query, key, value, attention_mask, **kwargs)
@@ -309,7 +352,7 @@ def sdpa_call(attention, module, query, key, value, attn_mask=None, dropout_p=0.
 
 
 FP32_PARTS = (_causal_window_mask, _fma32, exp_like_engine, softcap_like_engine, attention_like_engine, _masked,
-              _softcapped_fp32, _attention_in_fp32, stored_inputs, attention_fp32_inputs,
+              _softcapped_fp32, _FlashFP32, _flash_fp32_takes, _attention_in_fp32, stored_inputs, attention_fp32_inputs,
               attention_fp32_inputs_truncated)
 ENGINE_PARTS = (attention_isa, kv_cache, vllm_cpu_attention, engine_attention_op, _EngineAttention, _causal_only,
                 layer_window, attention_engine_op)

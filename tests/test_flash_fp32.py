@@ -1,0 +1,86 @@
+"""The portable attention splice's FP32 attention by torch's CPU flash kernel (`_FlashFP32`): HF's sdpa on the
+FP32-upcast inputs bit for bit, forward and gradient, keeping the caller's BF16 q/k/v instead of FP32 copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphdiff.codegen import attention_splice
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+def _inputs(heads: int, kv_heads: int, seq: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """BF16 q/k/v as HF's attention layers hand them on ([batch, heads, seq, dim] views of [batch, seq, heads, dim])
+    and an output gradient."""
+    gen = torch.Generator().manual_seed(seq + dim)
+    q, k, v = (torch.randn(2, seq, h, dim, generator=gen).to(torch.bfloat16).transpose(1, 2)
+               for h in (heads, kv_heads, kv_heads))
+    return q, k, v, torch.randn(2, seq, heads, dim, generator=gen).to(torch.bfloat16)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, flash: bool,
+               monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], int]:
+    """Output and q/k/v gradients of the portable splice, with `_FlashFP32` or HF's sdpa (autograd), and the bytes
+    the forward saves for the backward beyond the q/k/v it is given."""
+    with monkeypatch.context() as m:
+        if not flash:
+            m.setattr(attention_splice, "_flash_fp32_takes", lambda *args: False)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        layer = _Layer(q.shape[1] // k.shape[1])
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, _ = attention_splice.attention_fp32_inputs(layer, *leaves, None, scaling=q.shape[-1] ** -0.5)
+        out.backward(grad)
+    given = {t.untyped_storage().data_ptr() for t in leaves}
+    return [out.detach(), *(t.grad for t in leaves)], sum(b for p, b in saved.items() if p not in given)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (4, 4, 128), (6, 2, 256)])
+def test_the_flash_path_is_sdpas_attention_bit_for_bit_and_keeps_less(heads: int, kv_heads: int, dim: int,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v, grad = _inputs(heads, kv_heads, 77, dim)
+    layer = _Layer(heads // kv_heads)
+    assert attention_splice._flash_fp32_takes(layer, q, k, v, None, {"scaling": dim ** -0.5})
+    flash, flash_saved = _attention(q, k, v, grad, True, monkeypatch)
+    sdpa, sdpa_saved = _attention(q, k, v, grad, False, monkeypatch)
+    for got, want in zip(flash, sdpa):
+        assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    # sdpa's autograd keeps FP32 q/k/v and output; the flash path keeps the FP32 output and log-sum-exp only
+    out_bytes, lse_bytes = q.numel() * 4, q[..., 0].numel() * 4
+    assert flash_saved == out_bytes + lse_bytes < sdpa_saved
+
+
+def test_attention_the_flash_kernel_would_not_run_keeps_hfs_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Masks, single-token queries, KV caches, non-causal layers, dropout, a softcap, grouped heads over 256 (which
+    HF repeats instead of sdpa's own grouping: another gradient sum) and a forward without gradients run HF's sdpa as
+    before."""
+    q, k, v, _ = _inputs(4, 2, 20, 64)
+    layer, kwargs = _Layer(2), {"scaling": 0.125}
+    takes = attention_splice._flash_fp32_takes
+    assert takes(layer, q, k, v, None, kwargs)
+    assert not takes(layer, q, k, v, torch.ones(20, 20, dtype=torch.bool).tril(), kwargs)
+    assert not takes(layer, q[:, :, -1:], k, v, None, kwargs)
+    assert not takes(layer, q[:, :, -5:], k, v, None, kwargs)
+    assert not takes(layer, q, k, v, None, {**kwargs, "is_causal": False})
+    assert not takes(layer, q, k, v, None, {**kwargs, "dropout": 0.1})
+    assert not takes(layer, q, k, v, None, {**kwargs, "softcap": 50.0})
+    wide = _inputs(4, 2, 20, 320)
+    assert not takes(layer, *wide[:3], None, kwargs)
+    assert takes(_Layer(1), *_inputs(4, 4, 20, 320)[:3], None, kwargs)
+    monkeypatch.setattr(attention_splice._FlashFP32, "apply", None)  # not called where no gradient is taken
+    with torch.no_grad():
+        out, _ = attention_splice.attention_fp32_inputs(layer, q, k, v, None, **kwargs)
+    assert out.dtype == torch.bfloat16
