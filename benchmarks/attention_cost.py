@@ -6,7 +6,13 @@
 HF's sdpa on BF16 q/k/v (unpatched); the portable splice's attention (HF's sdpa on FP32-upcast q/k/v); the exact
 splice (`attention_engine_op`: vLLM CPU's op forward, FP32 attention's gradient recomputed from the saved inputs;
 needs vLLM). Forward, and forward + backward, each the median of --repeat runs in this process's CPU time at
---threads 1 (the machine may be shared), in ms.
+--threads 1 (the machine may be shared), in ms; `saved_mib`: what the forward keeps for the backward beyond the BF16
+q/k/v it is given.
+
+`lse_backward`: the lever of a flash-style backward for the exact splice, from the engine's output and a log-sum-exp
+(the engine's op gives none): the log-sum-exp computed alone (causal, in query blocks) against torch's whole FP32
+flash forward (which the exact backward runs now and which yields it too), and how many BF16 gradient elements the
+flash backward from the engine's output gives equal to the exact FP32 gradient's.
 """
 
 from __future__ import annotations
@@ -17,11 +23,12 @@ import json
 from collections.abc import Callable
 
 import torch
-from patch_region_cost import timed  # beside this script
+
+from graphdiff.measure.splice_cost import timed
 
 
 def cpu_ms(fn: Callable[[], object], repeat: int) -> float:
-    """Median CPU milliseconds of `repeat` runs after a warm-up (patch_region_cost.timed)."""
+    """Median CPU milliseconds of `repeat` runs after a warm-up (splice_cost.timed)."""
     return round(1e3 * timed(fn, repeat), 1)
 
 
@@ -31,6 +38,54 @@ class Layer(torch.nn.Module):
     def __init__(self, groups: int) -> None:
         super().__init__()
         self.num_key_value_groups = groups
+
+
+def saved_mib(fn: Callable[[], object], given: list[torch.Tensor]) -> float:
+    """MiB of the distinct tensors autograd keeps while `fn` runs, less the storages of `given`."""
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    own = {t.untyped_storage().data_ptr() for t in given}
+    return round(sum(n for p, n in kept.items() if p not in own) / 2**20, 2)
+
+
+def causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = 256) -> torch.Tensor:
+    """log-sum-exp of each query's causal FP32 scores [batch, heads, seq], over query blocks (keys up to the block's
+    last query): what a flash-style backward needs beside the output."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, 1)
+    seq = q.shape[2]
+    out = q.new_empty(q.shape[:3])
+    for start in range(0, seq, block):
+        end = min(seq, start + block)
+        scores = torch.matmul(q[:, :, start:end], k[:, :, :end].transpose(-1, -2)).mul_(scale)
+        scores.masked_fill_(~torch.ones(end - start, end, dtype=torch.bool).tril(start), float("-inf"))
+        out[:, :, start:end] = torch.logsumexp(scores, -1)
+    return out
+
+
+def lse_backward(qkv: list[torch.Tensor], layer: torch.nn.Module, scale: float, repeat: int) -> dict:
+    """The flash-style backward of the exact splice, measured (see the module's docstring)."""
+    from graphdiff.codegen.attention_splice import attention_engine_op
+
+    q, k, v = (t.float() for t in qkv)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    leaves = [t.clone().requires_grad_() for t in qkv]
+    engine = attention_engine_op(layer, *leaves, None, scaling=scale)[0]
+    grad = torch.full_like(engine, 1e-3)
+    exact = torch.autograd.grad(engine, leaves, grad)
+    lse = causal_lse(q, k, scale)
+    from_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad.float().transpose(1, 2), q, k, v, engine.detach().float().transpose(1, 2), lse, 0.0, True, scale=scale)
+    return {"lse_alone_ms": cpu_ms(lambda: causal_lse(q, k, scale), repeat),
+            "flash_forward_ms": cpu_ms(lambda: flash(q, k, v, 0.0, True, scale=scale), repeat),
+            "gradient_elements_equal": [round(float((a.bfloat16() == b).float().mean()), 4)
+                                        for a, b in zip(from_lse, exact)]}
 
 
 def main() -> None:
@@ -67,8 +122,11 @@ def main() -> None:
 
         with torch.no_grad():
             fwd = cpu_ms(forward, args.repeat)
-        result[name] = {"fwd_ms": fwd, "fwd_bwd_ms": cpu_ms(step, args.repeat)}
-    print(json.dumps({"shape": vars(args), "torch": torch.__version__, "forms": result}, indent=1))
+        result[name] = {"fwd_ms": fwd, "fwd_bwd_ms": cpu_ms(step, args.repeat),
+                        "saved_mib": saved_mib(forward, [q, k, v])}
+    lse = lse_backward(qkv, layer, scale, args.repeat) if len(forms) > 2 else None
+    print(json.dumps({"shape": vars(args), "torch": torch.__version__, "forms": result, "lse_backward": lse},
+                     indent=1))
 
 
 if __name__ == "__main__":
