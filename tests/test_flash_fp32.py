@@ -84,3 +84,11 @@ def test_attention_the_flash_kernel_would_not_run_keeps_hfs_sdpa(monkeypatch: py
     with torch.no_grad():
         out, _ = attention_splice.attention_fp32_inputs(layer, q, k, v, None, **kwargs)
     assert out.dtype == torch.bfloat16
+
+
+def test_a_torch_without_sdpas_choice_keeps_hfs_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generated patch runs in the trainer's torch: where `torch._fused_sdp_choice` is missing or takes other
+    arguments, the splice runs HF's sdpa as before instead of failing."""
+    q, k, v, _ = _inputs(4, 2, 20, 64)
+    monkeypatch.delattr(torch, "_fused_sdp_choice")
+    assert not attention_splice._flash_fp32_takes(_Layer(2), q, k, v, None, {"scaling": 0.125})

@@ -236,9 +236,12 @@ def _flash_fp32_takes(module, query, key, value, attention_mask, kwargs) -> bool
         return False
     scale = kwargs.get("scaling")
     q, k, v = (t[..., :1, :].float() for t in (query, key, value))  # the choice reads dtypes, shapes and strides
-    choice = torch._fused_sdp_choice(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True, scale=scale,
-                                     enable_gqa=grouped)
-    return choice == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
+    try:  # torch's own (private) choice; a torch without it keeps HF's sdpa
+        choice = torch._fused_sdp_choice(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True, scale=scale,
+                                         enable_gqa=grouped)
+        return choice == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
 def _attention_in_fp32(module, query, key, value, attention_mask, **kwargs):
