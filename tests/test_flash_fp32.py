@@ -64,9 +64,9 @@ def test_the_flash_path_is_sdpas_attention_bit_for_bit_and_keeps_less(heads: int
 
 
 def test_attention_the_flash_kernel_would_not_run_keeps_hfs_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Masks, single-token queries, KV caches, non-causal layers, dropout, a softcap, grouped heads over 256 (which
-    HF repeats instead of sdpa's own grouping: another gradient sum) and a forward without gradients run HF's sdpa as
-    before."""
+    """Masks, single-token queries, KV caches, non-causal layers, dropout, a softcap, a position bias, grouped heads
+    over 256 (which HF repeats instead of sdpa's own grouping: another gradient sum) and a forward without gradients
+    run HF's sdpa as before."""
     q, k, v, _ = _inputs(4, 2, 20, 64)
     layer, kwargs = _Layer(2), {"scaling": 0.125}
     takes = attention_splice._flash_fp32_takes
@@ -77,6 +77,7 @@ def test_attention_the_flash_kernel_would_not_run_keeps_hfs_sdpa(monkeypatch: py
     assert not takes(layer, q, k, v, None, {**kwargs, "is_causal": False})
     assert not takes(layer, q, k, v, None, {**kwargs, "dropout": 0.1})
     assert not takes(layer, q, k, v, None, {**kwargs, "softcap": 50.0})
+    assert not takes(layer, q, k, v, None, {**kwargs, "position_bias": torch.zeros(4, 20, 20)})
     wide = _inputs(4, 2, 20, 320)
     assert not takes(layer, *wide[:3], None, kwargs)
     assert takes(_Layer(1), *_inputs(4, 4, 20, 320)[:3], None, kwargs)

@@ -224,12 +224,15 @@ class _FlashFP32(torch.autograd.Function):
 
 
 def _flash_fp32_takes(module, query, key, value, attention_mask, kwargs) -> bool:  # noqa: ANN001
-    """Would HF's sdpa on these FP32-upcast inputs run torch's CPU flash kernel causally, with no mask, dropout or
-    softcap (what `_FlashFP32` computes)? Only where it does is `_FlashFP32` the same attention."""
+    """Would HF's sdpa on these FP32-upcast inputs run torch's CPU flash kernel causally, with no mask, dropout,
+    softcap, position bias or paged cache (what `_FlashFP32` computes)? Only where it does is `_FlashFP32` the same
+    attention."""
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    if (query.device.type != "cpu" or attention_mask is not None or kwargs.get("softcap") or kwargs.get("dropout")
-            or not causal or query.shape[2] < 2 or query.shape[2] != key.shape[2]):
+    extra = any(kwargs.get(k) for k in ("softcap", "dropout")) or any(
+        kwargs.get(k) is not None for k in ("position_bias", "cache"))
+    if (query.device.type != "cpu" or attention_mask is not None or extra or not causal or query.shape[2] < 2
+            or query.shape[2] != key.shape[2]):
         return False
     grouped = key.shape[1] != query.shape[1]
     if grouped and not key.shape[-1] == value.shape[-1] <= 256:  # HF repeats k/v there: another gradient sum
