@@ -23,6 +23,7 @@ import json
 from collections.abc import Callable
 
 import torch
+from patch_memory_benchmark import saved_storages  # beside this script
 
 from graphdiff.measure.splice_cost import timed
 
@@ -42,14 +43,7 @@ class Layer(torch.nn.Module):
 
 def saved_mib(fn: Callable[[], object], given: list[torch.Tensor]) -> float:
     """MiB of the distinct tensors autograd keeps while `fn` runs, less the storages of `given`."""
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
+    _, kept = saved_storages(fn)
     own = {t.untyped_storage().data_ptr() for t in given}
     return round(sum(n for p, n in kept.items() if p not in own) / 2**20, 2)
 

@@ -34,9 +34,8 @@ from graphdiff import runtime
 from graphdiff.codegen import generate
 
 
-def peak_and_saved(model: torch.nn.Module, ids: torch.Tensor, saved_only: bool = False) -> tuple[int | None, int, int]:
-    """(peak, saved, saved less the parameters) bytes of one step; `saved_only`: peak None, the forward alone."""
-    model.zero_grad(set_to_none=True)
+def saved_storages(fn: Callable[[], object]) -> tuple[object, dict[int, int]]:
+    """`fn`'s result and the distinct storages autograd saves for the backward while it runs (pointer -> bytes)."""
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -44,9 +43,19 @@ def peak_and_saved(model: torch.nn.Module, ids: torch.Tensor, saved_only: bool =
         saved[s.data_ptr()] = s.nbytes()
         return t
 
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return result, saved
+
+
+def peak_and_saved(model: torch.nn.Module, ids: torch.Tensor, saved_only: bool = False) -> tuple[int | None, int, int]:
+    """(peak, saved, saved less the parameters) bytes of one step; `saved_only`: peak None, the forward alone."""
+    model.zero_grad(set_to_none=True)
+    saved: dict[int, int] = {}
+
     def step() -> None:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss, kept = saved_storages(lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
+        saved.update(kept)
         if not saved_only:
             loss.backward()
 
@@ -132,9 +141,10 @@ def main() -> None:
             runtime.remove(model)
         results[variant] = {"peak_bytes": peak, "saved_bytes": saved, "saved_activation_bytes": activations}
         base = results.get("unpatched")
-        ratio = (f"  ({saved / base['saved_bytes']:.3f}x saved, "
-                 f"{activations / base['saved_activation_bytes']:.3f}x without the parameters") if base else ""
-        ratio += f", {peak / base['peak_bytes']:.3f}x peak)" if base and peak is not None else ")" if base else ""
+        ratios = [f"{saved / base['saved_bytes']:.3f}x saved",
+                  f"{activations / base['saved_activation_bytes']:.3f}x without the parameters"] if base else []
+        ratios += [f"{peak / base['peak_bytes']:.3f}x peak"] if base and peak is not None else []
+        ratio = f"  ({', '.join(ratios)})" if ratios else ""
         shown = "-" if peak is None else f"{peak / 2**20:8.2f}"
         print(f"{variant:10s} peak {shown} MiB  saved for backward {saved / 2**20:8.2f} MiB "
               f"({activations / 2**20:.2f} MiB without the parameters){ratio}", flush=True)
