@@ -110,6 +110,18 @@ def load_model(args: argparse.Namespace, work: Path) -> tuple[torch.nn.Module, s
     return load_hf_model(model_dir).to(args.device).train(), str(model_dir)
 
 
+def timing(times: dict[str, list[float]], kernel: dict[str, list[tuple[float, int]]], variant: str) -> dict:
+    """A variant's median step (min, max), its ratio to the unpatched median, the kernel's share; {} untimed."""
+    if not times[variant]:
+        return {}
+    med = statistics.median(times[variant])
+    base = statistics.median(times["unpatched"]) if times.get("unpatched") else None
+    return {"median_s": round(med, 4), "min_s": round(min(times[variant]), 4),
+            "max_s": round(max(times[variant]), 4), "ratio": round(med / base, 4) if base else None,
+            "system_s": round(statistics.median(k[0] for k in kernel[variant]), 4),
+            "page_faults": int(statistics.median(k[1] for k in kernel[variant]))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scan", type=Path, required=True, help="scan directory (scan.json + train.capture.json)")
@@ -119,7 +131,8 @@ def main() -> None:
     ap.add_argument("--config", help="bundled model id or config dir: full-depth model with random weights")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per variant (0: the peak memory only)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first (allocator, Triton)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--variants", default="unpatched,all",
                     help="comma-separated: unpatched, all, KIND[+KIND]; a /autograd suffix: gradients by autograd "
@@ -156,7 +169,8 @@ def main() -> None:
     peak: dict[str, float] = {}
     for v in variants:  # warm-up (allocator, Triton compile), then one step for the peak memory
         use(v)
-        step(model, ids)
+        for _ in range(args.warmup):
+            step(model, ids)
         model.zero_grad(set_to_none=True)
         if args.no_peak:
             continue
@@ -172,20 +186,14 @@ def main() -> None:
         for v in variants:
             use(v)
             times[v].append(step(model, ids, args.cpu_time, kernel[v]))
-    med = {v: statistics.median(t) for v, t in times.items()}
-    base = med.get("unpatched")
-    path = "triton" if cuda and any(s.triton_fn for s in manifest.splices) else "pytorch"
     result = {
         "model": label, "architecture": manifest.architecture, "layers": model.config.num_hidden_layers,
-        "device": torch.cuda.get_device_name() if cuda else "cpu", "path": path, "batch": args.batch,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "path": "triton" if cuda and any(s.triton_fn for s in manifest.splices) else "pytorch", "batch": args.batch,
         "seq": args.seq, "steps": args.steps, "threads": torch.get_num_threads(), "attention": args.attention,
         "exact": args.exact, "clock": "cpu" if args.cpu_time else "wall",
         "torch": torch.__version__,
-        "variants": {v: {"regions": len(r) if r is not None else 0, "median_s": round(med[v], 4),
-                         "min_s": round(min(times[v]), 4), "max_s": round(max(times[v]), 4),
-                         "ratio": round(med[v] / base, 4) if base else None,
-                         "system_s": round(statistics.median(k[0] for k in kernel[v]), 4),
-                         "page_faults": int(statistics.median(k[1] for k in kernel[v])),
+        "variants": {v: {"regions": len(r) if r is not None else 0, **timing(times, kernel, v),
                          ("peak_gib" if cuda else "peak_mib"): round(peak[v], 2) if v in peak else None,
                          "peak_ratio": round(peak[v] / peak["unpatched"], 3) if peak.get("unpatched") else None}
                      for v, r in variants.items()},

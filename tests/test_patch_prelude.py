@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 from graphdiff.capture.cpu_kind import store_like
+from graphdiff.codegen import prelude
 from graphdiff.codegen.carry import carry_done, carry_fp32, carry_fp32_child, carry_fp32_rounded
 from graphdiff.codegen.prelude import namespace, round_toward_zero
 
@@ -87,3 +89,22 @@ def test_inductor_math_is_the_compiled_function_and_differentiable() -> None:
     x = torch.randn(64, generator=gen).requires_grad_(True)
     inductor_math("sin", x).sum().backward()
     assert torch.allclose(x.grad, x.detach().cos(), rtol=1e-6, atol=1e-6)
+
+
+def test_source_refuses_a_file_edited_after_import(tmp_path, monkeypatch):
+    """A function whose file changed on disk after the import: its lines are another function's now, so a patch
+    would carry the wrong code; `source` says so in one line instead."""
+    import importlib
+    import linecache
+
+    from graphdiff.errors import GraphdiffError
+
+    module = tmp_path / "carried_part.py"
+    module.write_text("def scale(x):\n    return x * 2\n\n\ndef shift(x):\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    part = importlib.import_module("carried_part")
+    assert prelude.source((part.shift,)) == ["def shift(x):", "    return x + 1"]
+    module.write_text("import math\n\n\n\ndef scale(x):\n    return x * 2\n\n\ndef shift(x):\n    return x + 1\n")
+    linecache.checkcache(str(module))
+    with pytest.raises(GraphdiffError, match="changed on disk"):
+        prelude.source((part.shift,))

@@ -15,6 +15,7 @@ and the linters run the very code a patch carries:
 
 from __future__ import annotations
 
+import ast
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from graphdiff.capture.cpu_kind import truncate_to_bf16
+from graphdiff.errors import GraphdiffError
 from graphdiff.replay.inductor_math import inductor_math
 from graphdiff.replay.sum_order import ordered_layer_norm, ordered_mean, ordered_sum
 
@@ -48,7 +50,23 @@ PARTS: tuple[Callable, ...] = (_f32, _round, inductor_math, truncate_to_bf16, ro
 
 def source(parts: tuple) -> list[str]:
     """The lines a generated module carries for `parts` (their source, as written, two blank lines apart)."""
-    return "\n\n\n".join(inspect.getsource(part).rstrip("\n") for part in parts).splitlines()
+    return "\n\n\n".join(_checked_source(part) for part in parts).splitlines()
+
+
+def _checked_source(part: Callable) -> str:
+    """`part`'s source, checked to define `part` and nothing else: inspect reads the file on disk by the line
+    numbers of the code imported, so a graphdiff edited after this process imported it yields another function's
+    lines, which would make a patch module that lacks the function its manifest names."""
+    text = inspect.getsource(part).rstrip("\n")
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        tree = None
+    defined = [getattr(node, "name", None) for node in tree.body] if tree is not None else []
+    if defined != [part.__name__]:
+        raise GraphdiffError(f"graphdiff's source of {part.__module__}.{part.__name__} changed on disk since this "
+                             "process imported it; run the command again")
+    return text
 
 
 def text() -> str:
