@@ -38,6 +38,14 @@ VARIANTS: dict[str, tuple[str, dict, int]] = {
     "glm4-grouped-12x3": ("glm4_moe", dict(n_routed_experts=12, num_experts_per_tok=3, n_group=4, topk_group=2,
                                            n_shared_experts=2, routed_scaling_factor=2.0, attention_bias=True), 23),
     "qwen3_moe-12x3": ("qwen3_moe", dict(num_experts=12, num_experts_per_tok=3), 24),
+    # router settings no recipe or variant above has: unnormalized top-k weights, eight groups, top-1, ERNIE's
+    # shared expert
+    "glm4-grouped-16x6-raw": ("glm4_moe", dict(n_routed_experts=16, num_experts_per_tok=6, n_group=8, topk_group=4,
+                                               n_shared_experts=1, routed_scaling_factor=1.0,
+                                               norm_topk_prob=False), 31),
+    "qwen3_moe-10x2-raw": ("qwen3_moe", dict(num_experts=10, num_experts_per_tok=2, norm_topk_prob=False), 32),
+    "qwen2_moe-6x1-shared": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=1, norm_topk_prob=True), 33),
+    "ernie-12x3-shared": ("ernie4_5_moe", dict(moe_num_experts=12, moe_k=3, moe_num_shared_experts=1), 34),
 }
 BIAS_SCALE = 0.05  # the correction bias drawn ~ N(0, 0.05): large enough to change which experts win
 
