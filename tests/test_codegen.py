@@ -384,6 +384,33 @@ def test_a_buffer_whose_size_equals_the_token_count_keeps_it_at_another_count() 
     assert other_length_problem(frag, nodes, 16) == ""
 
 
+def test_token_ids_probe_as_valid_indices() -> None:
+    """Gemma's scaled embedding is a region wherever sqrt(hidden) is no BF16 value (hidden 384): its code looks up
+    the token ids. The probes at another token count, and verify's, draw ids a table can index."""
+    import torch
+
+    from graphdiff.codegen.fragment import Fragment
+    from graphdiff.codegen.probes import other_length_problem
+    from graphdiff.codegen.verify import probes
+    from graphdiff.records import Node
+
+    def scaled_embedding(input_ids: torch.Tensor, weight: torch.Tensor, align: frozenset[str]) -> tuple[torch.Tensor]:
+        return (torch.nn.functional.embedding(input_ids, weight).float() * 19.595917942265423,)
+
+    nodes = {"ids": Node(name="ids", op="placeholder", target="ids", dtype="int64", shape=[1, 16]),
+             "weight": Node(name="weight", op="placeholder", target="weight", dtype="bfloat16", shape=[512, 384],
+                            param="model.embed_tokens.weight"),
+             "out": Node(name="out", op="call_function", target="aten.mul.Tensor", dtype="float32",
+                         shape=[1, 16, 384])}
+    frag = Fragment(key="model.embed_tokens", target="module", module="model.embed_tokens",
+                    module_class="Gemma3TextScaledWordEmbedding", inputs=["ids", "weight"],
+                    params={"weight": "weight"}, outputs=["out"], compiled=scaled_embedding)
+    assert other_length_problem(frag, nodes, 16) == ""
+    ids, weight = probes(frag, nodes, seed=0)
+    assert ids.dtype == torch.int64 and 0 <= int(ids.min()) and int(ids.max()) < 2
+    assert weight.dtype == torch.bfloat16 and scaled_embedding(ids, weight, frozenset())[0].shape == (1, 16, 384)
+
+
 def test_a_post_norm_output_summed_by_a_carried_residual_add_leaves_in_fp32():
     """`residual + post_attention_layernorm(h)` (Gemma 2, GLM-4, OLMo 2): the engine's fused add reads the norm's
     unrounded output; with the carry's regions aligned the trainer's add sums it in FP32 too, so the norm splice

@@ -20,8 +20,13 @@ def _probe_shape(node: Node, tokens: int = 0, other: int = 0, outer_only: bool =
 
 def probe(node: Node, gen: torch.Generator, tokens: int = 0, other: int = 0, outer_only: bool = False
           ) -> torch.Tensor:
+    """A seeded tensor of the node's dtype and shape; integers are 0 or 1, valid as token ids and positions (an
+    embedding's ids: Gemma's scaled embedding, a region wherever sqrt(hidden) is no BF16 value)."""
     shape = _probe_shape(node, tokens, other, outer_only)
-    return torch.randn(shape, generator=gen).to(getattr(torch, node.dtype or "float32"))
+    dtype = getattr(torch, node.dtype or "float32")
+    if not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+        return torch.randint(0, 2, shape, generator=gen, dtype=dtype)
+    return torch.randn(shape, generator=gen).to(dtype)
 
 
 def other_length_problem(frag: Fragment, nodes: dict[str, Node], tokens: int) -> str:

@@ -85,11 +85,20 @@ def probes(frag: Fragment, nodes: dict[str, Node], seed: int = 0, device: str = 
     how they are ordered."""
     gen = torch.Generator().manual_seed(seed)
     shapes = [[s if isinstance(s, int) else 8 for s in nodes[i].shape or []] for i in frag.inputs]
-    if not exact_sums:
-        return [torch.randn(s, generator=gen).to(torch.bfloat16).to(device) for s in shapes]
     d = max([s[-1] for s in shapes if s] + [1])
     p = max(1, min(8, (24 - 2 - math.ceil(math.log2(d))) // 2))
-    return [(torch.randint(1 - 2 ** p, 2 ** p, s, generator=gen) / 32).to(torch.bfloat16).to(device) for s in shapes]
+
+    def draw(name: str, shape: list[int]) -> torch.Tensor:
+        if nodes[name].dtype in INTEGERS:  # token ids, positions: 0 or 1, valid indices of any table
+            return torch.randint(0, 2, shape, generator=gen, dtype=getattr(torch, str(nodes[name].dtype)))
+        if not exact_sums:
+            return torch.randn(shape, generator=gen).to(torch.bfloat16)
+        return (torch.randint(1 - 2 ** p, 2 ** p, shape, generator=gen) / 32).to(torch.bfloat16)
+
+    return [draw(i, s).to(device) for i, s in zip(frag.inputs, shapes)]
+
+
+INTEGERS = frozenset({"int64", "int32", "int16", "int8", "uint8"})
 
 
 def tolerance(frag: Fragment, nodes: dict[str, Node], device: str) -> tuple[int, str]:
