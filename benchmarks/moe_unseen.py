@@ -89,7 +89,9 @@ def verdict(kl: dict) -> dict:
     the bucket passes; the flipped expert choices unpatched and patched."""
     rows = {(m["engine_mode"], m["trainer_mode"], bool(m["regions"])): m for m in kl["measurements"]}
     plain = next(m for (e, t, r), m in rows.items() if e == "compiled" and t == "eager" and not r)
-    patched = next(m for (e, t, r), m in rows.items() if e == "compiled" and t == "eager" and r)
+    patched = next((m for (e, t, r), m in rows.items() if e == "compiled" and t == "eager" and r), None)
+    if patched is None:  # the gate enabled no region: kl had nothing to patch
+        return dict(rms_unpatched=plain["rms"], ok=False, note="the patch enables no region")
     floor = kl["floor"]
     buckets = []
     for u, p, f in zip(plain["position"], patched["position"], floor["position"]):
@@ -126,6 +128,10 @@ def table(results: list[dict]) -> str:
     rows = ["| checkpoint | recipe and overrides | RMS unpatched → patched | bit-identical patched | flipped expert "
             "choices unpatched → patched | buckets passing | verdict |", "|" + "---|" * 7]
     for r in results:
+        if "note" in r:
+            rows.append(f"| {r['name']} | {r['recipe']} | {r['rms_unpatched']:.4f} → - | - | - | - | "
+                        f"FAIL: {r['note']} |")
+            continue
         if "buckets" not in r:
             failed = next((s for s in r["steps"] if s["rc"]), r["steps"][-1])
             rows.append(f"| {r['name']} | {r['recipe']} | - | - | - | - | {failed['command'].split()[1]} failed: "

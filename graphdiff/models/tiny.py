@@ -29,12 +29,14 @@ def _per_layer(overrides: dict, layers: int) -> dict:
 
 def widened(overrides: dict, hidden: int) -> dict:
     """The recipe at another hidden size: heads of 64 (a third of them for K/V), the MLP 8/3 wider (multiple of
-    64); only the fields the recipe sets change."""
+    64; Falcon's 4 times, the width vLLM's Falcon assumes whatever `ffn_hidden_size` says); only the fields the
+    recipe sets change."""
     if hidden < 64 or hidden % 64:
         raise GraphdiffError(f"--hidden {hidden}: give a positive multiple of 64")
     heads = hidden // 64
     sizes = dict(hidden_size=hidden, n_embd=hidden, d_model=hidden, intermediate_size=-(-hidden * 8 // 3 // 64) * 64,
-                 num_attention_heads=heads, n_head=heads, num_key_value_heads=max(1, heads // 3))
+                 num_attention_heads=heads, n_head=heads, num_key_value_heads=max(1, heads // 3),
+                 num_kv_heads=max(1, heads // 3), ffn_hidden_size=4 * hidden)
     return {**overrides, **{k: v for k, v in sizes.items() if k in overrides}}
 
 
