@@ -90,3 +90,30 @@ def test_parameters_read_through_the_experts_layer_under_their_other_names_are_n
     assert unread_params(model, [_graph([n for n in read if "router" not in n and "down_proj" not in n])]) == [
         f"model.layers.{i}.mlp.{p}" for i in (0, 1)  # each parameter under the first name the model gives it
         for p in ("gate.e_score_correction_bias", "experts.shared_experts.layer.down_proj.weight")]
+
+
+def test_shared_experts_held_under_private_names_are_read() -> None:
+    """vLLM 0.32's fused-MoE runner holds the shared expert as `experts._shared_experts._layer` (recorded from a
+    `graphdiff scan --exact` of a tiny Qwen2-MoE on `_C_AVX2`); Dynamo names the graph inputs with the underscores
+    squeezed (`experts#modules_shared_experts_modules_layer_modules_gate_up_proj_parameters_weight`). The shared
+    expert and its gate are read, not 'never read'."""
+    model = _model()
+    for layer in model.model.layers:
+        layer.mlp.shared_expert_gate = nn.Linear(4, 1, bias=False)
+        layer.mlp.shared_expert = nn.Module()
+        layer.mlp.shared_expert.gate_up_proj = nn.Linear(4, 8, bias=False)
+        layer.mlp.shared_expert.down_proj = nn.Linear(4, 4, bias=False)
+        layer.mlp.shared_expert.expert_gate = layer.mlp.shared_expert_gate
+        layer.mlp.experts._shared_experts = nn.Module()
+        layer.mlp.experts._shared_experts._layer = layer.mlp.shared_expert
+    handles = [f"model.layers.{i}.mlp.experts#modules_shared_experts_modules_layer_modules_{p}_parameters_weight"
+               for i in (0, 1) for p in ("gate_up_proj", "down_proj", "expert_gate")]
+    read = [n for i in (0, 1) for n in (f"model.layers.{i}.input_layernorm.weight",
+                                        f"model.layers.{i}.mlp.experts.w13_weight",
+                                        f"model.layers.{i}.mlp.experts.shared.weight",
+                                        f"model.layers.{i}.mlp.experts.shared.bias",
+                                        f"model.layers.{i}.mlp.gate.e_score_correction_bias")]
+    assert unread_params(model, [_graph(read + handles)]) == []
+    unread = unread_params(model, [_graph(read + [h for h in handles if "down_proj" not in h])])
+    assert [name.startswith(f"model.layers.{i}.") and name.endswith(".down_proj.weight")  # its first name
+            for i, name in enumerate(unread)] == [True, True]

@@ -80,6 +80,10 @@ def canonical_modules(graph: Graph, model: torch.nn.Module) -> None:
         node.module = resolved[path]
 
 
+def _squeezed(name: str) -> str:
+    return re.sub("_+", "_", name)
+
+
 def unread_params(model: torch.nn.Module, graphs: list[Graph]) -> list[str]:
     """The engine model's parameters that its compiled graphs never read although they hold something (not all
     zeros): the engine computes something else there than the checkpoint describes, which no rounding alignment
@@ -103,12 +107,14 @@ def unread_params(model: torch.nn.Module, graphs: list[Graph]) -> list[str]:
         owner = modules.get(mod)
         if owner is None:
             continue
-        # a handle reached through submodules (`modules_shared_experts_modules_down_proj_cpu_linear...`)
-        subs = sorted(((n, f"modules_{'_modules_'.join(n.split('.'))}_") for n, _ in owner.named_modules() if n),
-                      key=lambda kv: -len(kv[1]))
+        # a handle reached through submodules (`modules_shared_experts_modules_down_proj_cpu_linear...`); Dynamo's
+        # names squeeze underscore runs (`_shared_experts._layer` reads `modules_shared_experts_modules_layer`)
+        path = _squeezed(path)
+        subs = sorted(((n, _squeezed(f"modules_{'_modules_'.join(n.split('.'))}_")) for n, _ in owner.named_modules()
+                       if n), key=lambda kv: -len(kv[1]))
         sub, rest = next(((n, path[len(m):]) for n, m in subs if path.startswith(m)), ("", path))
         for local, param in (owner.get_submodule(sub) if sub else owner).named_parameters():
-            if rest.endswith(local.replace(".", "_")) or ("linear" in rest and local in ("weight", "bias")):
+            if rest.endswith(_squeezed(local.replace(".", "_"))) or ("linear" in rest and local in ("weight", "bias")):
                 read.add(canonical.get(id(param), local))
         # an attribute the module holds without registering it (an MoE layer's `router`), read through its own
         # parameter name (`router_e_score_correction_bias`): a parameter of the enclosing block by that name
