@@ -45,6 +45,8 @@ VARIANTS: dict[str, tuple[str, dict, int]] = {
                                                norm_topk_prob=False), 31),
     "qwen3_moe-10x2-raw": ("qwen3_moe", dict(num_experts=10, num_experts_per_tok=2, norm_topk_prob=False), 32),
     "qwen2_moe-6x1-shared": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=1, norm_topk_prob=True), 33),
+    "qwen2_moe-6x2-norm": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=True), 33),
+    "qwen2_moe-6x1-raw": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=1, norm_topk_prob=False), 33),
     "ernie-12x3-shared": ("ernie4_5_moe", dict(moe_num_experts=12, moe_k=3, moe_num_shared_experts=1), 34),
 }
 BIAS_SCALE = 0.05  # the correction bias drawn ~ N(0, 0.05): large enough to change which experts win
