@@ -87,6 +87,7 @@ class Step:
 
 def write_json(path: Path, result: dict) -> None:
     """`result` into `path` by a temp file and a rename: a run killed mid-write leaves the previous JSON whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
     os.replace(tmp, path)

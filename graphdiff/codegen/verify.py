@@ -141,9 +141,18 @@ def _ulp(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs() / ulp).max()) if a.numel() else 0.0
 
 
+def _float_leaf(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a leaf that collects a gradient; integer inputs (token ids) pass through as they are."""
+    return x.requires_grad_() if x.is_floating_point() else x
+
+
+def _differentiable(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [x for x in xs if x.requires_grad]
+
+
 def _grad_error(outs: list[torch.Tensor], xs: list[torch.Tensor], g64: tuple, weights: list[torch.Tensor]) -> float:
-    g = torch.autograd.grad(torch.stack([(o.double() * w).sum() for o, w in zip(outs, weights)]).sum(), xs,
-                            allow_unused=True, retain_graph=True)
+    g = torch.autograd.grad(torch.stack([(o.double() * w).sum() for o, w in zip(outs, weights)]).sum(),
+                            _differentiable(xs), allow_unused=True, retain_graph=True)
     errs = [float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-12))
             for a, b in zip(g, g64) if b is not None and a is not None]
     return max(errs, default=0.0)
@@ -168,13 +177,13 @@ def verify(scan_dir: Path, out_dir: Path, *, device: str = "cpu", triton: bool =
         runs: list[tuple[frozenset[str], int]] = [(frozenset(), 0)] + [
             (frozenset(splice.regions), n) for n in sorted({0, *splice.reduction_lanes.values()})]
         for align, lanes in runs:
-            xs = [x.requires_grad_() for x in probes(frag, nodes, seed=1, device=device)]
-            x64 = [x.detach().double().requires_grad_() for x in xs]
+            xs = [_float_leaf(x) for x in probes(frag, nodes, seed=1, device=device)]
+            x64 = [_float_leaf(x.detach().double()) if x.is_floating_point() else x for x in xs]
             exact = replay(frag, nodes, x64, align, compute=torch.float64, plan=False)
             weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
                        .to(device) for o in exact]
-            g64 = torch.autograd.grad(torch.stack([(o * w).sum() for o, w in zip(exact, weights)]).sum(), x64,
-                                      allow_unused=True)
+            g64 = torch.autograd.grad(torch.stack([(o * w).sum() for o, w in zip(exact, weights)]).sum(),
+                                      _differentiable(x64), allow_unused=True)
 
             with torch.no_grad():  # the plan replay reduces as the PyTorch path does: ATen's order, or `lanes`
                 ref = replay(frag, nodes, [x.detach() for x in xs], align, lanes=lanes)
