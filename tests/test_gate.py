@@ -125,3 +125,24 @@ def test_an_exact_patch_keeps_a_region_by_equality_with_the_engine_not_by_noise(
     left = next(r for r in chosen.regions if r.name == widening)
     assert left.effect.equal_without > left.effect.equal_with
     assert any(f"{widening} left out: without it" in n for n in chosen.notes), chosen.notes
+
+
+def test_an_exact_patch_short_of_the_engine_that_widens_the_gap_is_decided_by_k3(setup):
+    """`--exact` where the kept regions make more tokens equal the engine's prefill (one sequence of two) but the gap
+    to its sampled log-probs widens (they are the unpatched trainer's): equality does not reach the engine, so k3
+    decides, and a patch that widens k3 ships nothing."""
+    root, base, regions = setup
+    path = _copy(root, "exact-widens")
+    manifest = load_manifest(path)
+    manifest.exact = True
+    save_json(manifest, path)
+    samples = _one_matched_one_not(base, path, regions)
+    for s in samples:
+        s.prefill_logprobs = list(s.logprobs)
+    with trainer(base, "eager", None, []) as model:
+        for s, lp in zip(samples, train_logprobs(model, samples)):
+            s.logprobs = lp.tolist()
+    chosen = select_regions(base, path, samples)
+    assert not any(r.enabled for r in chosen.regions), [r.name for r in chosen.regions if r.enabled]
+    assert any("decided by k3 instead" in n for n in chosen.notes), chosen.notes
+    assert all(r.effect.decided_by == "k3" for r in chosen.regions if r.effect)

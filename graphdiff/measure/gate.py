@@ -12,7 +12,8 @@ A patch that claims exactness (`--exact`) is judged by equality, not by a gap es
 where removing it makes more of the trainer's log-probs equal the engine's prefill scoring of the same sequences (the
 trainer's own task: one forward over each sequence), and the regions together ship where they make more tokens equal
 than no patch does. Sampling noise in k3 cannot drop a region the engine's computation needs; each region's effect
-says which criterion decided.
+says which criterion decided. Where the regions equality keeps do not make every token equal and widen k3 or the RMS,
+the k3 criterion decides instead: a patch short of the engine never buys a few equal tokens with a wider gap.
 """
 
 from __future__ import annotations
@@ -66,21 +67,13 @@ def _interval(with_: np.ndarray, without: np.ndarray, counts: np.ndarray, seed: 
     return float(np.quantile(d, 0.025)), float(np.quantile(d, 0.975))
 
 
-def select_regions(base: torch.nn.Module, manifest_path: Path, samples: Sequence[EngineSample],
-                   progress: Progress = lambda m: None) -> Manifest:
-    """Measure each generated region's effect, leave out those that widen the gap; writes the manifest back."""
-    from graphdiff.runtime import load_manifest
-
-    manifest = load_manifest(manifest_path)
-    enabled = [r.name for r in manifest.regions if r.generated]
-    tokens = sum(len(s.tokens) for s in samples)
-    by = "equality" if manifest.exact else "k3"
-    progress(f"measuring the patch region by region on {len(samples)} engine samples ({tokens} tokens)")
-    none_k3, counts, none_rms, none_equal = _gap(base, manifest_path, [], samples)
-    effects: dict[str, RegionEffect] = {}
-    left_out: list[str] = []
+def _leave_out(base: torch.nn.Module, manifest_path: Path, samples: Sequence[EngineSample], regions: list[str],
+               by: str, progress: Progress) -> tuple[list[str], list[str], dict[str, RegionEffect]]:
+    """Leave-one-out from `regions`: while removing one improves the criterion `by` (fewer tokens equal the engine's
+    prefill for "equality", a lower k3 for "k3"), the worst is left out. The enabled, the left out, each effect."""
+    enabled, left_out, effects = list(regions), [], {}
     while enabled:
-        full, _, _, full_equal = _gap(base, manifest_path, enabled, samples)
+        full, counts, _, full_equal = _gap(base, manifest_path, enabled, samples)
         worst, worst_harm = None, 0.0
         for r in enabled:
             progress(f"without {r}")
@@ -97,10 +90,36 @@ def select_regions(base: torch.nn.Module, manifest_path: Path, samples: Sequence
             break
         enabled.remove(worst)
         left_out.append(worst)
+    return enabled, left_out, effects
+
+
+def select_regions(base: torch.nn.Module, manifest_path: Path, samples: Sequence[EngineSample],
+                   progress: Progress = lambda m: None) -> Manifest:
+    """Measure each generated region's effect, leave out those that widen the gap; writes the manifest back."""
+    from graphdiff.runtime import load_manifest
+
+    manifest = load_manifest(manifest_path)
+    generated = [r.name for r in manifest.regions if r.generated]
+    tokens = sum(len(s.tokens) for s in samples)
+    by = "equality" if manifest.exact else "k3"
+    progress(f"measuring the patch region by region on {len(samples)} engine samples ({tokens} tokens)")
+    none_k3, counts, none_rms, none_equal = _gap(base, manifest_path, [], samples)
+    k3_none = none_k3.sum() / counts.sum()
+    notes = [n for n in manifest.notes if not n.startswith("measured:")]
+    enabled, left_out, effects = _leave_out(base, manifest_path, samples, generated, by, progress)
     final_k3, _, final_rms, final_equal = (_gap(base, manifest_path, enabled, samples) if enabled
                                            else (none_k3, counts, none_rms, none_equal))
-    notes = [n for n in manifest.notes if not n.startswith("measured:")]
-    k3_none, k3_final = none_k3.sum() / counts.sum(), final_k3.sum() / counts.sum()
+    k3_final = final_k3.sum() / counts.sum()
+    if by == "equality" and enabled and final_equal < counts.sum() and (k3_final > k3_none or final_rms > none_rms):
+        # equality decides while it reaches the engine; short of it, a few more equal tokens must not buy a wider gap
+        notes.append(f"measured: the regions kept by equality make {final_equal} of {int(counts.sum())} tokens equal "
+                     f"the engine's prefill, not all, and widen the gap (k3 {k3_none:.3g} -> {k3_final:.3g}, rms "
+                     f"{none_rms:.4f} -> {final_rms:.4f}): decided by k3 instead")
+        by = "k3"
+        enabled, left_out, effects = _leave_out(base, manifest_path, samples, generated, by, progress)
+        final_k3, _, final_rms, final_equal = (_gap(base, manifest_path, enabled, samples) if enabled
+                                               else (none_k3, counts, none_rms, none_equal))
+        k3_final = final_k3.sum() / counts.sum()
     # narrowed measurably: the 95% interval of the k3 change (sequences resampled, paired) lies below zero, so that
     # other samples do not see it widen (a change within the noise ships nothing); an exact patch: more tokens equal
     low, high = _interval(final_k3, none_k3, counts) if enabled else (0.0, 0.0)
