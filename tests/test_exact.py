@@ -201,6 +201,46 @@ def test_the_routers_weights_exp_is_computed_as_the_engines_unvectorized_loop() 
     assert "MOE_ROUTER_SCALAR_EXP = False" in moe_engine.moe_constants({})
 
 
+def test_a_top1_routers_logsumexp_is_the_engines_unrolled_scalar_loop(monkeypatch) -> None:
+    """A top-1 router that does not renormalize (recorded: fixtures/scans/qwen2_moe_top1_router_kernel.json, 6
+    experts) runs its whole logsumexp in one loop Inductor unrolled and did not vectorize: `std::exp` of each logit
+    less the max, summed left to right, `std::log`, and the sum kept in FP32 (the vectorized top-2 form stores it in
+    BF16). The scan reads that from the kernel, and the router splice then gives the engine's weights bit for bit."""
+    import json
+
+    import torch
+
+    from graphdiff.analysis.moe import router_logsumexp_scalar
+
+    rec = json.loads((MIXTRAL.parent / "qwen2_moe_top1_router_kernel.json").read_text())
+    assert router_logsumexp_scalar(rec["code"])
+    vectorized = json.loads((MIXTRAL.parent / "qwen2_moe_router_kernel.json").read_text())["code"]
+    assert not router_logsumexp_scalar(vectorized)
+    assert "MOE_ROUTER_SCALAR_LOGSUMEXP = True" in moe_engine.moe_constants({"router_logsumexp": "scalar"})
+    logits = torch.tensor(rec["logits_bf16_bits"], dtype=torch.int16).view(torch.bfloat16).reshape(-1, rec["experts"])
+    engine = torch.tensor(rec["weights_fp32_bits"], dtype=torch.int32).view(torch.float32).reshape(-1, 1)
+
+    class Router(torch.nn.Module):  # the identity as its weight: the logits are the hidden states, exactly
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.eye(rec["experts"], dtype=torch.bfloat16))
+            self.top_k, self.norm_topk_prob = rec["k"], False
+
+        def forward(self, hidden_states: torch.Tensor):
+            logits = torch.nn.functional.linear(hidden_states, self.weight)
+            values, indices = torch.topk(logits.float().softmax(-1), self.top_k, dim=-1)
+            return logits, values, indices
+
+    monkeypatch.setattr(moe_engine, "MOE_ROUTER_SCALAR_EXP", True)
+    monkeypatch.setattr(moe_engine, "MOE_ROUTER_TOPK_SORTED", False)
+    got = {}
+    for scalar in (True, False):
+        monkeypatch.setattr(moe_engine, "MOE_ROUTER_SCALAR_LOGSUMEXP", scalar)
+        _, got[scalar], _ = moe_engine.moe_router_like_engine(Router(), logits)
+    assert torch.equal(got[True], engine)
+    assert not torch.equal(got[False], engine)  # the vectorized form's BF16 logsumexp is another value
+
+
 def test_qwen2_moes_gated_shared_expert_is_carried_and_its_router_exp_is_scalar(tmp_path: Path) -> None:
     """The recorded tiny Qwen2-MoE scan (fixtures/scans/tiny-qwen2-moe-3): its block's
     `sigmoid(shared_expert_gate(x)) * shared_expert(x)` site is generated (the carry holds the shared expert's output

@@ -21,6 +21,8 @@ MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE, MOE_ROUTER_LANES = "vec", "sil
 MOE_OUTPUT_SCALE = 1.0
 # The router's kernel computes the weights' exp unvectorized (std::exp, not SLEEF's: ScanResult.engine_experts)
 MOE_ROUTER_SCALAR_EXP = False
+# The router's kernel computes the logsumexp in one unvectorized loop: std::exp, summed left to right, std::log, FP32
+MOE_ROUTER_SCALAR_LOGSUMEXP = False
 # The engine takes the router's top-k unsorted: the experts' order decides the order their weights are summed in
 MOE_ROUTER_TOPK_SORTED = True
 # The engine runs the MoE block's one-output linears (a shared expert's gate) as a GEMM of its own (oneDNN)
@@ -37,9 +39,18 @@ def moe_constants(engine_experts: dict[str, str]) -> list[str]:
             f"{e.get('activation', 'silu')!r}, {int(e.get('padded_intermediate', 0))}, {int(e.get('router_lanes', 0))}",
             f"MOE_OUTPUT_SCALE = {float(e.get('output_scale', 1.0))!r}",
             f"MOE_ROUTER_SCALAR_EXP = {e.get('router_exp') == 'scalar'}",
+            f"MOE_ROUTER_SCALAR_LOGSUMEXP = {e.get('router_logsumexp') == 'scalar'}",
             f"MOE_ROUTER_TOPK_SORTED = {e.get('router_topk') != 'unsorted'}",
             f"MOE_ONE_OUTPUT_GEMM = {bool(e.get('one_output_gemm'))}",
             f"MOE_ADDMM_COMBINE = {bool(e.get('addmm_combine'))}"]
+
+
+def left_to_right_sum(t: torch.Tensor) -> torch.Tensor:
+    """The last dimension's sum, element after element (keepdim): an unrolled row's order."""
+    total = t[..., :1]
+    for i in range(1, t.shape[-1]):
+        total = total + t[..., i:i + 1]
+    return total
 
 
 def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -47,7 +58,8 @@ def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.T
     MOE_ROUTER_TOPK_SORTED), softmax over those k in FP32
     (renormalized: their exps summed left to right, as the engine's kernel unrolls the row; else their share of all)
     with the exp of the engine's Inductor kernel (vectorized or, where MOE_ROUTER_SCALAR_EXP, not: the weights' exp
-    in a two-wide loop), weights kept FP32. Returned in the order the module's own forward returns them (Qwen:
+    in a two-wide loop; MOE_ROUTER_SCALAR_LOGSUMEXP: the logsumexp too, as one unrolled top-1 loop computes it),
+    weights kept FP32. Returned in the order the module's own forward returns them (Qwen:
     logits, weights, indices; Granite: indices, weights, logits), told apart by dtype and width on the module's
     first call."""
     hidden_states = hidden_states.reshape(-1, module.weight.shape[1]).to(module.weight.dtype)
@@ -56,17 +68,17 @@ def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.T
     if getattr(module, "norm_topk_prob", True):  # exp(v - max) / sum, exp as the engine's Inductor kernel computes it
         shifted = values.float() - values.float().amax(-1, keepdim=True)
         exps = inductor_math("exp", shifted, MOE_ROUTER_SCALAR_EXP)
-        total = exps[..., :1]  # summed left to right, as the engine's kernel unrolls a top-k row's sum
-        for i in range(1, exps.shape[-1]):
-            total = total + exps[..., i:i + 1]
-        weights = exps / total
-    else:  # exp(v - logsumexp(logits)), logsumexp as the engine's kernel: max, exps summed in its lanes, log, + max,
-        x = logits.float()  # stored in the logits' dtype (BF16), as the engine's logsumexp of BF16 logits is
+        weights = exps / left_to_right_sum(exps)  # as the engine's kernel unrolls a top-k row's sum
+    else:  # exp(v - logsumexp(logits)), logsumexp as the engine's kernel computes it
+        x = logits.float()
         top = x.amax(-1, keepdim=True)
         top = torch.where(top.abs() == float("inf"), torch.zeros_like(top), top)
-        exps = inductor_math("exp", x - top)
-        total = ordered_sum(exps, [-1], True, MOE_ROUTER_LANES) if MOE_ROUTER_LANES else exps.sum(-1, keepdim=True)
-        log_z = (inductor_math("log", total) + top).to(logits.dtype).float()
+        if MOE_ROUTER_SCALAR_LOGSUMEXP:  # one unrolled scalar loop, the sum kept in FP32
+            log_z = inductor_math("log", left_to_right_sum(inductor_math("exp", x - top, True)), True) + top
+        else:  # exps summed in the kernel's lanes, log, + max, stored in the logits' dtype (BF16) between loops
+            exps = inductor_math("exp", x - top)
+            total = ordered_sum(exps, [-1], True, MOE_ROUTER_LANES) if MOE_ROUTER_LANES else exps.sum(-1, keepdim=True)
+            log_z = (inductor_math("log", total) + top).to(logits.dtype).float()
         weights = inductor_math("exp", values.float() - log_z, MOE_ROUTER_SCALAR_EXP)
     order = module.__dict__.get("_graphdiff_router_order")
     if order is None:  # the module's own forward, once per module: which output is which, and its dtype
@@ -97,7 +109,7 @@ def moe_experts_like_engine(module, hidden_states: torch.Tensor, top_k_index: to
     return out.to(low).to(hidden_states.dtype)
 
 
-PATCH_PARTS = (moe_router_like_engine, moe_experts_like_engine)
+PATCH_PARTS = (left_to_right_sum, moe_router_like_engine, moe_experts_like_engine)
 ROUTER_FN, EXPERTS_FN = moe_router_like_engine.__name__, moe_experts_like_engine.__name__
 
 
