@@ -47,6 +47,9 @@ VARIANTS: dict[str, tuple[str, dict, int]] = {
     "qwen2_moe-6x1-shared": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=1, norm_topk_prob=True), 33),
     "qwen2_moe-6x2-norm": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=True), 33),
     "qwen2_moe-6x1-raw": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=1, norm_topk_prob=False), 33),
+    # an unrolled router kernel at top-2, and at top-1 on an odd expert count (OLMoE never renormalizes)
+    "qwen2_moe-6x2-raw": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=False), 35),
+    "olmoe-7x1": ("olmoe", dict(num_experts=7, num_experts_per_tok=1), 36),
     "ernie-12x3-shared": ("ernie4_5_moe", dict(moe_num_experts=12, moe_k=3, moe_num_shared_experts=1), 34),
 }
 BIAS_SCALE = 0.05  # the correction bias drawn ~ N(0, 0.05): large enough to change which experts win
