@@ -438,3 +438,46 @@ def test_a_post_norm_output_summed_by_a_carried_residual_add_leaves_in_fp32():
     assert frag.keep_fp32["norm_out"] and frag.fp32_with["norm_out"] == ["model.layers.*#residual_norm"]
     decide_outputs(graph, [frag])  # no carry: the add sums in BF16, the output is rounded at the boundary
     assert not frag.keep_fp32["norm_out"]
+
+
+def test_a_table_made_from_positions_is_read_in_its_recorded_dtype() -> None:
+    """Gemma's scaled embedding is carried FP32 where sqrt(hidden) is no BF16 value; HF's rotary embedding makes its
+    cos/sin in its input's dtype, so they came FP32 while the engine reads its BF16 table (Gemma 3 at hidden 384: 0%
+    of log-probs at the engine). Inputs made from no activation are found (`fixed_inputs`), and the runtime casts
+    them back to the recorded dtype; an activation input (q) is not."""
+    import torch
+
+    from graphdiff.codegen.cut import fixed_inputs
+    from graphdiff.records import FunctionSplice, Graph, Node
+    from graphdiff.runtime.dispatch import chooser
+
+    def n(name: str, target: str, inputs: list[str], dtype: str, op: str = "call_function", **kw) -> Node:
+        return Node(name=name, op=op, target=target, inputs=inputs, dtype=dtype, **kw)
+
+    graph = Graph(name="g", nodes=[
+        n("ids", "ids", [], "int64", "placeholder"), n("pos", "pos", [], "int64", "placeholder"),
+        n("inv_freq", "inv_freq", [], "float32", "placeholder", param="model.rotary_emb.inv_freq"),
+        n("table", "table", [], "bfloat16", "placeholder", param="model.embed_tokens.weight"),
+        n("emb", "aten.embedding.default", ["table", "ids"], "bfloat16"),
+        n("q", "aten.mul.Tensor", ["emb"], "bfloat16"),
+        n("freqs", "aten.mul.Tensor", ["inv_freq", "pos"], "float32"),
+        n("cos32", "aten.cos.default", ["freqs"], "float32"),
+        n("cos", "aten._to_copy.default", ["cos32"], "bfloat16"),
+        n("hidden", "hidden", [], "bfloat16", "placeholder")])
+    assert fixed_inputs(graph, ["cos", "q", "hidden", "table", "cos32"], set()) == {"cos": "bfloat16"}
+    assert fixed_inputs(graph, ["cos"], {"cos"}) == {}  # a table input the engine rounds when aligned instead
+
+    seen: list[torch.dtype] = []
+
+    class Gen:
+        @staticmethod
+        def torch_rope(cos, q, align, lanes=0):
+            seen.extend([cos.dtype, q.dtype])
+            return (q * cos,)
+
+    splice = FunctionSplice(key="rope", module="model.layers.*.self_attn", function="apply_rotary_pos_emb",
+                            regions=["model.layers.*.self_attn#rope"], torch_fn="torch_rope",
+                            fixed_inputs={0: "bfloat16"})
+    run = chooser(Gen, splice)  # type: ignore[arg-type]  # a stand-in for the generated module
+    run([torch.rand(4, dtype=torch.float32), torch.rand(4, dtype=torch.float32)], frozenset())
+    assert seen == [torch.bfloat16, torch.float32]

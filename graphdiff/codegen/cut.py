@@ -13,7 +13,7 @@ from graphdiff.codegen.copy_reads import dotted_module
 from graphdiff.codegen.fragment import Fragment, is_boundary, merge
 from graphdiff.codegen.layer_groups import layer_groups, representative_sites
 from graphdiff.codegen.outputs import decide_outputs
-from graphdiff.ops import op_name
+from graphdiff.ops import is_low, op_name
 from graphdiff.records import Graph, Node, Region, ScanResult, walk
 from graphdiff.replay.inductor_math import INDUCTOR_MATH
 from graphdiff.replay.kernel_fragment import value_base
@@ -26,6 +26,32 @@ def _mark_reads(scan: ScanResult, graph: Graph, region: Region, frag: Fragment) 
     frag.inductor_math, (frag.rounded_reads, frag.rounded_values) = (_inductor_math(scan, frag.nodes),
                                                                      _rounded_reads(scan, graph, frag))
     frag.table_inputs = _table_inputs(scan, graph, region, frag.inputs)
+    frag.fixed_inputs = fixed_inputs(graph, frag.inputs, set(frag.table_inputs))
+
+
+def fixed_inputs(graph: Graph, inputs: list[str], skip: set[str]) -> dict[str, str]:
+    """The fragment's low-precision inputs made from no activation: no token embedding and no floating-point graph
+    input among their producers, only parameters, buffers and positions (a rotary embedding's cos and sin). HF makes
+    such a table in its input's dtype, so an FP32 value a patch carries there (Gemma's scaled embedding) makes it FP32
+    while the engine's is still the low-precision table: the splice reads it in the dtype the trace recorded."""
+    nodes = graph.node_map()
+
+    def activation(name: str) -> bool:
+        n = nodes[name]
+        if n.param is not None:
+            return False
+        return op_name(n.target) == "embedding" or (
+            n.op == "placeholder" and not (n.dtype or "").startswith(("int", "uint", "bool")))
+
+    out = {}
+    for i in inputs:
+        n = nodes.get(i)
+        if n is None or i in skip or n.param is not None or not is_low(n.dtype):
+            continue
+        back = walk([i], lambda name: [x for x in nodes[name].inputs if x in nodes])
+        if not activation(i) and not any(activation(x) for x in back):  # lazy: stops at the first activation
+            out[i] = n.dtype
+    return out
 
 
 def _table_inputs(scan: ScanResult, graph: Graph, region: Region, inputs: list[str]) -> dict[str, str]:

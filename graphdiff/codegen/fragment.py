@@ -130,6 +130,9 @@ class Fragment:
     # FP32 inputs (cos/sin) the engine gathers from a low-precision table instead (ScanResult.engine_rope_table):
     # input -> that dtype, rounded to it when the fragment's regions are aligned
     table_inputs: dict[str, str] = joined_by("update", default_factory=dict)
+    # low-precision inputs made from no activation (a rotary table from the positions): input -> the dtype the traced
+    # trainer held it in, which the runtime casts it back to where an FP32 value upstream promoted the op making it
+    fixed_inputs: dict[str, str] = joined_by("update", default_factory=dict)
     # nodes whose engine op reads an input of the fragment as its stored low-precision copy while another reader
     # gets it in FP32 (`evidence.read_rounded_by` of a value made outside): they read it rounded (a no-op unless a
     # patch holds it FP32)

@@ -156,6 +156,8 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
     """One splice point: its PyTorch function (bound against HF's own code) and, where possible, its Triton kernels."""
     slug = region_slug(frag.key.rsplit(".", 1)[-1] if frag.target == "function" else frag.key)
     splice = _fragment_splice(frag)
+    if not isinstance(splice, CarrySplice):
+        splice.fixed_inputs = {k: frag.fixed_inputs[i] for k, i in enumerate(frag.inputs) if i in frag.fixed_inputs}
     body: list[str] = []
     if isinstance(splice, CarrySplice):
         body += _carry_splice(frag, frag.carry or Carry(), splice) if not frag.problems else []

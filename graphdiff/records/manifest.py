@@ -76,6 +76,9 @@ class CalledSplice(SpliceBase):
     # it gives a gradient (another input needing one: autograd differentiates torch_fn)
     torch_backward_reads: list[int] = Field(default_factory=list)
     torch_backward_grads: list[int] = Field(default_factory=list)
+    # inputs (positions) the traced trainer held in a low precision and made from no activation (a rotary embedding's
+    # cos and sin): the runtime casts them back to that dtype (name) where an FP32 value upstream promoted their op
+    fixed_inputs: dict[int, str] = Field(default_factory=dict)
 
 
 class ModuleSplice(CalledSplice):

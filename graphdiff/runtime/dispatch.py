@@ -95,6 +95,7 @@ def chooser(gen: ModuleType, splice: CalledSplice) -> Callable[..., tuple]:
     kernel = getattr(gen, splice.triton_fn) if splice.triton_fn else None
     closed = getattr(gen, splice.torch_backward) if splice.torch_backward else None
     reads, gives = frozenset(splice.torch_backward_reads), frozenset(splice.torch_backward_grads)
+    fixed = {k: getattr(torch, dtype) for k, dtype in splice.fixed_inputs.items()}
 
     keeps: dict[tuple, bool] = {}  # per align, lanes and inputs needing grad: does the function keep FP32 tensors?
 
@@ -117,6 +118,8 @@ def chooser(gen: ModuleType, splice: CalledSplice) -> Callable[..., tuple]:
         return ref(*inputs, align=align, lanes=lanes)
 
     def run(inputs: list[torch.Tensor], align: frozenset[str], lanes: int = 0) -> tuple:
+        if fixed:  # a table made from positions, in the dtype the trace recorded whatever dtype promoted its op
+            inputs = [t.to(fixed[k]) if k in fixed and isinstance(t, torch.Tensor) else t for k, t in enumerate(inputs)]
         outs = compute(inputs, align, lanes)
         if torch.is_grad_enabled():
             for j, o in enumerate(outs):
