@@ -55,6 +55,13 @@ def _copy(root: Path, name: str) -> Path:
     return root / name / "manifest.json"
 
 
+def _mark_exact(path: Path) -> None:
+    """The copied patch as `--exact` generated it: gated by equality with the engine's prefill scoring."""
+    manifest = load_manifest(path)
+    manifest.exact = True
+    save_json(manifest, path)
+
+
 def test_a_region_the_engine_does_not_have_is_left_out(setup):
     root, base, regions = setup
     widening = "model.layers.*.mlp.act_fn#gated_act"
@@ -102,9 +109,7 @@ def test_an_exact_patch_keeps_a_region_by_equality_with_the_engine_not_by_noise(
     'engine' leaves it out) is left out by the same count, and each effect says equality decided."""
     root, base, regions = setup
     path = _copy(root, "exact")
-    manifest = load_manifest(path)
-    manifest.exact = True
-    save_json(manifest, path)
+    _mark_exact(path)
     samples = _one_matched_one_not(base, path, regions)
     for s in samples:
         s.prefill_logprobs = list(s.logprobs)
@@ -114,9 +119,7 @@ def test_an_exact_patch_keeps_a_region_by_equality_with_the_engine_not_by_noise(
 
     widening = "model.layers.*.mlp.act_fn#gated_act"
     path = _copy(root, "exact-one-out")
-    manifest = load_manifest(path)
-    manifest.exact = True
-    save_json(manifest, path)
+    _mark_exact(path)
     samples = _engine(base, path, [r for r in regions if r != widening])
     for s in samples:
         s.prefill_logprobs = list(s.logprobs)
@@ -133,9 +136,7 @@ def test_an_exact_patch_short_of_the_engine_that_widens_the_gap_is_decided_by_k3
     decides, and a patch that widens k3 ships nothing."""
     root, base, regions = setup
     path = _copy(root, "exact-widens")
-    manifest = load_manifest(path)
-    manifest.exact = True
-    save_json(manifest, path)
+    _mark_exact(path)
     samples = _one_matched_one_not(base, path, regions)
     for s in samples:
         s.prefill_logprobs = list(s.logprobs)
