@@ -210,13 +210,18 @@ def test_a_top1_routers_logsumexp_is_the_engines_unrolled_scalar_loop(monkeypatc
 
     import torch
 
-    from graphdiff.analysis.moe import router_logsumexp_scalar
+    from graphdiff.analysis.moe import router_logsumexp_form
 
     rec = json.loads((MIXTRAL.parent / "qwen2_moe_top1_router_kernel.json").read_text())
-    assert router_logsumexp_scalar(rec["code"])
+    assert router_logsumexp_form(rec["code"]) == "scalar-fp32"
+    stored = rec["code"].replace("c10::convert<float>(tmp42)", "c10::convert<at::BFloat16>(tmp42)")
+    assert router_logsumexp_form(stored) == "scalar"  # top-2 of 6: the sum stored in BF16 for the weights' loop
     vectorized = json.loads((MIXTRAL.parent / "qwen2_moe_router_kernel.json").read_text())["code"]
-    assert not router_logsumexp_scalar(vectorized)
-    assert "MOE_ROUTER_SCALAR_LOGSUMEXP = True" in moe_engine.moe_constants({"router_logsumexp": "scalar"})
+    assert router_logsumexp_form(vectorized) == ""
+    assert "MOE_ROUTER_SCALAR_LOGSUMEXP, MOE_ROUTER_LOGSUMEXP_FP32 = True, True" in moe_engine.moe_constants(
+        {"router_logsumexp": "scalar-fp32"})
+    assert "MOE_ROUTER_SCALAR_LOGSUMEXP, MOE_ROUTER_LOGSUMEXP_FP32 = True, False" in moe_engine.moe_constants(
+        {"router_logsumexp": "scalar"})
     logits = torch.tensor(rec["logits_bf16_bits"], dtype=torch.int16).view(torch.bfloat16).reshape(-1, rec["experts"])
     engine = torch.tensor(rec["weights_fp32_bits"], dtype=torch.int32).view(torch.float32).reshape(-1, 1)
 
@@ -234,11 +239,13 @@ def test_a_top1_routers_logsumexp_is_the_engines_unrolled_scalar_loop(monkeypatc
     monkeypatch.setattr(moe_engine, "MOE_ROUTER_SCALAR_EXP", True)
     monkeypatch.setattr(moe_engine, "MOE_ROUTER_TOPK_SORTED", False)
     got = {}
-    for scalar in (True, False):
-        monkeypatch.setattr(moe_engine, "MOE_ROUTER_SCALAR_LOGSUMEXP", scalar)
-        _, got[scalar], _ = moe_engine.moe_router_like_engine(Router(), logits)
-    assert torch.equal(got[True], engine)
-    assert not torch.equal(got[False], engine)  # the vectorized form's BF16 logsumexp is another value
+    for form in ((True, True), (True, False), (False, False)):
+        monkeypatch.setattr(moe_engine, "MOE_ROUTER_SCALAR_LOGSUMEXP", form[0])
+        monkeypatch.setattr(moe_engine, "MOE_ROUTER_LOGSUMEXP_FP32", form[1])
+        _, got[form], _ = moe_engine.moe_router_like_engine(Router(), logits)
+    assert torch.equal(got[True, True], engine)
+    assert not torch.equal(got[True, False], engine)  # stored in BF16, the sum is another value
+    assert not torch.equal(got[False, False], engine)  # so is the vectorized form's
 
 
 def test_qwen2_moes_gated_shared_expert_is_carried_and_its_router_exp_is_scalar(tmp_path: Path) -> None:

@@ -41,8 +41,8 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
     """How the engine ran its experts, from its first fused-MoE call (`_C.cpu_fused_moe`): the op, its activation
     and ISA, the intermediate size its packed gate/up weight is padded to, the lanes its router kernel sums a
     logsumexp's exps in (a router that does not renormalize its top-k: OLMoE, Qwen2-MoE) and, `router_exp`
-    "scalar", where that kernel computes the weights' exp unvectorized (`router_logsumexp` "scalar": the logsumexp
-    too, in one unrolled loop), the engine's own GEMM op where it computes
+    "scalar", where that kernel computes the weights' exp unvectorized (`router_logsumexp`: the logsumexp too, in
+    one unrolled loop, `router_logsumexp_form`), the engine's own GEMM op where it computes
     the router logits from an FP32 input (`router_gemm`: vLLM's FP32 gate on oneDNN, whose sums run in another order
     than ATen's), and the constant it scales the op's output by (`output_scale`: vLLM applies a routed scaling factor
     to the experts' sum, where transformers scales the routing weights), `router_topk` "unsorted" where its router
@@ -77,8 +77,8 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
                 found["addmm_combine"] = "extern_kernels.addmm"
             if router is not None and router_exp_scalar(router.code or ""):
                 found["router_exp"] = "scalar"
-            if router is not None and router_logsumexp_scalar(router.code or ""):
-                found["router_logsumexp"] = "scalar"
+            if router is not None and router_logsumexp_form(router.code or ""):
+                found["router_logsumexp"] = router_logsumexp_form(router.code or "")
             return found
     return {}
 
@@ -198,11 +198,15 @@ def router_exp_scalar(code: str) -> bool:
     return scalar > vector
 
 
-def router_logsumexp_scalar(code: str) -> bool:
-    """Does a router kernel (C++) compute its logsumexp in one loop Inductor did not vectorize (a small top-1 row,
-    unrolled): `std::exp` of each logit less the max, summed left to right, `std::log`, the max added and the sum
-    kept in FP32, where the vectorized form sums in lanes and stores the logsumexp in BF16 between two loops?"""
-    return "std::log(" in code and ".log()" not in code
+def router_logsumexp_form(code: str) -> str:
+    """How a router kernel (C++) computes its logsumexp where Inductor unrolled it into one loop it did not vectorize
+    (a small row): `std::exp` of each logit less the max, summed left to right, `std::log`, the max added; then
+    "scalar" where the kernel stores that sum in BF16 for the weights' loop (top-2 of 6), "scalar-fp32" where it
+    keeps it in a register (top-1: the weight in the same loop). "" for the vectorized form (lanes, a BF16 store)."""
+    at = code.find("std::log(")
+    if at < 0 or ".log()" in code:
+        return ""
+    return "scalar" if "convert<at::BFloat16>" in code[at:] else "scalar-fp32"
 
 
 def experts_modules(graph: Graph) -> dict[str, dict[str, str]]:

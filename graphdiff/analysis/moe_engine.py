@@ -21,8 +21,9 @@ MOE_ISA, MOE_ACTIVATION, MOE_PADDED_INTERMEDIATE, MOE_ROUTER_LANES = "vec", "sil
 MOE_OUTPUT_SCALE = 1.0
 # The router's kernel computes the weights' exp unvectorized (std::exp, not SLEEF's: ScanResult.engine_experts)
 MOE_ROUTER_SCALAR_EXP = False
-# The router's kernel computes the logsumexp in one unvectorized loop: std::exp, summed left to right, std::log, FP32
-MOE_ROUTER_SCALAR_LOGSUMEXP = False
+# The router's kernel computes the logsumexp in one unvectorized loop (std::exp, summed left to right, std::log), and
+# keeps it FP32 for the weights (MOE_ROUTER_LOGSUMEXP_FP32) rather than storing it in BF16
+MOE_ROUTER_SCALAR_LOGSUMEXP, MOE_ROUTER_LOGSUMEXP_FP32 = False, False
 # The engine takes the router's top-k unsorted: the experts' order decides the order their weights are summed in
 MOE_ROUTER_TOPK_SORTED = True
 # The engine runs the MoE block's one-output linears (a shared expert's gate) as a GEMM of its own (oneDNN)
@@ -39,7 +40,8 @@ def moe_constants(engine_experts: dict[str, str]) -> list[str]:
             f"{e.get('activation', 'silu')!r}, {int(e.get('padded_intermediate', 0))}, {int(e.get('router_lanes', 0))}",
             f"MOE_OUTPUT_SCALE = {float(e.get('output_scale', 1.0))!r}",
             f"MOE_ROUTER_SCALAR_EXP = {e.get('router_exp') == 'scalar'}",
-            f"MOE_ROUTER_SCALAR_LOGSUMEXP = {e.get('router_logsumexp') == 'scalar'}",
+            f"MOE_ROUTER_SCALAR_LOGSUMEXP, MOE_ROUTER_LOGSUMEXP_FP32 = "
+            f"{e.get('router_logsumexp', '').startswith('scalar')}, {e.get('router_logsumexp') == 'scalar-fp32'}",
             f"MOE_ROUTER_TOPK_SORTED = {e.get('router_topk') != 'unsorted'}",
             f"MOE_ONE_OUTPUT_GEMM = {bool(e.get('one_output_gemm'))}",
             f"MOE_ADDMM_COMBINE = {bool(e.get('addmm_combine'))}"]
@@ -58,7 +60,7 @@ def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.T
     MOE_ROUTER_TOPK_SORTED), softmax over those k in FP32
     (renormalized: their exps summed left to right, as the engine's kernel unrolls the row; else their share of all)
     with the exp of the engine's Inductor kernel (vectorized or, where MOE_ROUTER_SCALAR_EXP, not: the weights' exp
-    in a two-wide loop; MOE_ROUTER_SCALAR_LOGSUMEXP: the logsumexp too, as one unrolled top-1 loop computes it),
+    in a two-wide loop; MOE_ROUTER_SCALAR_LOGSUMEXP: the logsumexp too, as one unrolled loop computes it),
     weights kept FP32. Returned in the order the module's own forward returns them (Qwen:
     logits, weights, indices; Granite: indices, weights, logits), told apart by dtype and width on the module's
     first call."""
@@ -73,12 +75,14 @@ def moe_router_like_engine(module, hidden_states: torch.Tensor) -> tuple[torch.T
         x = logits.float()
         top = x.amax(-1, keepdim=True)
         top = torch.where(top.abs() == float("inf"), torch.zeros_like(top), top)
-        if MOE_ROUTER_SCALAR_LOGSUMEXP:  # one unrolled scalar loop, the sum kept in FP32
+        if MOE_ROUTER_SCALAR_LOGSUMEXP:  # one unrolled scalar loop
             log_z = inductor_math("log", left_to_right_sum(inductor_math("exp", x - top, True)), True) + top
-        else:  # exps summed in the kernel's lanes, log, + max, stored in the logits' dtype (BF16) between loops
+        else:  # exps summed in the kernel's lanes, log, + max
             exps = inductor_math("exp", x - top)
             total = ordered_sum(exps, [-1], True, MOE_ROUTER_LANES) if MOE_ROUTER_LANES else exps.sum(-1, keepdim=True)
-            log_z = (inductor_math("log", total) + top).to(logits.dtype).float()
+            log_z = inductor_math("log", total) + top
+        if not MOE_ROUTER_LOGSUMEXP_FP32:  # stored in the logits' dtype (BF16) between the kernel's loops
+            log_z = log_z.to(logits.dtype).float()
         weights = inductor_math("exp", values.float() - log_z, MOE_ROUTER_SCALAR_EXP)
     order = module.__dict__.get("_graphdiff_router_order")
     if order is None:  # the module's own forward, once per module: which output is which, and its dtype
