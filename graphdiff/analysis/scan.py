@@ -51,6 +51,7 @@ from graphdiff.records import (
 from graphdiff.replay.kernel_fragment import value_base
 from graphdiff.replay.reload import stored_alone
 from graphdiff.replay.sum_order import cpp_rereads_store, cpp_sum_lanes_each, is_row_norm, is_row_reduction
+from graphdiff.runtime import module_regex
 
 PROVEN = 0.999  # a kernel whose predicted replay is below this is unexplained: its sites are unproven
 
@@ -249,7 +250,11 @@ def _sites_and_regions(plan: list[Decision], tgraph: Graph, engine_cap: Capture,
     return sites, regions
 
 
-def _mark_regions(regions: list, sites: list[Site], labels: list[str], replay: list[KernelEvidence]) -> None:
+def _mark_regions(regions: list, sites: list[Site], labels: list[str], replay: list[KernelEvidence],
+                  ordered: dict[str, int]) -> None:
+    """Each region's shapes and proof, and the lanes its modules' engine kernels sum rows in: its sites' kernels',
+    and for the other layers its splice serves, the order the engine sums those modules' rows in (`ordered`: by
+    value matches, else by module name)."""
     by_id = {s.id: s for s in sites}
     lanes = kernel_lanes(replay)
     for r in regions:
@@ -257,7 +262,9 @@ def _mark_regions(regions: list, sites: list[Site], labels: list[str], replay: l
         r.shapes = [label for label in labels if any(label in s.shapes for s in members)]
         r.shape_dependent = any(s.shapes != labels for s in members)
         r.proven = all(s.proven for s in members)
-        r.reduction_lanes = module_lanes(members, lanes)
+        served = module_regex(r.module) if r.module else None
+        r.reduction_lanes = {**{m: n for m, n in ordered.items() if served and served.match(m)},
+                             **module_lanes(members, lanes)}
 
 
 def kernel_lanes(replay: list[KernelEvidence]) -> dict[str, int]:
@@ -288,6 +295,21 @@ def ordered_sums(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]]
     for module, count in _layer_norm_lanes(tgraph, engine_graphs, lanes).items():
         found.setdefault(module, set()).add(count)
     return {m: next(iter(v)) for m, v in sorted(found.items()) if len(v) == 1 and next(iter(v)) > 0}
+
+
+def lanes_by_module_name(tgraph: Graph, engine_graphs: list[Graph], lanes: dict[str, int]) -> dict[str, int]:
+    """HF module -> the lanes the engine sums the rows of its module of the same name in (vLLM names its norms as HF
+    does), for modules with row reductions on both sides. It stands where no value match pairs the two: the
+    engine's FP32 residual makes the unpatched trainer's sums other values, so a norm after the first layer goes
+    unmatched while its region's splice serves it too."""
+    tnodes, each = tgraph.node_map(), _reduction_lanes(engine_graphs)
+    with_rows = {n.module for n in tgraph.nodes if n.module and is_row_reduction(n, tnodes)}
+    found: dict[str, set[int]] = {}
+    for g in engine_graphs:
+        for n in g.nodes:
+            if n.module in with_rows and n.kernel and n.target.endswith((".mean.dim", ".sum.dim_IntList")):
+                found.setdefault(n.module, set()).add(each.get((g.name, n.name)) or lanes.get(n.kernel, 0))
+    return {m: next(iter(v)) for m, v in found.items() if len(v) == 1 and next(iter(v)) > 0}
 
 
 def rope_table_dtype(engine_graphs: list[Graph]) -> str:
@@ -549,7 +571,9 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     timings["shapes_s"] = time.perf_counter() - t
     sites, regions = _sites_and_regions(plan, tgraph, engine_cap, labels)
     not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs, engine_cap.attention)
-    _mark_regions(regions, sites, labels, replay)
+    ordered = ordered_sums(tgraph, matched, engine_cap.graphs, kernel_lanes(replay))
+    _mark_regions(regions, sites, labels, replay,
+                  {**lanes_by_module_name(tgraph, engine_cap.graphs, kernel_lanes(replay)), **ordered})
     routing = _routing(engine_cap, buffers, train, labels[0])
     t = time.perf_counter()
     uniformity = (site_nonuniformity(tgraph, train.gm, train.values, sites,
@@ -578,19 +602,19 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         engine_unread=engine_cap.unread_params,
         timings={"analysis_s": round(time.perf_counter() - t0, 3), **{k: round(v, 3) for k, v in timings.items()}},
         reproduce=reproduce, notes=notes, nonuniformity=uniformity, routing=sorted(routing, key=lambda a: a.layer),
-        departure=departure, **_engine_reads(tgraph, matched, engine_cap.graphs, plan, replay, engine_values,
-                                             buffers.get(labels[0], {}), labels[0]),
+        departure=departure, ordered_sums=ordered,
+        **_engine_reads(tgraph, matched, engine_cap.graphs, plan, replay, engine_values, buffers.get(labels[0], {}),
+                        labels[0]),
     )
 
 
 def _engine_reads(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]]], engine_graphs: list[Graph],
                   plan: list[Decision], replay: list[KernelEvidence], engine_values: dict[str, dict],
                   records: dict, ref: str) -> dict[str, Any]:
-    """How the engine's kernels compute what no site marks (ScanResult fields): the order they sum rows in, the
-    stored copies they read back, the residual sums they round, the ops they compute with Inductor's math."""
+    """How the engine's kernels compute what no site marks (ScanResult fields): the stored copies they read back,
+    the residual sums they round, the ops they compute with Inductor's math."""
     sums = residual_sums(tgraph, matched, engine_graphs, plan)
-    return dict(ordered_sums=ordered_sums(tgraph, matched, engine_graphs, kernel_lanes(replay)),
-                norm_rereads=norm_rereads(tgraph, engine_graphs, matched),
+    return dict(norm_rereads=norm_rereads(tgraph, engine_graphs, matched),
                 norm_reads_stored=norm_reads_stored(tgraph, engine_graphs), rounded_sums=sums[0], stored_sums=sums[1],
                 inductor_math=math_differences(tgraph, matched, engine_graphs, engine_values, records,
                                                [r for r in replay if r.shape in ("", ref)], replay))
