@@ -447,7 +447,8 @@ def test_a_table_made_from_positions_is_read_in_its_recorded_dtype() -> None:
     them back to the recorded dtype; an activation input (q) is not."""
     import torch
 
-    from graphdiff.codegen.cut import fixed_inputs
+    from graphdiff.codegen.cut import _keep_spliced_inputs, fixed_inputs
+    from graphdiff.codegen.fragment import Fragment
     from graphdiff.records import FunctionSplice, Graph, Node
     from graphdiff.runtime.dispatch import chooser
 
@@ -466,6 +467,16 @@ def test_a_table_made_from_positions_is_read_in_its_recorded_dtype() -> None:
         n("hidden", "hidden", [], "bfloat16", "placeholder")])
     assert fixed_inputs(graph, ["cos", "q", "hidden", "table", "cos32"], set()) == {"cos": "bfloat16"}
     assert fixed_inputs(graph, ["cos"], {"cos"}) == {}  # a table input the engine rounds when aligned instead
+    # a rotary module that is a region of its own hands its cos on in FP32 on purpose: not cast back
+    nodes = graph.node_map()
+    rotary = Fragment(key="model.rotary_emb", target="module", module="model.rotary_emb", module_class="Rotary",
+                      nodes=[nodes[n] for n in ("freqs", "cos32", "cos")], inputs=["inv_freq", "pos"],
+                      outputs=["cos"])
+    for made_by in ([], [rotary]):
+        rope = Fragment(key="rope", target="function", module="model.layers.*.self_attn", module_class="Attention",
+                        inputs=["cos", "q"], fixed_inputs={"cos": "bfloat16"})
+        _keep_spliced_inputs(graph, [*made_by, rope])
+        assert rope.fixed_inputs == ({} if made_by else {"cos": "bfloat16"})
 
     seen: list[torch.dtype] = []
 

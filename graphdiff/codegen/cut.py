@@ -248,9 +248,21 @@ def cut_fragments(scan: ScanResult, graph: Graph, regions: list[str] | None = No
     wanted = [r for r in scan.regions if (regions is None or r.name in regions) and r.kind not in OPAQUE_KINDS]
     cuts = [(r, g, fragment_for(scan, graph, r, g)) for r in wanted for g in layer_groups(scan, r, graph)]
     frags = merge(_common_groups(scan, graph, cuts))
+    _keep_spliced_inputs(graph, frags)
     decide_outputs(graph, frags, {s.train.node: s.region for s in scan.sites if s.region in fp32_attention},
                    replaced)
     return frags
+
+
+def _keep_spliced_inputs(graph: Graph, frags: list[Fragment]) -> None:
+    """No fixed input is one another splice makes: a rotary module that is a region of its own (Phi through vLLM's
+    Transformers backend) hands its cos/sin on in FP32 on purpose, as the engine computes them."""
+    made = {n.name for f in frags for n in f.nodes}
+    nodes = graph.node_map()
+    for f in frags:
+        f.fixed_inputs = {i: dtype for i, dtype in f.fixed_inputs.items()
+                          if i not in made and not any(x in made for x in walk(
+                              [i], lambda name: [x for x in nodes[name].inputs if x in nodes]))}
 
 
 def _common_groups(scan: ScanResult, graph: Graph,
