@@ -50,7 +50,7 @@ def fixed_inputs(graph: Graph, inputs: list[str], skip: set[str]) -> dict[str, s
             continue
         back = walk([i], lambda name: [x for x in nodes[name].inputs if x in nodes])
         if not activation(i) and not any(activation(x) for x in back):  # lazy: stops at the first activation
-            out[i] = n.dtype
+            out[i] = str(n.dtype)
     return out
 
 
