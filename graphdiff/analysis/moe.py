@@ -77,8 +77,8 @@ def engine_experts_op(graphs: list[Graph]) -> dict[str, str]:
                 found["addmm_combine"] = "extern_kernels.addmm"
             if router is not None and router_exp_scalar(router.code or ""):
                 found["router_exp"] = "scalar"
-            if router is not None and router_logsumexp_form(router.code or ""):
-                found["router_logsumexp"] = router_logsumexp_form(router.code or "")
+            if router is not None and (form := router_logsumexp_form(router.code or "")):
+                found["router_logsumexp"] = form
             return found
     return {}
 

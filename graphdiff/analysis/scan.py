@@ -251,14 +251,14 @@ def _sites_and_regions(plan: list[Decision], tgraph: Graph, engine_cap: Capture,
 
 
 def _mark_regions(regions: list, sites: list[Site], labels: list[str], replay: list[KernelEvidence], tgraph: Graph,
-                  engine_graphs: list[Graph], matched: dict[str, tuple[list[Match], list[str]]]) -> None:
+                  engine_graphs: list[Graph], matched: dict[str, tuple[list[Match], list[str]]]) -> dict[str, int]:
     """Each region's shapes and proof, and the lanes its modules' engine kernels sum rows in: its sites' kernels',
     and for the other layers its splice serves, the order the engine sums those modules' rows in (by value
-    matches, `ordered_sums`, else by module name)."""
+    matches, `ordered_sums`, else by module name). Returns `ordered_sums` (ScanResult.ordered_sums)."""
     by_id = {s.id: s for s in sites}
     lanes = kernel_lanes(replay)
-    ordered = {**lanes_by_module_name(tgraph, engine_graphs, lanes), **ordered_sums(tgraph, matched, engine_graphs,
-                                                                                   lanes)}
+    matched_sums = ordered_sums(tgraph, matched, engine_graphs, lanes)
+    ordered = {**lanes_by_module_name(tgraph, engine_graphs, lanes), **matched_sums}
     for r in regions:
         members = [by_id[i] for i in r.sites]
         r.shapes = [label for label in labels if any(label in s.shapes for s in members)]
@@ -267,6 +267,7 @@ def _mark_regions(regions: list, sites: list[Site], labels: list[str], replay: l
         served = module_regex(r.module) if r.module else None
         r.reduction_lanes = {**{m: n for m, n in ordered.items() if served and served.match(m)},
                              **module_lanes(members, lanes)}
+    return matched_sums
 
 
 def kernel_lanes(replay: list[KernelEvidence]) -> dict[str, int]:
@@ -573,7 +574,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
     timings["shapes_s"] = time.perf_counter() - t
     sites, regions = _sites_and_regions(plan, tgraph, engine_cap, labels)
     not_replayed, unexplained, unregistered = _proof(sites, plan, replay, engine_cap.graphs, engine_cap.attention)
-    _mark_regions(regions, sites, labels, replay, tgraph, engine_cap.graphs, matched)
+    ordered = _mark_regions(regions, sites, labels, replay, tgraph, engine_cap.graphs, matched)
     routing = _routing(engine_cap, buffers, train, labels[0])
     t = time.perf_counter()
     uniformity = (site_nonuniformity(tgraph, train.gm, train.values, sites,
@@ -602,19 +603,20 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         engine_unread=engine_cap.unread_params,
         timings={"analysis_s": round(time.perf_counter() - t0, 3), **{k: round(v, 3) for k, v in timings.items()}},
         reproduce=reproduce, notes=notes, nonuniformity=uniformity, routing=sorted(routing, key=lambda a: a.layer),
-        departure=departure, **_engine_reads(tgraph, matched, engine_cap.graphs, plan, replay, engine_values,
-                                             buffers.get(labels[0], {}), labels[0]),
+        departure=departure, ordered_sums=ordered, **_engine_reads(tgraph, matched, engine_cap.graphs, plan,
+                                                                   replay, engine_values, buffers.get(labels[0], {}),
+                                                                   labels[0]),
     )
 
 
 def _engine_reads(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]]], engine_graphs: list[Graph],
                   plan: list[Decision], replay: list[KernelEvidence], engine_values: dict[str, dict],
                   records: dict, ref: str) -> dict[str, Any]:
-    """How the engine's kernels compute what no site marks (ScanResult fields): the order they sum rows in, the
-    stored copies they read back, the residual sums they round, the ops they compute with Inductor's math."""
+    """How the engine's kernels compute what no site marks (ScanResult fields): the stored copies they read back,
+    the residual sums they round, the ops they compute with Inductor's math (the order they sum rows in:
+    `_mark_regions`)."""
     sums = residual_sums(tgraph, matched, engine_graphs, plan)
-    return dict(ordered_sums=ordered_sums(tgraph, matched, engine_graphs, kernel_lanes(replay)),
-                norm_rereads=norm_rereads(tgraph, engine_graphs, matched),
+    return dict(norm_rereads=norm_rereads(tgraph, engine_graphs, matched),
                 norm_reads_stored=norm_reads_stored(tgraph, engine_graphs), rounded_sums=sums[0], stored_sums=sums[1],
                 inductor_math=math_differences(tgraph, matched, engine_graphs, engine_values, records,
                                                [r for r in replay if r.shape in ("", ref)], replay))

@@ -5,6 +5,7 @@ fragments cut, merged per splice point and their outputs decided (`cut_fragments
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 
 from graphdiff.analysis.regions import OPAQUE_KINDS
 from graphdiff.analysis.rounding import is_view
@@ -48,10 +49,14 @@ def fixed_inputs(graph: Graph, inputs: list[str], skip: set[str]) -> dict[str, s
         n = nodes.get(i)
         if n is None or i in skip or n.param is not None or not is_low(n.dtype):
             continue
-        back = walk([i], lambda name: [x for x in nodes[name].inputs if x in nodes])
-        if not activation(i) and not any(activation(x) for x in back):  # lazy: stops at the first activation
+        if not activation(i) and not any(activation(x) for x in producers(nodes, i)):  # stops at the first
             out[i] = str(n.dtype)
     return out
+
+
+def producers(nodes: dict[str, Node], name: str) -> Iterator[str]:
+    """Every node `name` is computed from, nearest first (lazy)."""
+    return walk([name], lambda n: [x for x in nodes[n].inputs if x in nodes])
 
 
 def _table_inputs(scan: ScanResult, graph: Graph, region: Region, inputs: list[str]) -> dict[str, str]:
@@ -261,8 +266,7 @@ def _keep_spliced_inputs(graph: Graph, frags: list[Fragment]) -> None:
     nodes = graph.node_map()
     for f in frags:
         f.fixed_inputs = {i: dtype for i, dtype in f.fixed_inputs.items()
-                          if i not in made and not any(x in made for x in walk(
-                              [i], lambda name: [x for x in nodes[name].inputs if x in nodes]))}
+                          if i not in made and not any(x in made for x in producers(nodes, i))}
 
 
 def _common_groups(scan: ScanResult, graph: Graph,

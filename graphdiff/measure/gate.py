@@ -68,12 +68,13 @@ def _interval(with_: np.ndarray, without: np.ndarray, counts: np.ndarray, seed: 
 
 
 def _leave_out(base: torch.nn.Module, manifest_path: Path, samples: Sequence[EngineSample], regions: list[str],
-               by: str, progress: Progress) -> tuple[list[str], list[str], dict[str, RegionEffect]]:
+               by: str, progress: Progress) -> tuple[list[str], list[str], dict[str, RegionEffect], tuple | None]:
     """Leave-one-out from `regions`: while removing one improves the criterion `by` (fewer tokens equal the engine's
-    prefill for "equality", a lower k3 for "k3"), the worst is left out. The enabled, the left out, each effect."""
-    enabled, left_out, effects = list(regions), [], {}
+    prefill for "equality", a lower k3 for "k3"), the worst is left out. The enabled, the left out, each effect, and
+    the enabled set's `_gap` (None where none is left)."""
+    enabled, left_out, effects, final = list(regions), [], {}, None
     while enabled:
-        full, counts, _, full_equal = _gap(base, manifest_path, enabled, samples)
+        final = full, counts, _, full_equal = _gap(base, manifest_path, enabled, samples)
         worst, worst_harm = None, 0.0
         for r in enabled:
             progress(f"without {r}")
@@ -90,7 +91,8 @@ def _leave_out(base: torch.nn.Module, manifest_path: Path, samples: Sequence[Eng
             break
         enabled.remove(worst)
         left_out.append(worst)
-    return enabled, left_out, effects
+        final = None
+    return enabled, left_out, effects, final
 
 
 def select_regions(base: torch.nn.Module, manifest_path: Path, samples: Sequence[EngineSample],
@@ -106,9 +108,8 @@ def select_regions(base: torch.nn.Module, manifest_path: Path, samples: Sequence
     none_k3, counts, none_rms, none_equal = _gap(base, manifest_path, [], samples)
     k3_none = none_k3.sum() / counts.sum()
     notes = [n for n in manifest.notes if not n.startswith("measured:")]
-    enabled, left_out, effects = _leave_out(base, manifest_path, samples, generated, by, progress)
-    final_k3, _, final_rms, final_equal = (_gap(base, manifest_path, enabled, samples) if enabled
-                                           else (none_k3, counts, none_rms, none_equal))
+    enabled, left_out, effects, final = _leave_out(base, manifest_path, samples, generated, by, progress)
+    final_k3, _, final_rms, final_equal = final or (none_k3, counts, none_rms, none_equal)
     k3_final = final_k3.sum() / counts.sum()
     if by == "equality" and enabled and final_equal < counts.sum() and (k3_final > k3_none or final_rms > none_rms):
         # equality decides while it reaches the engine; short of it, a few more equal tokens must not buy a wider gap
@@ -116,9 +117,8 @@ def select_regions(base: torch.nn.Module, manifest_path: Path, samples: Sequence
                      f"the engine's prefill, not all, and widen the gap (k3 {k3_none:.3g} -> {k3_final:.3g}, rms "
                      f"{none_rms:.4f} -> {final_rms:.4f}): decided by k3 instead")
         by = "k3"
-        enabled, left_out, effects = _leave_out(base, manifest_path, samples, generated, by, progress)
-        final_k3, _, final_rms, final_equal = (_gap(base, manifest_path, enabled, samples) if enabled
-                                               else (none_k3, counts, none_rms, none_equal))
+        enabled, left_out, effects, final = _leave_out(base, manifest_path, samples, generated, by, progress)
+        final_k3, _, final_rms, final_equal = final or (none_k3, counts, none_rms, none_equal)
         k3_final = final_k3.sum() / counts.sum()
     # narrowed measurably: the 95% interval of the k3 change (sequences resampled, paired) lies below zero, so that
     # other samples do not see it widen (a change within the noise ships nothing); an exact patch: more tokens equal
