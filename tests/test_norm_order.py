@@ -286,3 +286,38 @@ def test_a_regions_later_layers_sum_in_the_order_of_their_engine_modules() -> No
     got = lanes_by_module_name(train, [engine], {"k0": 16, "k1": 16, "k2": 8, "k9": 8})
     assert got == {norms[0]: 16, norms[1]: 16, norms[2]: 8}  # model.norm: no trainer row sum of that name
     assert lanes_by_module_name(train, [engine], {"k0": 16}) == {norms[0]: 16}  # no order read: none claimed
+
+
+QWEN2_MOE = FIXTURES / "scans" / "tiny-qwen2-moe-3"
+
+
+def test_a_final_norm_the_patch_feeds_fp32_rounds_as_its_input_dtype_says(tmp_path: Path) -> None:
+    """A final norm no value match paired (its engine input is the FP32 residual) is a `sum_order` region; HF's
+    `.to(input_dtype)` before the weight rounds a BF16 input's normalized value and is no cast for the FP32 one the
+    carry hands it, as the engine's kernel on its FP32 residual does not round there. The splice does the same."""
+    from graphdiff.capture.hf import load_hf_model
+    from graphdiff.codegen.generate import load_scan_dir, make_patch, write_patch
+
+    scan, train = load_scan_dir(QWEN2_MOE)
+    unmatched = scan.model_copy(update={"regions": [r for r in scan.regions if r.module != "model.norm"]})
+    manifest = write_patch(make_patch(unmatched, train, regions=["model.norm#sum_order"]), tmp_path / "patch")
+    splice = next(s for s in manifest.splices if s.module == "model.norm")
+    assert splice.reduction_lanes == {"model.norm": 16} and "input's dtype" in splice.triton_problem
+    model = load_hf_model(make_tiny("qwen2_moe", tmp_path / "m", layers=3))
+    norm = model.model.norm
+    x = torch.randn(4096, model.config.hidden_size, generator=torch.Generator().manual_seed(2)) * 3
+
+    def engine_order(h: torch.Tensor, round_normed: bool) -> torch.Tensor:
+        normed = h.float() * torch.rsqrt(ordered_mean(h.float().pow(2), [-1], True, 16) + norm.variance_epsilon)
+        normed = normed.to(torch.bfloat16).float() if round_normed else normed
+        return (norm.weight.float() * normed).to(torch.bfloat16)
+
+    runtime.apply(model, tmp_path / "patch")
+    try:
+        out = norm(x)
+        assert torch.equal(out, engine_order(x, round_normed=False))
+        assert not torch.equal(out, engine_order(x, round_normed=True))  # rounding as traced would differ
+        low = x.to(torch.bfloat16)
+        assert torch.equal(norm(low), engine_order(low, round_normed=True))
+    finally:
+        runtime.remove(model)

@@ -254,11 +254,12 @@ def _mark_regions(regions: list, sites: list[Site], labels: list[str], replay: l
                   engine_graphs: list[Graph], matched: dict[str, tuple[list[Match], list[str]]]) -> dict[str, int]:
     """Each region's shapes and proof, and the lanes its modules' engine kernels sum rows in: its sites' kernels',
     and for the other layers its splice serves, the order the engine sums those modules' rows in (by value
-    matches, `ordered_sums`, else by module name). Returns `ordered_sums` (ScanResult.ordered_sums)."""
+    matches, `ordered_sums`, else by module name). Returns them (ScanResult.ordered_sums): a module no value match
+    pairs (the final norm, reading the engine's FP32 residual) is ordered by name too."""
     by_id = {s.id: s for s in sites}
     lanes = kernel_lanes(replay)
-    matched_sums = ordered_sums(tgraph, matched, engine_graphs, lanes)
-    ordered = {**lanes_by_module_name(tgraph, engine_graphs, lanes), **matched_sums}
+    ordered = {**lanes_by_module_name(tgraph, engine_graphs, lanes),
+               **ordered_sums(tgraph, matched, engine_graphs, lanes)}
     for r in regions:
         members = [by_id[i] for i in r.sites]
         r.shapes = [label for label in labels if any(label in s.shapes for s in members)]
@@ -267,7 +268,7 @@ def _mark_regions(regions: list, sites: list[Site], labels: list[str], replay: l
         served = module_regex(r.module) if r.module else None
         r.reduction_lanes = {**{m: n for m, n in ordered.items() if served and served.match(m)},
                              **module_lanes(members, lanes)}
-    return matched_sums
+    return ordered
 
 
 def kernel_lanes(replay: list[KernelEvidence]) -> dict[str, int]:

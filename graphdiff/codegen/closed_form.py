@@ -263,7 +263,7 @@ def rms_norm(frag: Fragment, nodes: dict[str, Node]) -> RmsNorm | None:
                                                  if n.name not in (normed.name, scaled.name, out.name)):
         return None
     when = rounding(frag, normed.name)
-    if when is not None and when != ("always", "") and when[0] != "unless-aligned":
+    if when is not None and when != ("always", "") and when[0] not in ("unless-aligned", "input-dtype"):
         return None
     return RmsNorm(hidden_states=x_in, weight=weight, eps=float(add.call[0][1]), normed=normed.name, mean=mean.name)
 
@@ -312,7 +312,8 @@ def emit(frag: Fragment, form: RmsNorm | Activation | Rotary, fn_name: str, forw
     when = rounding(frag, norm.normed)
     ordered = frag.ordered.get(norm.mean)
     flags = {r: f"a{k}" for k, r in enumerate(frag.regions) if r in (ordered, when and when[1])}
-    rounded = "True" if when == ("always", "") else "False" if when is None else f"not {flags[when[1]]}"
+    rounded = ("True" if when == ("always", "") else "False" if when is None else
+               f"{names[when[1]]}.dtype != torch.float32" if when[0] == "input-dtype" else f"not {flags[when[1]]}")
     lanes = f"lanes if {flags[ordered]} else 0" if ordered in flags else "0"
     own = [norm.hidden_states, norm.weight]
     at = [frag.inputs.index(i) for i in own]

@@ -153,6 +153,8 @@ def fragment_for(scan: ScanResult, graph: Graph, region: Region, layers: list[in
         frag.reads_store, frag.stored_input = norm_order.store_reads(scan, region, layers)
     if frag.target == "module":
         _bind_params(frag, nodes, path)
+    if region.kind == norm_order.KIND:  # after its parameters are known: the one other input is the activation
+        frag.input_rounds = norm_order.input_rounds(frag, nodes)
     frag.problems += problems
     frag.notes += notes
     if layers:

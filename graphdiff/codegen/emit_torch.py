@@ -202,6 +202,8 @@ def _input_lines(frag: Fragment, names: dict[str, str], nodes: dict[str, Node], 
     lines = []
     for name in frag.inputs:
         x = names[name]
+        if name in frag.input_rounds.values():  # HF casts back to this input's dtype: none for an FP32 input
+            lines.append(f"    {x}_low = {x}.dtype != torch.float32")
         if name in frag.table_inputs:
             flags = " or ".join(flag(index, r) for r in frag.regions)
             dtype = DTYPES.get(frag.table_inputs[name], "torch.bfloat16")
@@ -239,7 +241,8 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
     lines = [f"def {fn_name}({params}, align: frozenset[str], lanes: int = 0) -> tuple[torch.Tensor, ...]:"]
     for region, i in index.items():
         sites = [names[n.name] for n in frag.nodes if frag.sites.get(n.name) == region]
-        lines.append(f"    a{i} = {region!r} in align  # aligned: {', '.join(sites)} stay FP32")
+        what = f"{', '.join(sites)} stay FP32" if sites else "its rows summed in the engine kernel's order"
+        lines.append(f"    a{i} = {region!r} in align  # aligned: {what}")
     lines += _input_lines(frag, names, nodes_by_name, index)
     rereads = store_readers(frag, nodes_by_name)
     copies: set[str] = set()  # the stored copies already made: an input is never reassigned, one copy serves all
@@ -264,6 +267,9 @@ def emit_function(frag: Fragment, fn_name: str, nodes_by_name: dict[str, Node],
         dtype = DTYPES.get(n.dtype or "", "torch.bfloat16")  # an engine-only rounding of an FP32 trainer value
         if when is not None and when[0] == "unless-aligned":
             lines.append(f"    if not {flag(index, when[1])}:  # HF rounds here, the engine does not")
+            lines.append(f"        {x} = _round({x}, {dtype})")
+        elif when is not None and when[0] == "input-dtype":
+            lines.append(f"    if {names[when[1]]}_low:  # HF's cast back to its input's dtype")
             lines.append(f"        {x} = _round({x}, {dtype})")
         elif when is not None and when[0] == "if-aligned":
             lines.append(f"    if {flag(index, when[1])}:  # the engine rounds here, HF does not")

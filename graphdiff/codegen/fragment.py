@@ -26,7 +26,8 @@ from graphdiff.ops import is_heavy, is_low, op_name
 from graphdiff.records import Node
 
 Target = Literal["module", "function", "carry"]
-Rounding = tuple[Literal["always", "unless-aligned", "if-aligned"], str]  # (when, region)
+# (when, region; for "input-dtype" the input whose dtype at run time decides: rounded unless it is FP32)
+Rounding = tuple[Literal["always", "unless-aligned", "if-aligned", "input-dtype"], str]
 
 
 def is_boundary(n: Node) -> bool:
@@ -110,6 +111,9 @@ class Fragment:
     sites: dict[str, str] = joined_by("update", default_factory=dict)
     engine_sites: dict[str, str] = joined_by("update", default_factory=dict)  # engine-rounded site node -> region
     rounds: set[str] = field(default_factory=set)  # nodes HF eager rounds (from the scan's plan)
+    # rounded nodes whose rounding is HF's cast back to an activation input's dtype (`.to(input_dtype)`): node -> that
+    # input; rounded only while the input is low precision at run time (a norm whose input the patch carries in FP32)
+    input_rounds: dict[str, str] = joined_by("update", default_factory=dict)
     keep_fp32: dict[str, bool] = field(default_factory=dict)  # output -> may leave the fragment in FP32
     # output -> the regions it leaves in FP32 only while they are aligned too: the attention regions it reaches (their
     # splice, the engine's op, rounds its inputs as the engine stores them; HF's sdpa refuses mixed dtypes) and the
@@ -167,6 +171,8 @@ def rounding(frag: Fragment, node: str) -> Rounding | None:
     """Where the generated code rounds `node`: always (HF and the engine both store it), unless its region is
     aligned (HF rounds, the engine keeps FP32), only if its region is aligned (the engine rounds, HF not)."""
     if node in frag.rounds:
+        if node in frag.input_rounds:
+            return "input-dtype", frag.input_rounds[node]
         return ("unless-aligned", frag.sites[node]) if node in frag.sites else ("always", "")
     if node in frag.engine_sites:
         return "if-aligned", frag.engine_sites[node]
@@ -175,11 +181,12 @@ def rounding(frag: Fragment, node: str) -> Rounding | None:
 
 def rounding_points(frag: Fragment, align: frozenset[str]) -> set[str]:
     """The nodes the generated code rounds when the regions in `align` are aligned (with the outputs it rounds as it
-    returns them that no node of the fragment reads)."""
+    returns them that no node of the fragment reads); a rounding that follows an input's dtype counts, as the traced
+    inputs and the probes are in their low dtype."""
     out = set()
     for n in frag.nodes:
         r = rounding(frag, n.name)
-        if r is not None and (r[0] == "always" or (r[0] == "unless-aligned") != (r[1] in align)):
+        if r is not None and (r[0] in ("always", "input-dtype") or (r[0] == "unless-aligned") != (r[1] in align)):
             out.add(n.name)
     read = {i for n in frag.nodes for i in n.inputs}
     low = {n.name for n in frag.nodes if is_low(n.dtype)}

@@ -180,6 +180,7 @@ def _emit_splice(frag: Fragment, nodes: dict[str, Node], tokens: int) -> tuple[M
                 body += _closed_form_backward(frag, splice, slug, nodes, values)
                 kernel = ("its norm reads its input back rounded from the engine's store after the mean (PyTorch "
                           "only)" if emit_torch.store_readers(frag, nodes) else
+                          "it rounds where its input's dtype at run time says (PyTorch only)" if frag.input_rounds else
                           "it reads an input as the engine's stored copy where another reader holds it FP32 (PyTorch "
                           "only)" if frag.rounded_reads else emit_triton.emit(frag, slug, nodes,
                                                                                                values))

@@ -6,13 +6,18 @@ order (`replay.sum_order`), ATen's `mean` in another, and the rare row whose FP3
 a BF16 output; everything downstream departs from there. The scan records, per HF module, the lanes its engine
 kernels sum in (`ScanResult.ordered_sums`); a module whose row reductions no region already orders becomes a region
 of kind `sum_order` with no sites, one per module pattern, whose splice is the module's forward with its row sums
-in the engine's order and HF's rounding otherwise.
+in the engine's order and HF's rounding otherwise. HF's rounding there is its cast back to the input's dtype
+(`.to(input_dtype)`): a final norm whose input the patch carries in FP32 rounds nothing before its weight, as the
+engine's kernel on its FP32 residual does not, so the splice rounds there only while its input is low precision
+(`input_rounds`).
 """
 
 from __future__ import annotations
 
 from graphdiff.analysis.regions import module_pattern
-from graphdiff.records import Graph, Node, Region, ScanResult, layer_of
+from graphdiff.codegen.fragment import Fragment
+from graphdiff.ops import is_low, op_name
+from graphdiff.records import Graph, Node, Region, ScanResult, layer_of, walk
 from graphdiff.replay.sum_order import is_row_op
 from graphdiff.runtime import module_regex
 
@@ -82,3 +87,21 @@ def seed_node(graph: Graph, region: Region, layers: list[int] | None = None) -> 
 def calls_children(graph: Graph, module: str) -> bool:
     """Does the module call submodules (its forward then cannot be re-emitted as one leaf's)?"""
     return any((n.module or "").startswith(module + ".") for n in graph.nodes)
+
+
+def input_rounds(frag: Fragment, nodes: dict[str, Node]) -> dict[str, str]:
+    """The fragment's casts of an FP32 value back to its activation input's dtype before its output (HF's
+    `.to(input_dtype)`): node -> that input. Its output's rounding stays (the engine stores the norm's output)."""
+    inputs = [i for i in frag.inputs if i not in frag.params and is_low(nodes[i].dtype)]
+    if len(inputs) != 1:
+        return {}
+    x = inputs[0]
+    inside = {n.name for n in frag.nodes}
+    found = {}
+    for n in frag.nodes:
+        if (n.name in frag.rounds and n.name not in frag.outputs and n.dtype == nodes[x].dtype and n.inputs
+                and op_name(n.target) in ("_to_copy", "convert_element_type")
+                and nodes[n.inputs[0]].dtype == "float32"
+                and x in walk([n.name], lambda m: [i for i in nodes[m].inputs if i in inside or i == x])):
+            found[n.name] = x
+    return found

@@ -190,8 +190,9 @@ class ScanResult(BaseModel):
     routing: list[RoutingAgreement] = Field(default_factory=list)  # MoE models: engine vs trainer expert choice
     departure: Departure | None = None  # where the trainer's values first differ from the engine's (first shape)
     # HF module -> the lanes its engine kernel sums the module's row sums/means in (an RMS norm's mean of squares), for
-    # every module whose matched row reductions all sit in kernels of one such order, sites or not: a module with no
-    # site still sums in another order than ATen's (codegen.norm_order makes it a region of its own)
+    # every module whose matched row reductions all sit in kernels of one such order, sites or not, and by name for a
+    # module no value match pairs (the final norm after the engine's FP32 residual): a module with no site still sums
+    # in another order than ATen's (codegen.norm_order makes it a region of its own)
     ordered_sums: dict[str, int] = Field(default_factory=dict)
     # HF modules whose engine norm kernel reads its input back from the BF16 copy it stored, after summing the mean
     # over the FP32 values it computed (sum_order.cpp_rereads_store)
