@@ -147,3 +147,20 @@ def test_an_exact_patch_short_of_the_engine_that_widens_the_gap_is_decided_by_k3
     assert not any(r.enabled for r in chosen.regions), [r.name for r in chosen.regions if r.enabled]
     assert any("decided by k3 instead" in n for n in chosen.notes), chosen.notes
     assert all(r.effect.decided_by == "k3" for r in chosen.regions if r.effect)
+
+
+def test_an_exact_patch_that_makes_no_token_equal_is_decided_by_k3(setup):
+    """`--exact` where no token equals the engine's prefill with or without the patch (the 'engine' is the patched
+    trainer a little off on every token): equality tells nothing, so k3 decides, and the regions that narrow the gap
+    ship instead of none."""
+    root, base, regions = setup
+    path = _copy(root, "exact-none-equal")
+    _mark_exact(path)
+    samples = _engine(base, path, regions)
+    for s in samples:
+        s.logprobs = [x + 1e-6 for x in s.logprobs]
+        s.prefill_logprobs = list(s.logprobs)
+    chosen = select_regions(base, path, samples)
+    assert {r.name for r in chosen.regions if r.enabled} == set(regions), chosen.notes
+    assert any("make no more tokens equal the engine's prefill (0 -> 0" in n for n in chosen.notes), chosen.notes
+    assert all(r.effect.decided_by == "k3" for r in chosen.regions if r.effect)

@@ -111,11 +111,15 @@ def select_regions(base: torch.nn.Module, manifest_path: Path, samples: Sequence
     enabled, left_out, effects, final = _leave_out(base, manifest_path, samples, generated, by, progress)
     final_k3, _, final_rms, final_equal = final or (none_k3, counts, none_rms, none_equal)
     k3_final = final_k3.sum() / counts.sum()
-    if by == "equality" and enabled and final_equal < counts.sum() and (k3_final > k3_none or final_rms > none_rms):
-        # equality decides while it reaches the engine; short of it, a few more equal tokens must not buy a wider gap
-        notes.append(f"measured: the regions kept by equality make {final_equal} of {int(counts.sum())} tokens equal "
-                     f"the engine's prefill, not all, and widen the gap (k3 {k3_none:.3g} -> {k3_final:.3g}, rms "
-                     f"{none_rms:.4f} -> {final_rms:.4f}): decided by k3 instead")
+    if by == "equality" and enabled and final_equal < counts.sum() and (k3_final > k3_none or final_rms > none_rms
+                                                                         or final_equal <= none_equal):
+        # equality decides while it reaches the engine; short of it, a few more equal tokens must not buy a wider gap,
+        # and where no token is made equal it tells nothing: the gap decides
+        why = (f"make {final_equal} of {int(counts.sum())} tokens equal the engine's prefill, not all, and widen the "
+               f"gap (k3 {k3_none:.3g} -> {k3_final:.3g}, rms {none_rms:.4f} -> {final_rms:.4f})"
+               if final_equal > none_equal else
+               f"make no more tokens equal the engine's prefill ({none_equal} -> {final_equal} of {int(counts.sum())})")
+        notes.append(f"measured: the regions kept by equality {why}: decided by k3 instead")
         by = "k3"
         enabled, left_out, effects, final = _leave_out(base, manifest_path, samples, generated, by, progress)
         final_k3, _, final_rms, final_equal = final or (none_k3, counts, none_rms, none_equal)
