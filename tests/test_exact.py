@@ -170,6 +170,38 @@ def test_a_dense_add_the_engine_folds_into_an_addmm_is_read_from_its_graph() -> 
     assert "def addmm_folded_forward(" in module
 
 
+def test_a_residual_add_the_engine_folds_in_the_norm_after_it_is_folded_in_hfs_decoder_layer(tmp_path: Path) -> None:
+    """vLLM's fused add-norm adds the residual in the norm after the linear (Nemotron's addmm of o_proj is tagged
+    `post_attention_layernorm`, of down_proj the next layer's `input_layernorm` and `model.norm`, recorded at hidden
+    320 on vLLM CPU's `_C_AVX2` build); HF adds it in the decoder layer, which the patch folds (the recorded tiny
+    Qwen2-MoE trainer graph: the same adds)."""
+    from graphdiff import runtime
+    from graphdiff.analysis.moe import trainer_folds
+    from graphdiff.capture.hf import load_hf_model
+    from graphdiff.codegen.generate import write_patch
+    from graphdiff.models.tiny import make_tiny
+
+    o_proj, up_proj = "model.layers.*.self_attn.o_proj", "model.layers.*.mlp.shared_expert.up_proj"
+    engine = {"model.layers.*.post_attention_layernorm": [o_proj], "model.layers.*.mlp": [up_proj]}
+    scan, train = ScanDir(QWEN2_MOE).load_scan(), ScanDir(QWEN2_MOE).load_train()
+    # o_proj's output is added in the decoder layer; a linear inside its key's module keeps the key
+    assert trainer_folds(engine, train.graphs[0]) == {"model.layers.*": [o_proj], "model.layers.*.mlp": [up_proj]}
+    # a linear whose output no add reads (the gate product reads the shared expert's down projection): its key stays
+    down = {"model.norm": ["model.layers.*.mlp.shared_expert.down_proj"]}
+    assert trainer_folds(down, train.graphs[0]) == down
+    scan.addmm_folds = {"model.layers.*.post_attention_layernorm": [o_proj]}
+    write_patch(make_patch(scan, train, regions=[]), tmp_path / "patch")
+    model = load_hf_model(make_tiny("qwen2_moe", tmp_path / "m", layers=3))
+    runtime.apply(model, tmp_path / "patch")
+    try:
+        layer = model.model.layers[1]
+        weights = layer.__dict__["forward"].__wrapped__.args[2]
+        assert len(weights) == 1 and weights[0] is layer.self_attn.o_proj.weight
+    finally:
+        runtime.remove(model)
+    assert "forward" not in model.model.layers[1].__dict__
+
+
 def test_an_unsorted_router_top_k_is_read_from_the_engines_graph() -> None:
     """vLLM CPU takes its router's top-k unsorted: the experts' order, which decides the order their weights and
     outputs are summed in, is the CPU top-k's own, and the router splice takes it so too."""

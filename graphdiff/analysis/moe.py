@@ -27,6 +27,7 @@ from graphdiff.analysis.rounding import is_view
 from graphdiff.ops import CASTS, EXACT, is_heavy, is_low, op_name
 from graphdiff.records import Decision, Evidence, Graph, Node, RoutingAgreement, SideState, layer_of, walk
 from graphdiff.replay.sum_order import cpp_sum_lanes
+from graphdiff.runtime import module_regex
 
 _ACTS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "relu": torch.relu}
 
@@ -134,6 +135,35 @@ def addmm_folds(graphs: list[Graph]) -> dict[str, list[str]]:
             if linear and linear not in linears:
                 linears.append(linear)
     return folds
+
+
+def trainer_folds(folds: dict[str, list[str]], graph: Graph) -> dict[str, list[str]]:
+    """`addmm_folds` keyed by the trainer module whose forward adds each linear's output: vLLM's fused add-norm
+    adds the residual in the norm after it (the addmm tagged `post_attention_layernorm`, the next layer's
+    `input_layernorm`, `model.norm`), HF in the decoder layer. A linear inside its key's module keeps that key."""
+    out: dict[str, list[str]] = {}
+    for key, linears in folds.items():
+        for linear in linears or [""]:
+            module = key if not linear or linear.startswith(key + ".") else _adding_module(graph, linear) or key
+            kept = out.setdefault(module, [])
+            if linear and linear not in kept:
+                kept.append(linear)
+    return out
+
+
+def _adding_module(graph: Graph, linear: str) -> str:
+    """The module pattern of the trainer's add reading the output of a linear of pattern `linear` (through views), or
+    "" where none does."""
+    nodes, users = graph.node_map(), graph.users()
+    inside = module_regex(linear)
+    for n in graph.nodes:
+        if not (n.module and inside.match(n.module)) or all(inside.match(nodes[u].module or "") for u in
+                                                               users.get(n.name, [])):
+            continue
+        for u in walk([n.name], lambda m: users.get(m, []), through=lambda m: is_view(nodes[m])):
+            if not is_view(nodes[u]):
+                return module_pattern(nodes[u].module or "") if op_name(nodes[u].target) == "add" else ""
+    return ""
 
 
 def _is_input(inputs: dict[str, str], node: Node) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from graphdiff import sources
 from graphdiff.analysis import moe_engine
+from graphdiff.analysis.moe import trainer_folds
 from graphdiff.analysis.opaque import engine_device, exp_polynomial, truncates_output
 from graphdiff.artifacts import ScanDir
 from graphdiff.codegen import (
@@ -304,8 +305,9 @@ def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Regi
     if engine_experts:
         parts.body += ["", "", *prelude.source(moe_engine.LINEAR_PARTS)]
     if scan.addmm_folds or (moe_regions and scan.engine_experts.get("addmm_combine")):
-        parts.body += ["", "", "# where the engine adds a linear's GEMM to another value in one addmm: module "
-                       "pattern -> the linears folded there", f"ADDMM_FOLDS = {scan.addmm_folds!r}", "", "",
+        folds = trainer_folds(scan.addmm_folds, graph)
+        parts.body += ["", "", "# where the engine adds a linear's GEMM to another value in one addmm: the module "
+                       "pattern whose forward adds -> the linears folded there", f"ADDMM_FOLDS = {folds!r}", "", "",
                        *prelude.source(moe_engine.ADDMM_PARTS)]
     for r in (r for r in wanted if r.kind == "allreduce"):
         linear, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),
