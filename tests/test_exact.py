@@ -202,6 +202,42 @@ def test_a_residual_add_the_engine_folds_in_the_norm_after_it_is_folded_in_hfs_d
     assert "forward" not in model.model.layers[1].__dict__
 
 
+def test_a_parallel_blocks_mlp_is_added_to_the_attention_output_before_the_residual() -> None:
+    """vLLM's parallel block (Cohere) adds the MLP's down projection to the attention's output projection in one addmm
+    and the residual after it (recorded at hidden 320: the addmm's bias is o_proj's GEMM); HF's `residual + attn +
+    mlp` sums left to right. Folded with that bias, the module computes `residual + addmm(attn, act, down.T)`; a
+    linear added to anything but its recorded bias's output is not folded."""
+    import torch
+
+    from graphdiff.analysis.moe import addmm_biases
+    from graphdiff.analysis.moe_engine import _AddmmCombine
+
+    graph = Graph(name="g", inputs={"w1": "model.layers.0.self_attn.o_proj.weight",
+                                    "w2": "model.layers.0.mlp.down_proj.weight"},
+                  nodes=[Node(name="w1", op="placeholder", target="w1"), Node(name="w2", op="placeholder", target="w2"),
+                         Node(name="t1", op="call_function", target="aten.permute.default", inputs=["w1"]),
+                         Node(name="t2", op="call_function", target="aten.permute.default", inputs=["w2"]),
+                         Node(name="mm", op="call_function", target="aten.mm.default", inputs=["a", "t1"]),
+                         Node(name="addmm", op="call_function", target="aten.addmm.default",
+                              inputs=["mm", "act", "t2"], module="model.layers.0")])
+    assert addmm_biases([graph]) == {"model.layers.*.mlp.down_proj": "model.layers.*.self_attn.o_proj"}
+
+    gen = torch.Generator().manual_seed(0)
+    residual = torch.randn(64, 32, generator=gen) * 8
+    a, act = (torch.randn(64, 32, generator=gen).bfloat16() for _ in range(2))
+    o_proj, down = (torch.randn(32, 32, generator=gen).bfloat16() for _ in range(2))
+    F = torch.nn.functional
+    with _AddmmCombine((down,), ((down, o_proj),)):
+        attn = F.linear(a, o_proj)
+        folded = residual + attn + F.linear(act, down)
+    want = residual + torch.addmm(F.linear(a, o_proj), act, down.t())
+    assert torch.equal(folded, want)
+    assert not torch.equal(folded, residual + F.linear(a, o_proj) + F.linear(act, down))
+    with _AddmmCombine((down,), ((down, o_proj),)):  # added to another value: as written
+        plain = residual.bfloat16() + F.linear(act, down)
+    assert torch.equal(plain, residual.bfloat16() + F.linear(act, down))
+
+
 def test_an_unsorted_router_top_k_is_read_from_the_engines_graph() -> None:
     """vLLM CPU takes its router's top-k unsorted: the experts' order, which decides the order their weights and
     outputs are summed in, is the CPU top-k's own, and the router splice takes it so too."""

@@ -127,14 +127,35 @@ def addmm_folds(graphs: list[Graph]) -> dict[str, list[str]]:
             if bias is None or bias.name in params or len(bias.shape or []) < 2 or bias.name in moe_out \
                     or any(i in moe_out for i in bias.inputs):
                 continue
-            weight = _walk_back(graph, n.inputs[2], functools.partial(_is_input, params))
-            name = params.get(weight.name, "") if weight is not None else ""
             linears = folds.setdefault(module_pattern(n.module), [])
-            named = name.endswith(".weight") and "#" not in name
-            linear = module_pattern(name.removesuffix(".weight")) if named else ""
+            linear = _linear_of(graph, n.inputs[2], params)
             if linear and linear not in linears:
                 linears.append(linear)
     return folds
+
+
+def addmm_biases(graphs: list[Graph]) -> dict[str, str]:
+    """For a fold whose added value is another linear's GEMM output (vLLM's parallel block: `attn + mlp` as one addmm
+    of the MLP's down projection with the attention's output projection as its bias): the folded linear's pattern ->
+    that linear's pattern. HF sums `residual + attn + mlp` left to right; the patch sums `attn + mlp` first there."""
+    found: dict[str, str] = {}
+    for graph in graphs:
+        nodes, params = graph.node_map(), graph.inputs
+        for n in graph.nodes:
+            bias = nodes.get(n.inputs[0]) if op_name(n.target) == "addmm" and len(n.inputs) >= 3 else None
+            if bias is None or op_name(bias.target) != "mm" or len(bias.inputs) < 2:
+                continue
+            folded, added = (_linear_of(graph, i, params) for i in (n.inputs[2], bias.inputs[1]))
+            if folded and added:
+                found[folded] = added
+    return found
+
+
+def _linear_of(graph: Graph, weight_input: str, params: dict[str, str]) -> str:
+    """The module pattern of the named linear whose weight a GEMM reads (through views), or ""."""
+    weight = _walk_back(graph, weight_input, functools.partial(_is_input, params))
+    name = params.get(weight.name, "") if weight is not None else ""
+    return module_pattern(name.removesuffix(".weight")) if name.endswith(".weight") and "#" not in name else ""
 
 
 def trainer_folds(folds: dict[str, list[str]], graph: Graph) -> dict[str, list[str]]:

@@ -286,17 +286,24 @@ class _AddmmCombine(torch.overrides.TorchFunctionMode):
     stores it, and the linear's input and weight: the GEMM and the sum accumulated in FP32 and rounded once, as the
     engine's addmm (Inductor folds `add(mm(a, b), c)` so where the engine's GEMMs are ATen's). Where both addends are
     such linears the second is folded, as Inductor's pattern takes it; an in-place add writes the sum into its first
-    addend. Every other op runs as written."""
+    addend. Where the engine's addmm adds the linear to another linear's output (`biases`: folded weight -> that
+    linear's weight; vLLM's parallel block sums `attn + mlp` in one addmm) and the module's code added that output to
+    a third value first (Cohere's `residual + attn + mlp`), the fold is `third + addmm(that output, ...)`. Every other
+    op runs as written."""
 
-    def __init__(self, weights: tuple[torch.Tensor, ...] = ()) -> None:
+    def __init__(self, weights: tuple[torch.Tensor, ...] = (),
+                 biases: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> None:
         super().__init__()
         self.weights = weights
+        self.biases = biases
         self.linears: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (output, input, weight)
+        self.sums: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (a + b, a, b) with b a bias's output
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear and args[2:] in ((), (None,)) and kwargs.get("bias") is None \
-                and (not self.weights or any(args[1] is w for w in self.weights)):
+                and (not self.weights or any(args[1] is w for w in self.weights)
+                     or any(args[1] is b for _, b in self.biases)):
             out = func(*args, **kwargs)
             self.linears.append((out, args[0], args[1]))
             return out
@@ -309,16 +316,42 @@ class _AddmmCombine(torch.overrides.TorchFunctionMode):
         in_place = func in (torch.Tensor.add_, torch.Tensor.__iadd__)
         if (in_place or func in (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)) \
                 and len(args) == 2 and not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-            found = next((i for a in (args[1], args[0]) for i, f in enumerate(self.linears) if f[0] is a), None)
+            found = next((i for a in (args[1], args[0]) for i, f in enumerate(self.linears)
+                          if f[0] is a and self._folds(f[2])), None)
             folded = self.linears[found] if found is not None else None
             other = args[0] if folded is not None and folded[0] is args[1] else args[1]
             if found is not None and folded is not None and other.shape == folded[0].shape:
-                del self.linears[found]
                 out, x, weight = folded
-                bias = other.to(weight.dtype).reshape(-1, weight.shape[0])
-                total = torch.addmm(bias, x.to(weight.dtype).reshape(-1, x.shape[-1]), weight.t()).reshape(out.shape)
-                return args[0].copy_(total) if in_place else total
+                bias_weight = next((b for w, b in self.biases if w is weight), None)
+                summed = next(((t, b) for s, t, b in self.sums if s is other), None)
+                if bias_weight is None or self._made_by(other, bias_weight):
+                    del self.linears[found]
+                    total = self._addmm(other, x, weight, out.shape)
+                    return args[0].copy_(total) if in_place else total
+                if summed is not None and self._made_by(summed[1], bias_weight):
+                    del self.linears[found]  # (third + bias output) + linear: third + addmm(bias output, ...)
+                    total = summed[0] + self._addmm(summed[1], x, weight, out.shape)
+                    return args[0].copy_(total) if in_place else total
+            result = func(*args, **kwargs)
+            made = next((a for a in args if any(self._made_by(a, b) for _, b in self.biases)), None)
+            if made is not None and not in_place:
+                self.sums.append((result, args[1] if args[0] is made else args[0], made))
+            return result
         return func(*args, **kwargs)
+
+    def _folds(self, weight: torch.Tensor) -> bool:
+        """Is the linear of `weight` one the engine folds (any, where no weights are named)?"""
+        return not self.weights or any(weight is w for w in self.weights)
+
+    def _made_by(self, t: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Is `t` the output of a recorded linear of `weight`?"""
+        return any(f[0] is t and f[2] is weight for f in self.linears)
+
+    @staticmethod
+    def _addmm(bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """ATen's addmm of `bias` and the linear `x @ weight.T`, in the weight's dtype, as the engine stores it."""
+        flat = bias.to(weight.dtype).reshape(-1, weight.shape[0])
+        return torch.addmm(flat, x.to(weight.dtype).reshape(-1, x.shape[-1]), weight.t()).reshape(shape)
 
 
 def _is_transpose(t: object, weight: torch.Tensor) -> bool:
@@ -327,10 +360,11 @@ def _is_transpose(t: object, weight: torch.Tensor) -> bool:
         and t.stride() == weight.stride()[::-1]
 
 
-def addmm_folded_forward(module, forward, weights, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+def addmm_folded_forward(module, forward, weights, biases, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
     """`module`'s own `forward`, each bias-free linear of `weights` (any, where empty) whose output it adds to another
-    value computed with that add as the engine's one addmm (`_AddmmCombine`)."""
-    with _AddmmCombine(tuple(weights)):
+    value computed with that add as the engine's one addmm (`_AddmmCombine`; `biases`: folded weight -> the weight of
+    the linear whose output the engine adds it to)."""
+    with _AddmmCombine(tuple(weights), tuple(biases)):
         return forward(*args, **kwargs)
 
 

@@ -26,7 +26,14 @@ from graphdiff.analysis.departure import first_departure
 from graphdiff.analysis.kinds import classify
 from graphdiff.analysis.match import Match, align_module_roots
 from graphdiff.analysis.math_ops import math_differences
-from graphdiff.analysis.moe import addmm_folds, engine_experts_op, experts_decisions, experts_nodes, routing_agreement
+from graphdiff.analysis.moe import (
+    addmm_biases,
+    addmm_folds,
+    engine_experts_op,
+    experts_decisions,
+    experts_nodes,
+    routing_agreement,
+)
 from graphdiff.analysis.opaque import attention_decisions, engine_device, engine_rule, unregistered_why
 from graphdiff.analysis.plan import decide, merge_decisions, stable_ids
 from graphdiff.analysis.reads import mark_reads
@@ -594,7 +601,7 @@ def analyze(engine_cap: Capture, buffers: Buffers, train: TrainSide, *, model: s
         engine_config=engine_cap.engine_config, engine_attention=engine_cap.attention, engine_device=engine_cap.device,
         plan=plan, sites=sites,
         engine_experts=engine_experts_op(engine_cap.graphs), addmm_folds=addmm_folds(engine_cap.graphs),
-        engine_rope_table=rope_table_dtype(engine_cap.graphs),
+        addmm_biases=addmm_biases(engine_cap.graphs), engine_rope_table=rope_table_dtype(engine_cap.graphs),
         regions=regions, replay=replay,
         matched=sum(len(ms) for ms, _ in matched.values()),
         unmatched_train=[n.name for n in tgraph.nodes if n.name in unmatched_all and n.op == "call_function"][:500],

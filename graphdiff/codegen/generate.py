@@ -307,7 +307,9 @@ def _add_opaque(parts: _Parts, scan: ScanResult, graph: Graph, wanted: list[Regi
     if scan.addmm_folds or (moe_regions and scan.engine_experts.get("addmm_combine")):
         folds = trainer_folds(scan.addmm_folds, graph)
         parts.body += ["", "", "# where the engine adds a linear's GEMM to another value in one addmm: the module "
-                       "pattern whose forward adds -> the linears folded there", f"ADDMM_FOLDS = {folds!r}", "", "",
+                       "pattern whose forward adds -> the linears folded there", f"ADDMM_FOLDS = {folds!r}",
+                       "# a folded linear -> the linear whose output the engine adds it to, where that is another's",
+                       f"ADDMM_BIASES = {scan.addmm_biases!r}", "", "",
                        *prelude.source(moe_engine.ADDMM_PARTS)]
     for r in (r for r in wanted if r.kind == "allreduce"):
         linear, lines = tp_linear.allreduce_splice(r, nodes, site_node, tp_linear.shards_of(scan.engine_config),

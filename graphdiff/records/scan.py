@@ -163,6 +163,8 @@ class ScanResult(BaseModel):
     # module pattern whose forward adds -> the bias-free linears (module patterns; [] unnamed) whose GEMM the engine
     # adds to another value inside one ATen addmm (analysis.moe.addmm_folds: `_C_AVX2`'s GEMMs are ATen's)
     addmm_folds: dict[str, list[str]] = Field(default_factory=dict)
+    # a folded linear -> the linear whose GEMM output the engine's addmm adds it to (analysis.moe.addmm_biases)
+    addmm_biases: dict[str, str] = Field(default_factory=dict)
     # the dtype of the table the engine's rotary embedding gathers cos/sin from by position (vLLM's `cos_sin_cache`)
     # where it is low precision (analysis.scan.rope_table_dtype); "" where the engine computes them in its graph
     engine_rope_table: str = ""

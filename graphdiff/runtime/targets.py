@@ -149,11 +149,13 @@ def _block_of(p: Patching, experts: str) -> torch.nn.Module:
     return p.model.get_submodule(experts.rpartition(".")[0]) if "." in experts else p.model
 
 
-def fold_addmm(p: Patching, module: torch.nn.Module, weights: tuple[torch.Tensor, ...]) -> None:
+def fold_addmm(p: Patching, module: torch.nn.Module, weights: tuple[torch.Tensor, ...],
+               biases: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> None:
     """`module` runs its own forward with each bias-free linear of `weights` (any, where empty) that it adds to
-    another value computed as the engine's one addmm (the generated `addmm_folded_forward`)."""
+    another value computed as the engine's one addmm (the generated `addmm_folded_forward`; `biases`: a folded weight
+    -> the weight of the linear whose output the engine adds it to)."""
     own = module.__dict__.get("forward")  # another splice's forward of the module, given back on undo
-    module.forward = eager(functools.partial(p.gen.addmm_folded_forward, module, module.forward, weights))
+    module.forward = eager(functools.partial(p.gen.addmm_folded_forward, module, module.forward, weights, biases))
     p.state.undo.append(functools.partial(module.__dict__.__setitem__, "forward", own) if own is not None
                         else functools.partial(_drop_attributes, module, ("forward",)))
 
@@ -166,16 +168,22 @@ def addmm_folds(p: Patching, named: Targets) -> None:
         for name, mod in named:
             if not regex.match(name):
                 continue
-            relative = [lin[len(pattern) + 1:] for lin in linears if lin.startswith(pattern + ".")]
-            if linears and not relative:  # folded linears outside the module: none of its own to fold
+            inside = [lin for lin in linears if lin.startswith(pattern + ".")]
+            if linears and not inside:  # folded linears outside the module: none of its own to fold
                 continue
+            relative = [lin[len(pattern) + 1:] for lin in inside]
+            table = getattr(p.gen, "ADDMM_BIASES", {})  # the linear whose output the engine adds each one to
+            added = {lin[len(pattern) + 1:]: table[lin][len(pattern) + 1:] for lin in inside
+                     if table.get(lin, "").startswith(pattern + ".")}
             try:
                 weights = tuple(torch.nn.Module.get_parameter(mod, f"{r}.weight") for r in relative)
+                biases = tuple((torch.nn.Module.get_parameter(mod, f"{r}.weight"),
+                                torch.nn.Module.get_parameter(mod, f"{b}.weight")) for r, b in added.items())
             except AttributeError as e:
                 raise PatchError(f"{name} ({type(mod).__name__}): {e}; the engine adds its linears "
                                  f"{', '.join(linears)} in one addmm, which this model cannot run; rescan this model"
                                  ) from e
-            fold_addmm(p, mod, weights)
+            fold_addmm(p, mod, weights, biases)
 
 
 def _patch_linear(p: Patching, splice: LinearSplice, targets: Targets) -> None:
