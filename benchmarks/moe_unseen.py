@@ -50,6 +50,15 @@ VARIANTS: dict[str, tuple[str, dict, int]] = {
     # an unrolled router kernel at top-2, and at top-1 on an odd expert count (OLMoE never renormalizes)
     "qwen2_moe-6x2-raw": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=False), 35),
     "olmoe-7x1": ("olmoe", dict(num_experts=7, num_experts_per_tok=1), 36),
+    # stop 57: top-1 with eight experts, odd expert counts at top-2/3, GraniteMoE, one group of four, twenty experts
+    "qwen3_moe-8x1-norm": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=1, norm_topk_prob=True), 41),
+    "mixtral-5x2": ("mixtral", dict(num_local_experts=5, num_experts_per_tok=2), 42),
+    "granitemoe-6x2": ("granitemoe", dict(num_local_experts=6, num_experts_per_tok=2), 43),
+    "glm4-grouped-4x1-shared": ("glm4_moe", dict(n_routed_experts=4, num_experts_per_tok=1, n_group=1, topk_group=1,
+                                                 n_shared_experts=1, routed_scaling_factor=2.5), 44),
+    "olmoe-9x3": ("olmoe", dict(num_experts=9, num_experts_per_tok=3), 45),
+    "qwen2_moe-20x5-raw": ("qwen2_moe", dict(num_experts=20, num_experts_per_tok=5, norm_topk_prob=False,
+                                             shared_expert_intermediate_size=128), 46),
     "ernie-12x3-shared": ("ernie4_5_moe", dict(moe_num_experts=12, moe_k=3, moe_num_shared_experts=1), 34),
 }
 BIAS_SCALE = 0.05  # the correction bias drawn ~ N(0, 0.05): large enough to change which experts win
