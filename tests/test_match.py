@@ -29,3 +29,29 @@ def test_a_much_closer_value_in_the_next_layer_beats_a_merely_tolerable_one_in_t
     # with no better candidate elsewhere the own layer still wins
     (m,), _ = match_values(train, {"add_8": residual}, engine, {"empty_4": tolerable})
     assert m.engine == "empty_4"
+
+
+def test_a_one_value_made_from_parameters_is_matched_to_the_engine_value_of_the_same_parameters():
+    """xIELU's `softplus(alpha_p)` and `softplus(alpha_n)` (one value each, recorded shapes and names of a tiny Apertus
+    on vLLM CPU) lie within the tolerance of each other: each is paired with the engine value made from its own
+    parameter (the decomposed softplus's `where`); one that reads an activation is not matched by value alone."""
+    def node(name: str, target: str, inputs: list[str], op: str = "call_function") -> Node:
+        return Node(name=name, op=op, target=target, inputs=inputs, module="model.layers.0.mlp.act_fn",
+                    dtype="float32", shape=[1])
+
+    act = "model.layers.0.mlp.act_fn"
+    train = Graph(name="t", inputs={"a": f"{act}.alpha_p", "b": f"{act}.alpha_n"},
+                  nodes=[node("a", "a", [], "placeholder"), node("b", "b", [], "placeholder"),
+                         node("x", "x", [], "placeholder"),
+                         node("softplus", "aten.softplus.default", ["a"]),
+                         node("softplus_1", "aten.softplus.default", ["b"]),
+                         node("scaled", "aten.mul.Tensor", ["softplus", "x"])])
+    engine = Graph(name="e", inputs={"p": f"{act}.alpha_p", "n": f"{act}.alpha_n"},
+                   nodes=[node("p", "p", [], "placeholder"), node("n", "n", [], "placeholder"),
+                          node("where", "aten.where.self", ["p"]), node("cast", "prims.convert_element_type", ["n"]),
+                          node("where_1", "aten.where.self", ["cast"])])
+    values = {"where": torch.tensor([0.69385]), "cast": torch.tensor([-0.0015]), "where_1": torch.tensor([0.69238])}
+    train_values = {"softplus": torch.tensor([0.6938]), "softplus_1": torch.tensor([0.6914]),
+                    "scaled": torch.tensor([0.7])}
+    matches, _ = match_values(train, train_values, engine, values)
+    assert {m.train: m.engine for m in matches} == {"softplus": "where", "softplus_1": "where_1"}

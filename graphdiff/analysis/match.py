@@ -133,7 +133,10 @@ def match_values(train: Graph, train_values: dict[str, object], engine: Graph,
         v = train_values.get(t.name)
         if t.op != "call_function" or is_view(t) or not isinstance(v, torch.Tensor) or not v.is_floating_point():
             continue
-        if v.numel() < 2:
+        if v.numel() < 2:  # one value: a parameter's function (xIELU's softplus of its alphas), matched by op only
+            one = _one_value_match(t, v, train, engine, engine_values, by_key.get((1, layer_of(t.module)), []))
+            if one is not None:
+                matches.append(one)
             continue
         tv = fingerprint("t:" + t.name, v)
         scale = float(tv.norm()) or 1.0
@@ -165,6 +168,48 @@ def match_values(train: Graph, train_values: dict[str, object], engine: Graph,
             continue
         matches.append(best_match(t.name, scored, layer, enodes[scored[0][3]].module, f", {v.numel()} values"))
     return matches, unmatched
+
+
+def _one_value_match(t: Node, v: torch.Tensor, train: Graph, engine: Graph, engine_values: dict[str, torch.Tensor],
+                     candidates: list[str]) -> Match | None:
+    """A one-element trainer value made from parameters alone (xIELU's softplus of its alphas) matched to the engine
+    value made from the same parameters (by name) that is nearest it within the tolerance, the later on a tie (its
+    value as its consumers see it); None where it reads an activation or nothing is near. Its value alone says too
+    little: two such values of one module are often within the tolerance of each other."""
+    own = _parameters_of(train, t.name)
+    if not own:
+        return None
+    nodes = engine.node_map()
+    found = []
+    for e in candidates:
+        ev = engine_values.get(e)
+        if ev is None or nodes[e].op != "call_function" or _parameters_of(engine, e) != own:
+            continue
+        d = abs(float(ev) - float(v)) / (abs(float(v)) or 1.0)
+        if d <= TOLERANCE:
+            found.append((round(d, 6), op_kind(nodes[e]) != op_kind(t), -engine.position(e), e))
+    if not found:
+        return None
+    return best_match(t.name, sorted(found), layer_of(t.module), nodes[sorted(found)[0][3]].module,
+                      ", one value made from the parameters " + ", ".join(sorted(own)))
+
+
+def _parameters_of(graph: Graph, name: str) -> frozenset[str]:
+    """The parameters (by name) a value is made from; empty where it reads anything else (an activation, a
+    constant-free input)."""
+    nodes = graph.node_map()
+    found, seen, stack = set(), set(), [name]
+    while stack:
+        n = nodes.get(stack.pop())
+        if n is None or n.name in seen:
+            continue
+        seen.add(n.name)
+        if n.op == "placeholder":
+            if n.name not in graph.inputs:
+                return frozenset()
+            found.add(graph.inputs[n.name])
+        stack.extend(n.inputs)
+    return frozenset(found)
 
 
 def repeated_part(v: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:
