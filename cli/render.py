@@ -116,7 +116,8 @@ def departure_line(d, shape: str) -> str:  # noqa: ANN001 - Departure | None
             f"{d.source or d.module}): {d.differing:.3%} of elements differ{where}; engine {d.engine_node} in "
             f"{d.kernel.split(':')[0] or '?'}; the {d.equal_before} matched values before it are bit-identical"
             + (f"; the {len(d.inputs_agree)} compared values it reads agree, so it arises in the ops between "
-               f"({d.cause})" if d.inputs_agree and d.cause else ""))
+               f"({d.cause})" if d.inputs_agree and d.cause else "")
+            + (f", which the engine computes as ({d.engine_cause})" if d.inputs_agree and d.engine_cause else ""))
 
 
 def print_summary(cap, show_kernels: bool = True) -> None:  # noqa: ANN001 - Capture

@@ -357,4 +357,6 @@ def patched_departure(outcome: ScanOutcome, manifest: Path, gap: KLResult,
                        f"({departure.module or departure.node}; {departure.source or 'no source line'}): "
                        f"{departure.differing:.1%} of its elements differ"
                        + (f"; the compared values it reads agree, so the difference arises in the ops between "
-                          f"({departure.cause})" if departure.inputs_agree and departure.cause else ""))
+                          f"({departure.cause})" if departure.inputs_agree and departure.cause else "")
+                       + (f", which the engine computes as ({departure.engine_cause})"
+                          if departure.inputs_agree and departure.engine_cause else ""))

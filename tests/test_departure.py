@@ -154,3 +154,29 @@ def test_a_moved_value_is_a_departure_where_its_engine_value_is_no_other_trainer
                            {"g": {"q": a, "c": theirs}})
     assert left is not None and left.node == "cat" and left.first_row == 1 and left.inputs_agree == ["q"]
     assert left.cause == "self_attn: neg, cat", left.cause
+
+
+def test_the_departure_also_names_what_the_engine_computes_between_the_same_values() -> None:
+    """Nemotron at hidden 320 on vLLM CPU's `_C_AVX2` build (recorded op names): the trainer's o_proj GEMM and the
+    residual add part from the engine, which folds both into one addmm tagged with the norm after them; the
+    departure names the engine's ops between the agreeing values too, so a user sees the addmm."""
+    def node(name: str, target: str, module: str, inputs: list[str]) -> Node:
+        return Node(name=name, op="call_function", target=target, dtype="bfloat16", shape=[2, 4], module=module,
+                    inputs=inputs)
+
+    res = "model.layers.0"
+    train = Graph(name="train", nodes=[X, W, node("attn", "aten.mm.default", f"{res}.self_attn.v_proj", ["x", "w"]),
+                                       node("o", "aten.mm.default", f"{res}.self_attn.o_proj", ["attn", "w"]),
+                                       node("add", "aten.add.Tensor", res, ["x", "o"]),
+                                       node("norm", "aten.mul.Tensor", f"{res}.post_attention_layernorm", ["add"])])
+    engine = Graph(name="g", nodes=[X, W, node("v", "aten.mm.default", f"{res}.self_attn.qkv_proj", ["x", "w"]),
+                                    node("out", "aten.empty.memory_format", f"{res}.self_attn.attn", []),
+                                    node("addmm", "aten.addmm.default", f"{res}.post_attention_layernorm",
+                                         ["x", "out", "w"]),
+                                    node("normed", "aten.mul.Tensor", f"{res}.post_attention_layernorm", ["addmm"])])
+    a, b = torch.randn(2, 4).bfloat16(), torch.randn(2, 4).bfloat16()
+    matched = {"g": ([Match("attn", "v", 0.0, 1.0, ""), Match("norm", "normed", 0.0, 1.0, "")], [])}
+    left = first_departure(train, {"attn": a, "norm": b + 1}, matched, [engine], {"g": {"v": a, "normed": b}})
+    assert left is not None and left.node == "norm" and left.inputs_agree == ["attn"]
+    assert left.cause == "o_proj: mm; 0: add; post_attention_layernorm: mul", left.cause
+    assert left.engine_cause == "post_attention_layernorm: addmm, mul", left.engine_cause

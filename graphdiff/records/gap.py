@@ -44,6 +44,8 @@ class Departure(BaseModel):
     inputs_agree: list[str] = Field(default_factory=list)
     cause_ops: list[str] = Field(default_factory=list)
     cause: str = ""
+    # the engine's ops from the values paired with those inputs to its value, named as `cause` is
+    engine_cause: str = ""
 
 
 # --- the log-prob gap (`graphdiff kl`) ------------------------------------------------------------------
