@@ -26,8 +26,8 @@ def test_the_trainers_choices_are_read_per_layer_and_compared_token_by_token(moe
     ids = list(range(3, 40))
     calls = _choices(moe, ids)
     assert sorted(calls) == [0, 1]
-    rows, chosen = calls[0][0]
-    assert rows == len(ids) and chosen.shape[-1] == moe.config.num_experts_per_tok
+    rows, chosen, width = calls[0][0]
+    assert rows == len(ids) and chosen.shape[-1] == moe.config.num_experts_per_tok and width == moe.config.num_experts
     engine = {layer: found[0][1].reshape(len(ids), -1).tolist() for layer, found in calls.items()}
     assert differing(engine, calls) == {0: (len(ids), 0), 1: (len(ids), 0)}
     # the same experts in another order are the same choice; another expert for 3 tokens of layer 1 is not
@@ -38,6 +38,14 @@ def test_the_trainers_choices_are_read_per_layer_and_compared_token_by_token(moe
     rows_ = agreement([differing(engine, calls)] * 2, "2 samples x 37 tokens", "patched")
     assert [(a.layer, a.tokens, a.differing, a.trainer) for a in rows_] == [(0, 74, 0, "patched"),
                                                                            (1, 74, 6, "patched")]
+
+
+def test_the_routers_top_k_is_told_from_a_group_top_k_of_the_same_k() -> None:
+    """A grouped router with one group kept at top-1 (GLM-4-MoE with `n_group` 1, `topk_group` 1) takes a top-1 over
+    its one group (indices all 0) before its top-1 over the experts: the widest input's is the router's."""
+    experts = torch.tensor([[2], [3], [0], [1]])
+    calls = {0: [(4, torch.zeros(4, 1, dtype=torch.long), 1), (4, experts, 4)]}
+    assert differing({0: experts.tolist()}, calls) == {0: (4, 0)}
 
 
 def test_choices_of_another_length_are_not_compared(moe: torch.nn.Module) -> None:

@@ -3,9 +3,10 @@
 The engine's choices are recorded in its process (engines/vllm/capture.py `record_routing`: the top-k indices its router
 kernels read while it scores each sample in one prefill). The trainer's are read while it scores the same tokens:
 every top-k call is seen (a torch function mode) and attributed to the decoder layer whose forward is running;
-per layer, the first top-k whose k and input rows fit the engine's choices is the router's (a group-limited router
-first takes a top-k over groups, and the patch's router splice may run the module's own forward once after its
-own top-k). A flipped expert choice is a discrete jump in the log-prob, which no rounding alignment elsewhere
+per layer, of the top-ks whose k and input rows fit the engine's choices, the first over the widest input (the
+experts) is the router's (a group-limited router first takes top-ks within and over groups, one of them the same k
+at top-1 with one group kept; the patch's router splice may run the module's own forward once after its own
+top-k). A flipped expert choice is a discrete jump in the log-prob, which no rounding alignment elsewhere
 removes.
 """
 
@@ -24,13 +25,15 @@ class _TopkRecorder(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.layer: int | None = None
-        self.calls: dict[int, list[tuple[int, torch.Tensor]]] = {}  # layer -> (input rows, indices) in call order
+        # layer -> (input rows, indices, input width) in call order
+        self.calls: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
         if func in (torch.topk, torch.Tensor.topk) and self.layer is not None:
             x = args[0]
-            self.calls.setdefault(self.layer, []).append((x.numel() // max(x.shape[-1], 1), out[1].detach()))
+            width = x.shape[-1] if x.dim() else 1
+            self.calls.setdefault(self.layer, []).append((x.numel() // max(width, 1), out[1].detach(), width))
         return out
 
 
@@ -52,16 +55,19 @@ def trainer_topk(model: torch.nn.Module) -> Iterator[_TopkRecorder]:
             h.remove()
 
 
-def differing(engine: dict[int, list[list[int]]], calls: dict[int, list[tuple[int, torch.Tensor]]]
+def differing(engine: dict[int, list[list[int]]], calls: dict[int, list[tuple[int, torch.Tensor, int]]]
               ) -> dict[int, tuple[int, int]]:
     """Per layer: (tokens compared, tokens whose set of chosen experts differs)."""
     out = {}
     for layer, chosen in engine.items():
         want = torch.tensor(chosen)
-        got = next((ids.reshape(-1, ids.shape[-1]) for rows, ids in calls.get(layer, [])
-                    if rows == want.shape[0] and ids.shape[-1] == want.shape[-1]), None)
-        if got is None:
+        fits = [(width, ids) for rows, ids, width in calls.get(layer, [])
+                if rows == want.shape[0] and ids.shape[-1] == want.shape[-1]]
+        if not fits:
             continue
+        widest = max(width for width, _ in fits)
+        ids = next(ids for width, ids in fits if width == widest)
+        got = ids.reshape(-1, ids.shape[-1])
         diff = (got.sort(-1).values != want.to(got.dtype).sort(-1).values).any(-1)
         out[layer] = (int(want.shape[0]), int(diff.sum()))
     return out
