@@ -195,7 +195,7 @@ def test_a_residual_add_the_engine_folds_in_the_norm_after_it_is_folded_in_hfs_d
     runtime.apply(model, tmp_path / "patch")
     try:
         layer = model.model.layers[1]
-        weights = layer.__dict__["forward"].__wrapped__.args[2]
+        weights = layer.__dict__["forward"].__wrapped__.args[2]  # no recorded bias: no keyword
         assert len(weights) == 1 and weights[0] is layer.self_attn.o_proj.weight
     finally:
         runtime.remove(model)

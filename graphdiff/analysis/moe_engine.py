@@ -360,11 +360,11 @@ def _is_transpose(t: object, weight: torch.Tensor) -> bool:
         and t.stride() == weight.stride()[::-1]
 
 
-def addmm_folded_forward(module, forward, weights, biases, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+def addmm_folded_forward(module, forward, weights, *args, addmm_biases=(), **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
     """`module`'s own `forward`, each bias-free linear of `weights` (any, where empty) whose output it adds to another
-    value computed with that add as the engine's one addmm (`_AddmmCombine`; `biases`: folded weight -> the weight of
-    the linear whose output the engine adds it to)."""
-    with _AddmmCombine(tuple(weights), tuple(biases)):
+    value computed with that add as the engine's one addmm (`_AddmmCombine`; `addmm_biases`: folded weight -> the
+    weight of the linear whose output the engine adds it to)."""
+    with _AddmmCombine(tuple(weights), tuple(addmm_biases)):
         return forward(*args, **kwargs)
 
 

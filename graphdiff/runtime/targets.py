@@ -155,7 +155,8 @@ def fold_addmm(p: Patching, module: torch.nn.Module, weights: tuple[torch.Tensor
     another value computed as the engine's one addmm (the generated `addmm_folded_forward`; `biases`: a folded weight
     -> the weight of the linear whose output the engine adds it to)."""
     own = module.__dict__.get("forward")  # another splice's forward of the module, given back on undo
-    module.forward = eager(functools.partial(p.gen.addmm_folded_forward, module, module.forward, weights, biases))
+    folded = functools.partial(p.gen.addmm_folded_forward, module, module.forward, weights)
+    module.forward = eager(functools.partial(folded, addmm_biases=biases) if biases else folded)
     p.state.undo.append(functools.partial(module.__dict__.__setitem__, "forward", own) if own is not None
                         else functools.partial(_drop_attributes, module, ("forward",)))
 
