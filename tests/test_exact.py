@@ -236,6 +236,13 @@ def test_a_parallel_blocks_mlp_is_added_to_the_attention_output_before_the_resid
     with _AddmmCombine((down,), ((down, o_proj),)):  # added to another value: as written
         plain = residual.bfloat16() + F.linear(act, down)
     assert torch.equal(plain, residual.bfloat16() + F.linear(act, down))
+    # Falcon's `mlp_output += attention_output`, both FalconLinear's `x @ weight.T`: the recorded bias (the MLP's
+    # GEMM) is the other addend, folded as before
+    with _AddmmCombine((o_proj,), ((o_proj, down),)):
+        mlp_output = act @ down.T
+        mlp_output += a @ o_proj.T
+    assert torch.equal(mlp_output, torch.addmm(act @ down.T, a, o_proj.t()))
+    assert not torch.equal(mlp_output, act @ down.T + a @ o_proj.T)
 
 
 def test_an_unsorted_router_top_k_is_read_from_the_engines_graph() -> None:

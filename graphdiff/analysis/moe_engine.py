@@ -307,7 +307,7 @@ class _AddmmCombine(torch.overrides.TorchFunctionMode):
             out = func(*args, **kwargs)
             self.linears.append((out, args[0], args[1]))
             return out
-        weight = next((w for w in self.weights if _is_transpose(args[1], w)), None) \
+        weight = next((w for w in (*self.weights, *(b for _, b in self.biases)) if _is_transpose(args[1], w)), None) \
             if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(args) == 2 else None
         if weight is not None:  # a linear written `x @ self.weight.T` (Falcon's FalconLinear)
             out = func(*args, **kwargs)
