@@ -135,14 +135,11 @@ def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[
             continue  # agreeing values moved, paired with an engine value that is another trainer value
         n = nodes[m.train]
         kernel, graph = kernel_of.get((g, m.engine), ""), g
-        agreeing = {p.engine for p, pg in pairs if pg == g and p.train in inputs}
-        engine_graph = next(eg for eg in engine_graphs if eg.name == g)
         return Departure(node=m.train, op=n.target, module=n.module, layer=layer_of(n.module), dtype=str(n.dtype),
                          engine_node=m.engine, engine_graph=graph, kernel=kernel, differing=frac, first_row=row,
                          equal_before=equal, source=_line(n), inputs_agree=inputs, cause_ops=between,
                          cause=_computing(nodes, between),
-                         engine_cause=_computing(engine_graph.node_map(),
-                                                 _engine_between(engine_graph, m.engine, agreeing)) if inputs else "")
+                         engine_cause=_engine_cause(engine_graphs, g, m.engine, pairs, inputs) if inputs else "")
     return None
 
 
@@ -178,15 +175,19 @@ def _computing(nodes: dict[str, Node], between: list[str], most: int = 8) -> str
     return "; ".join(parts[:most]) + ("; ..." if len(parts) > most else "")
 
 
-def _engine_between(graph: Graph, name: str, agreeing: set[str]) -> list[str]:
-    """The engine's ops from the values paired with the agreeing trainer inputs to its value `name` (graph order):
-    what the engine computes where the trainer computes `cause_ops` (its addmm where HF adds a GEMM's output)."""
+def _engine_cause(engine_graphs: list[Graph], g: str, name: str, pairs: list[tuple[Match, str]],
+                  inputs: list[str]) -> str:
+    """The engine's ops from the values paired with the agreeing trainer `inputs` to its value `name` in graph `g`,
+    named as `cause` is: what the engine computes where the trainer computes `cause_ops` (its addmm where HF adds a
+    GEMM's output)."""
+    graph = next(eg for eg in engine_graphs if eg.name == g)
+    agreeing = {p.engine for p, pg in pairs if pg == g and p.train in inputs}
     nodes = graph.node_map()
     reached = walk([name], lambda f: [i for i in nodes[f].inputs if i in nodes],
                    through=lambda i: i not in agreeing and nodes[i].op == "call_function")
     between = {i for i in reached if i not in agreeing and nodes[i].op == "call_function"
                and op_name(nodes[i].target) not in ALLOCATIONS} | {name}  # an op's output buffer computes nothing
-    return sorted(between, key=graph.position)
+    return _computing(nodes, sorted(between, key=graph.position))
 
 
 def _line(n: Node) -> str:

@@ -19,7 +19,7 @@ import torch
 
 from graphdiff.analysis.rounding import is_view
 from graphdiff.ops import CASTS, op_name
-from graphdiff.records import Graph, Node, layer_of
+from graphdiff.records import Graph, Node, layer_of, walk
 
 TOLERANCE = 0.015  # relative L2 distance of sorted values accepted as "the same value"
 SAME_LAYER_PREFERENCE = 1.5  # a neighbouring layer's candidate must be this much closer to win
@@ -133,7 +133,7 @@ def match_values(train: Graph, train_values: dict[str, object], engine: Graph,
         v = train_values.get(t.name)
         if t.op != "call_function" or is_view(t) or not isinstance(v, torch.Tensor) or not v.is_floating_point():
             continue
-        if v.numel() < 2:  # one value: a parameter's function (xIELU's softplus of its alphas), matched by op only
+        if v.numel() < 2:  # one value: matched only where parameters alone make it (xIELU's softplus of its alphas)
             one = _one_value_match(t, v, train, engine, engine_values, by_key.get((1, layer_of(t.module)), []))
             if one is not None:
                 matches.append(one)
@@ -190,7 +190,8 @@ def _one_value_match(t: Node, v: torch.Tensor, train: Graph, engine: Graph, engi
             found.append((round(d, 6), op_kind(nodes[e]) != op_kind(t), -engine.position(e), e))
     if not found:
         return None
-    return best_match(t.name, sorted(found), layer_of(t.module), nodes[sorted(found)[0][3]].module,
+    found.sort()
+    return best_match(t.name, found, layer_of(t.module), nodes[found[0][3]].module,
                       ", one value made from the parameters " + ", ".join(sorted(own)))
 
 
@@ -198,18 +199,11 @@ def _parameters_of(graph: Graph, name: str) -> frozenset[str]:
     """The parameters (by name) a value is made from; empty where it reads anything else (an activation, a
     constant-free input)."""
     nodes = graph.node_map()
-    found, seen, stack = set(), set(), [name]
-    while stack:
-        n = nodes.get(stack.pop())
-        if n is None or n.name in seen:
-            continue
-        seen.add(n.name)
-        if n.op == "placeholder":
-            if n.name not in graph.inputs:
-                return frozenset()
-            found.add(graph.inputs[n.name])
-        stack.extend(n.inputs)
-    return frozenset(found)
+    back = walk([name], lambda n: [i for i in nodes[n].inputs if i in nodes])
+    placeholders = [i for i in back if nodes[i].op == "placeholder"]
+    if not placeholders or any(i not in graph.inputs for i in placeholders):
+        return frozenset()
+    return frozenset(graph.inputs[i] for i in placeholders)
 
 
 def repeated_part(v: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:

@@ -164,6 +164,7 @@ def fold_addmm(p: Patching, module: torch.nn.Module, weights: tuple[torch.Tensor
 def addmm_folds(p: Patching, named: Targets) -> None:
     """The modules whose adds the engine folds into an addmm (the generated `ADDMM_FOLDS`: module pattern -> the
     patterns of the linears folded there) run as `fold_addmm` does; a linear this model lacks is refused."""
+    table = getattr(p.gen, "ADDMM_BIASES", {})  # a folded linear -> the linear whose output the engine adds it to
     for pattern, linears in getattr(p.gen, "ADDMM_FOLDS", {}).items():
         regex = module_regex(pattern)
         for name, mod in named:
@@ -173,7 +174,6 @@ def addmm_folds(p: Patching, named: Targets) -> None:
             if linears and not inside:  # folded linears outside the module: none of its own to fold
                 continue
             relative = [lin[len(pattern) + 1:] for lin in inside]
-            table = getattr(p.gen, "ADDMM_BIASES", {})  # the linear whose output the engine adds each one to
             added = {lin[len(pattern) + 1:]: table[lin][len(pattern) + 1:] for lin in inside
                      if table.get(lin, "").startswith(pattern + ".")}
             try:
