@@ -4,7 +4,7 @@ the patch, and the log-prob gap measured with and without it; one markdown table
     python benchmarks/arch_sweep.py [ARCH ...] --out /tmp/arch-sweep [--table docs/results/arch_sweep.md]
 
 Per architecture, each step a fresh `graphdiff` process under `timeout` (one engine at a time):
-  1. `graphdiff make-tiny ARCH --out OUT/ARCH/model --layers L [--seed S] [--hidden H]`
+  1. `graphdiff make-tiny ARCH --out OUT/ARCH/model --layers L [--seed S] [--hidden H] [--head-dim D] [--vocab V]`
   2. `graphdiff scan OUT/ARCH/model --out OUT/ARCH/scan --patch`   (the gate measures every region on seed-0 samples)
   3. `graphdiff kl OUT/ARCH/model --manifest OUT/ARCH/scan/patch/manifest.json --random 4 --max-tokens 256 --seed 1`
      (held out: other prompts and sampling seeds than the ones the gate chose the regions on)
@@ -122,13 +122,19 @@ def departure_summary(scan_dir: Path) -> str:
                              f"{d.get('differing', 0):.1%} of elements differ"])
 
 
+def shape_options(args: argparse.Namespace) -> list[str]:
+    """make-tiny's shape options the sweep was given (none: each recipe's own shape)."""
+    return [opt for flag, v in (("--hidden", args.hidden), ("--head-dim", args.head_dim), ("--vocab", args.vocab))
+            if v for opt in (flag, str(v))]
+
+
 def sweep_one(arch: str, root: Path, args: argparse.Namespace) -> dict:
     d = root / arch
     d.mkdir(parents=True, exist_ok=True)
     model, scan, kl = d / "model", d / "scan", d / "kl"
     res: dict = dict(arch=arch, steps=[])
     steps = [("make-tiny", ["make-tiny", arch, "--out", str(model), "--layers", str(args.layers),
-                            "--seed", str(args.seed), *(["--hidden", str(args.hidden)] if args.hidden else [])], 300),
+                            "--seed", str(args.seed), *shape_options(args)], 300),
              ("scan", ["scan", str(model), "--out", str(scan), "--patch",
                        *(["--exact"] if args.exact else ["--attention", args.attention])], args.timeout)]
     for name, cli, limit in steps:
@@ -290,6 +296,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="the tiny checkpoints' weight seed")
     p.add_argument("--hidden", type=int, help="the tiny checkpoints' hidden size (default: each recipe's own)")
+    p.add_argument("--head-dim", type=int, help="the tiny checkpoints' head size (default 64)")
+    p.add_argument("--vocab", type=int, help="the tiny checkpoints' vocabulary (default: each recipe's own)")
     p.add_argument("--timeout", type=int, default=1500, help="seconds per scan / kl step")
     p.add_argument("--kl-prompts", type=int, default=4)
     p.add_argument("--kl-tokens", type=int, default=256)

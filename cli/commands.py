@@ -62,8 +62,11 @@ def make_tiny_cmd(
     out_dir: Path | None = typer.Option(None, "--out", help="directory to write config.json + model.safetensors"),
     layers: int = typer.Option(2, help="number of decoder layers"),
     seed: int = typer.Option(0, help="random seed (same seed, same weights)"),
-    hidden: int | None = typer.Option(None, help="hidden size (a multiple of 64; heads of 64, MLP 8/3 wider; "
+    hidden: int | None = typer.Option(None, help="hidden size (a multiple of 64 and of --head-dim; MLP 8/3 wider; "
                                       "default 256)"),
+    head_dim: int | None = typer.Option(None, "--head-dim", help="size of an attention head (default 64; a third of "
+                                        "the heads for K/V)"),
+    vocab: int | None = typer.Option(None, help="vocabulary size (default 2048)"),
     list_archs: bool = typer.Option(False, "--list", help="list the architectures (config classes) and exit"),
 ) -> None:
     """Write a seeded random-weight HF checkpoint small enough for tests."""
@@ -81,10 +84,11 @@ def make_tiny_cmd(
         if arch not in ARCHS:
             raise GraphdiffError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
         with staged(out_dir, "model") as tmp:
-            make_tiny(arch, tmp, layers=layers, seed=seed, hidden=hidden)
+            make_tiny(arch, tmp, layers=layers, seed=seed, hidden=hidden, head_dim=head_dim, vocab=vocab)
         path = out_dir
     size = sum(p.stat().st_size for p in path.iterdir()) / 2**20
-    out.print(f"wrote tiny {arch} ({layers} layers{f', hidden {hidden}' if hidden else ''}, {size:.1f} MiB) to {path}")
+    shape = "".join(f", {name} {v}" for name, v in (("hidden", hidden), ("head size", head_dim), ("vocab", vocab)) if v)
+    out.print(f"wrote tiny {arch} ({layers} layers{shape}, {size:.1f} MiB) to {path}")
 
 
 @app.command()

@@ -1,4 +1,4 @@
-"""Tiny checkpoints at another width (`make-tiny --hidden`): the shapes the engine builds for them."""
+"""Tiny checkpoints at another shape (`make-tiny --hidden --head-dim --vocab`): the shapes the engine builds."""
 
 from __future__ import annotations
 
@@ -19,3 +19,15 @@ def test_falcon_widened_keeps_the_mlp_width_vllm_builds(tmp_path) -> None:
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
     assert shapes["transformer.h.0.mlp.dense_h_to_4h.weight"] == [1536, 384]
+
+
+def test_head_size_and_vocab_reach_every_field_the_recipe_sets(tmp_path) -> None:
+    """Real checkpoints have heads of 128 and vocabularies of tens of thousands: the widened recipe sets the head
+    size, the head counts that follow from it and the vocabulary, in the field names each config class spells."""
+    for arch, heads_key in (("qwen3", "num_attention_heads"), ("gpt2", "n_head")):
+        out = make_tiny(arch, tmp_path / arch, layers=1, hidden=512, head_dim=128, vocab=4000)
+        config = json.loads((out / "config.json").read_text())
+        assert config[heads_key] == 4 and config["vocab_size"] == 4000
+        assert config.get("head_dim", 128) == 128
+    qwen3 = json.loads((tmp_path / "qwen3" / "config.json").read_text())
+    assert qwen3["num_key_value_heads"] == 1 and qwen3["intermediate_size"] == 1408
