@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphdiff.analysis.match import TOLERANCE, match_values
+from graphdiff.analysis.match import TOLERANCE, match_values, quantile_index
 from graphdiff.records import Graph, Node
 
 
@@ -55,3 +55,12 @@ def test_a_one_value_made_from_parameters_is_matched_to_the_engine_value_of_the_
                     "scaled": torch.tensor([0.7])}
     matches, _ = match_values(train, train_values, engine, values)
     assert {m.train: m.engine for m in matches} == {"softplus": "where", "softplus_1": "where_1"}
+
+
+def test_fingerprint_quantiles_stay_inside_values_past_float32s_integers() -> None:
+    """A prefill of 2048 tokens at a vocabulary of 32000 has 65536000 logits: float32 rounds the last index,
+    65535999, up to 65536000 (past the end). Every index is in range and the last one is the last value."""
+    for numel in (2**24 + 4, 2048 * 32000, 4096 * 151936):
+        index = quantile_index(numel, 4096)
+        assert int(index[0]) == 0 and int(index[-1]) == numel - 1
+        assert bool((index[1:] > index[:-1]).all())

@@ -102,12 +102,18 @@ def op_kind(node: Node) -> str:
 FINGERPRINT_POINTS = 4096
 
 
+def quantile_index(numel: int, points: int) -> torch.Tensor:
+    """`points` evenly spaced indices into `numel` sorted values, first and last included (in float64: float32
+    cannot hold every index past 2**24, and rounds the last one past the end)."""
+    return torch.linspace(0, numel - 1, points, dtype=torch.float64).round().long()
+
+
 def sorted_fingerprint(v: torch.Tensor) -> torch.Tensor:
     """Sorted values, reduced to evenly spaced quantiles for large tensors (the distance is a
     relative L2 norm, which the quantiles estimate without comparing millions of values)."""
     s = v.detach().float().reshape(-1).sort().values.double()
     if s.numel() > FINGERPRINT_POINTS:
-        s = s[torch.linspace(0, s.numel() - 1, FINGERPRINT_POINTS).round().long()]
+        s = s[quantile_index(s.numel(), FINGERPRINT_POINTS)]
     return s
 
 
