@@ -180,3 +180,22 @@ def test_the_departure_also_names_what_the_engine_computes_between_the_same_valu
     assert left is not None and left.node == "norm" and left.inputs_agree == ["attn"]
     assert left.cause == "o_proj: mm; 0: add; post_attention_layernorm: mul", left.cause
     assert left.engine_cause == "post_attention_layernorm: addmm, mul", left.engine_cause
+
+
+def test_a_gemm_paired_with_another_gemms_engine_value_is_no_departure() -> None:
+    """One K/V head of 128: the matcher paired the value projection's GEMM with the engine's key, whose sorted values
+    it does not tell from the value's. The key projection's GEMM is bit-identical to that engine value, so the
+    value's pairing is with another quantity and no departure; a GEMM downstream that differs still is one."""
+    _, pieces = _graphs()
+    train = Graph(name="train", nodes=[X, W, _n("k", "model.layers.0.self_attn.k_proj"),
+                                       _n("v", "model.layers.0.self_attn.v_proj"), _n("mm_1", "model.layers.1.mlp")])
+    key, value, down = (torch.randn(2, 4).bfloat16() for _ in range(3))
+    matched = {"piece0": ([Match("k", "arg4_1", 0.0, 1.0, ""), Match("v", "arg4_1", 0.0075, 1.0, "")], []),
+               "piece1": ([Match("mm_1", "arg4_1", 0.0, 1.0, "")], [])}
+    values = {"piece0": {"arg4_1": key}, "piece1": {"arg4_1": down}}
+    assert first_departure(train, {"k": key, "v": value, "mm_1": down}, matched, pieces, values) is None
+    left = first_departure(train, {"k": key, "v": value, "mm_1": down + 1}, matched, pieces, values)
+    assert left is not None and left.node == "mm_1"
+    alone = {"piece0": ([Match("v", "arg4_1", 0.0075, 1.0, "")], []), "piece1": ([], [])}
+    left = first_departure(train, {"k": key, "v": value, "mm_1": down}, alone, pieces, values)
+    assert left is not None and left.node == "v"  # no other trainer value holds it: a departure

@@ -14,12 +14,12 @@ departure also walks up from that value to the compared values it reads: where t
 trainer ops between them and it (`cause_ops`, the first that computes rather than moves data named as the cause);
 where one of them differs too, that is reported instead.
 
-A value the trainer reaches from agreeing compared values through data movement only (views, an index, a cat) whose
-matched engine value differs from it but is bit-identical to another trainer value matched to it is paired with
-another quantity (the matcher paired Falcon's value heads with the engine's key heads, both slices of one agreeing
-qkv GEMM): it counts as not compared, and a departure downstream walks through it. Without that second value it
-stays a departure: the engine can move another copy of an agreeing value (OLMo 2's rotate_half reads its own
-stored halves of the q norm's output, one element apart). Values of the same shape in other
+A value whose matched engine value differs from it but is bit-identical to another trainer value matched to it is
+paired with another quantity (the matcher paired Falcon's value heads with the engine's key heads, both slices of one
+agreeing qkv GEMM; and with one K/V head of 128, the value projection's GEMM with the key's, whose values the sorted
+fingerprints do not tell apart): it counts as not compared, and a departure downstream walks through it. Without
+that second value it stays a departure: the engine can move another copy of an agreeing value (OLMo 2's rotate_half
+reads its own stored halves of the q norm's output, one element apart). Values of the same shape in other
 layouts are compared in the engine's layout, the trainer's dims permuted where the shapes allow; the share reported
 is that of one element order, never of sorted values (which shifts every element after a changed one).
 """
@@ -131,8 +131,8 @@ def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[
             compared.add(m.train)
             continue
         inputs, between = _upstream(tgraph, m.train, compared, forward)
-        if _moves_only(nodes, between) and _held_by_another(m, g, pairs, train_values, e, low):
-            continue  # agreeing values moved, paired with an engine value that is another trainer value
+        if _held_by_another(m, g, [p for p in pairs if p[0].train in forward], train_values, e, low):
+            continue  # paired with an engine value that is another trainer value: another quantity
         n = nodes[m.train]
         kernel, graph = kernel_of.get((g, m.engine), ""), g
         return Departure(node=m.train, op=n.target, module=n.module, layer=layer_of(n.module), dtype=str(n.dtype),
@@ -143,15 +143,10 @@ def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[
     return None
 
 
-def _moves_only(nodes: dict[str, Node], between: list[str]) -> bool:
-    """Do the ops from the agreeing compared values to a value only move data (views, index, cat, neg)?"""
-    return all(op_name(nodes[b].target) in EXACT for b in between)
-
-
 def _held_by_another(m: Match, graph: str, pairs: list[tuple[Match, str]], train_values: dict, e: torch.Tensor,
                      low: str) -> bool:
-    """Is the engine value `m` matched bit-identical to another trainer value matched to it (Falcon's key heads,
-    where the matcher paired the value heads with them too)? Then it is that value, not `m.train`."""
+    """Is the engine value `m` matched bit-identical to another trainer value of `pairs` matched to it (Falcon's key
+    heads, where the matcher paired the value heads with them too)? Then it is that value, not `m.train`."""
     dtype = getattr(torch, low)
     for other, g in pairs:
         t = train_values.get(other.train)
