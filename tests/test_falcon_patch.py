@@ -157,6 +157,13 @@ def test_keys_broadcast_to_every_query_head_are_their_values_once() -> None:
     dim, times, once = repeated_part(heads)
     assert (dim, times) == (1, 2) and torch.equal(once, key[:, :, 0])
     assert repeated_part(torch.randn(1, 4, 16, 8, generator=torch.Generator().manual_seed(1))) is None
+    # four query heads per K/V head (hidden 512 in heads of 64 or 128): [k0 x4, k1 x4] repeats its pairs twice too,
+    # but the value once is one head per K/V head, which is what the engine holds
+    four = key.expand(1, 2, 4, 16, 8).flatten(1, 2)
+    dim, times, once = repeated_part(four)
+    assert (dim, times) == (1, 4) and torch.equal(once, key[:, :, 0])
+    dim, times, once = repeated_part(key[:, :1].expand(1, 1, 4, 16, 8).flatten(1, 2))  # one K/V head
+    assert (dim, times) == (1, 4) and torch.equal(once, key[:, :1, 0])
 
 
 def test_the_recorded_scan_aligns_rope_and_the_gelu_and_reads_the_norms_as_the_kernel_does() -> None:

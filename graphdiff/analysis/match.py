@@ -215,9 +215,10 @@ def _parameters_of(graph: Graph, name: str) -> frozenset[str]:
 def repeated_part(v: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:
     """(dim, r, the value once) where `v` repeats one value r times along a dimension, each entry in turn (keys
     broadcast to every query head of their group: Falcon's `torch.broadcast_to(key, query.shape)`) or the whole in
-    turn; None where it repeats nothing."""
+    turn; None where it repeats nothing. The most repeats first: a key repeated 4 times also repeats its pair twice,
+    and the value once is the one key."""
     for dim, size in enumerate(v.shape):
-        for r in range(2, size + 1):
+        for r in range(size, 1, -1):
             if size % r:
                 continue
             for parts in ((size // r, r), (r, size // r)):  # each entry r times; the whole r times
