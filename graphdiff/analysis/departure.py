@@ -114,10 +114,9 @@ def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[
     pairs = sorted(((m, g) for g, (ms, _) in matched.items() for m in ms), key=lambda p: tgraph.position(p[0].train))
     nodes = tgraph.node_map()
     forward = activation_values(tgraph)
+    forward_pairs = [p for p in pairs if p[0].train in forward]  # a weight's own transform is no forward value
     equal, compared = 0, set()  # compared: the values found bit-identical so far
-    for m, g in pairs:
-        if m.train not in forward:
-            continue
+    for m, g in forward_pairs:
         t, e = train_values.get(m.train), engine_values.get(g, {}).get(m.engine)
         if not (isinstance(t, torch.Tensor) and isinstance(e, torch.Tensor)) or t.numel() != e.numel() \
                 or not (t.is_floating_point() and e.is_floating_point()):
@@ -131,7 +130,7 @@ def first_departure(tgraph: Graph, train_values: dict, matched: dict[str, tuple[
             compared.add(m.train)
             continue
         inputs, between = _upstream(tgraph, m.train, compared, forward)
-        if _held_by_another(m, g, [p for p in pairs if p[0].train in forward], train_values, e, low):
+        if _held_by_another(m, g, forward_pairs, train_values, e, low):
             continue  # paired with an engine value that is another trainer value: another quantity
         n = nodes[m.train]
         kernel, graph = kernel_of.get((g, m.engine), ""), g
