@@ -31,3 +31,11 @@ def test_head_size_and_vocab_reach_every_field_the_recipe_sets(tmp_path) -> None
         assert config.get("head_dim", 128) == 128
     qwen3 = json.loads((tmp_path / "qwen3" / "config.json").read_text())
     assert qwen3["num_key_value_heads"] == 1 and qwen3["intermediate_size"] == 1408
+
+
+def test_vocab_alone_keeps_the_recipe_heads(tmp_path) -> None:
+    """`make-tiny ARCH --vocab V` changes the vocabulary only: the recipe's head layout (qwen3's K/V heads) stays."""
+    plain = json.loads((make_tiny("qwen3", tmp_path / "plain", layers=1) / "config.json").read_text())
+    wide = json.loads((make_tiny("qwen3", tmp_path / "wide", layers=1, vocab=4000) / "config.json").read_text())
+    assert wide["vocab_size"] == 4000 and plain["vocab_size"] != 4000
+    assert {k: v for k, v in wide.items() if k != "vocab_size"} == {k: v for k, v in plain.items() if k != "vocab_size"}

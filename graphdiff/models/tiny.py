@@ -27,17 +27,20 @@ def _per_layer(overrides: dict, layers: int) -> dict:
     return out
 
 
-def widened(overrides: dict, hidden: int | None = None, head_dim: int = 64, vocab: int | None = None) -> dict:
-    """The recipe at another shape: `hidden` wide in heads of `head_dim` (a third of them for K/V), the MLP 8/3 wider
-    (multiple of 64; Falcon's 4 times, the width vLLM's Falcon assumes whatever `ffn_hidden_size` says), `vocab`
-    tokens; only the fields the recipe sets change."""
+def widened(overrides: dict, hidden: int | None = None, head_dim: int | None = None, vocab: int | None = None) -> dict:
+    """The recipe at another shape: `hidden` wide in heads of `head_dim` (default 64; a third of them for K/V), the
+    MLP 8/3 wider (multiple of 64; Falcon's 4 times, the width vLLM's Falcon assumes whatever `ffn_hidden_size`
+    says), `vocab` tokens; only the fields the recipe sets change. A vocabulary alone leaves the heads as they are."""
+    if vocab is not None and vocab < 64:
+        raise GraphdiffError(f"--vocab {vocab}: give at least 64 tokens")
+    if hidden is None and head_dim is None:
+        return {**overrides, **({"vocab_size": vocab} if vocab is not None and "vocab_size" in overrides else {})}
+    head_dim = head_dim or 64
     hidden = hidden if hidden is not None else int(overrides.get("hidden_size", overrides.get("n_embd", 256)))
     if head_dim < 16 or head_dim % 16:
         raise GraphdiffError(f"--head-dim {head_dim}: give a positive multiple of 16")
     if hidden < head_dim or hidden % head_dim or hidden % 64:
         raise GraphdiffError(f"--hidden {hidden}: give a positive multiple of 64 and of the head size {head_dim}")
-    if vocab is not None and vocab < 64:
-        raise GraphdiffError(f"--vocab {vocab}: give at least 64 tokens")
     heads = hidden // head_dim
     sizes = dict(hidden_size=hidden, n_embd=hidden, d_model=hidden, intermediate_size=-(-hidden * 8 // 3 // 64) * 64,
                  num_attention_heads=heads, n_head=heads, num_key_value_heads=max(1, heads // 3),
@@ -59,7 +62,7 @@ def make_tiny(arch: str, out: Path, layers: int = 2, seed: int = 0, hidden: int 
         raise GraphdiffError(f"--layers {layers}: a model needs at least 1 decoder layer")
     config_cls, overrides = ARCHS[arch]
     if (hidden, head_dim, vocab) != (None, None, None):
-        overrides = widened(overrides, hidden, head_dim or 64, vocab)
+        overrides = widened(overrides, hidden, head_dim, vocab)
     config = getattr(transformers, config_cls)(**_per_layer(overrides, layers), num_hidden_layers=layers)
     with torch.random.fork_rng(devices=[]):  # HF draws its init from the global generator: forked,
         torch.manual_seed(seed)  # so the caller's stream is untouched
