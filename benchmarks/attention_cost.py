@@ -5,7 +5,8 @@
 
 HF's sdpa on BF16 q/k/v (unpatched); the portable splice's attention (HF's sdpa on FP32-upcast q/k/v); the exact
 splice (`attention_engine_op`: vLLM CPU's op forward, FP32 attention's gradient recomputed from the saved inputs;
-needs vLLM). Forward, and forward + backward, each the median of --repeat runs in this process's CPU time at
+needs vLLM); each of the two patched ones also with `runtime.apply(attention_gradient="bf16")`'s gradient (the BF16
+flash kernel's backward at the FP32 forward's output and log-sum-exp). Forward, and forward + backward, each the median of --repeat runs in this process's CPU time at
 --threads 1 (the machine may be shared), in ms; `saved_mib`: what the forward keeps for the backward beyond the BF16
 q/k/v it is given.
 
@@ -100,14 +101,20 @@ def main() -> None:
     qkv = [torch.randn(1, h, args.seq, args.dim, generator=gen).bfloat16() for h in (args.heads, args.kv_heads,
                                                                                      args.kv_heads)]
     layer, scale = Layer(args.heads // args.kv_heads), args.dim ** -0.5
-    forms = {"unpatched (BF16 sdpa)": sdpa_attention_forward, "portable (FP32 sdpa)": attention_fp32_inputs}
+    bf16 = Layer(args.heads // args.kv_heads)
+    bf16._graphdiff_attention_gradient = "bf16"  # what runtime.apply(attention_gradient="bf16") sets
+    forms = {"unpatched (BF16 sdpa)": (sdpa_attention_forward, layer),
+             "portable (FP32 sdpa)": (attention_fp32_inputs, layer),
+             "portable, bf16 gradient": (attention_fp32_inputs, bf16)}
     if importlib.util.find_spec("vllm") is not None:
-        forms["exact (engine op, FP32 gradient)"] = attention_engine_op
+        forms["exact (engine op, FP32 gradient)"] = (attention_engine_op, layer)
+        forms["exact, bf16 gradient"] = (attention_engine_op, bf16)
     result = {}
-    for name, fn in forms.items():
+    for name, (fn, layer) in forms.items():
         q, k, v = (t.clone().requires_grad_() for t in qkv)
 
-        def forward(fn: Callable = fn, q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> torch.Tensor:
+        def forward(fn: Callable = fn, q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v,
+                    layer: torch.nn.Module = layer) -> torch.Tensor:
             return fn(layer, q, k, v, None, scaling=scale)[0]
 
         def step(forward: Callable = forward) -> None:
@@ -118,7 +125,7 @@ def main() -> None:
             fwd = cpu_ms(forward, args.repeat)
         result[name] = {"fwd_ms": fwd, "fwd_bwd_ms": cpu_ms(step, args.repeat),
                         "saved_mib": saved_mib(forward, [q, k, v])}
-    lse = lse_backward(qkv, layer, scale, args.repeat) if len(forms) > 2 else None
+    lse = lse_backward(qkv, forms["unpatched (BF16 sdpa)"][1], scale, args.repeat) if len(forms) > 3 else None
     print(json.dumps({"shape": vars(args), "torch": torch.__version__, "forms": result, "lse_backward": lse},
                      indent=1))
 

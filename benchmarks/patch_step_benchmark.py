@@ -38,6 +38,7 @@ from graphdiff.codegen import generate
 from graphdiff.records import Manifest
 
 AUTOGRAD = "/autograd"  # a variant's suffix: its splices' gradients by autograd, not their closed forms
+BF16 = "/bf16"  # a variant's suffix: the attention's gradient by the BF16 kernel (runtime.apply(attention_gradient=))
 
 
 def step(model: torch.nn.Module, ids: torch.Tensor, cpu_time: bool = False,
@@ -73,8 +74,9 @@ def model_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def regions_of(variant: str, manifest: Manifest) -> list[str] | None:
-    """None: unpatched; else the manifest regions the variant aligns (`/autograd`: the same, gradients by autograd)."""
-    variant = variant.removesuffix(AUTOGRAD)
+    """None: unpatched; else the manifest regions the variant aligns (`/autograd`: the same, gradients by autograd;
+    `/bf16`: the same, the attention's gradient by the BF16 flash kernel)."""
+    variant = variant.removesuffix(BF16).removesuffix(AUTOGRAD)
     if variant == "unpatched":
         return None
     if variant == "all":
@@ -136,7 +138,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--variants", default="unpatched,all",
                     help="comma-separated: unpatched, all, KIND[+KIND]; a /autograd suffix: gradients by autograd "
-                         "(checkpointed), not the splices' closed forms")
+                         "(checkpointed), not the splices' closed forms; a /bf16 suffix (last): the attention's "
+                         "gradient by the BF16 flash kernel (runtime.apply(attention_gradient='bf16'))")
     ap.add_argument("--allow-version-mismatch", action="store_true",
                     help="apply although torch/transformers differ from the scan's (timing only)")
     ap.add_argument("--json", type=Path, help="also write the result here")
@@ -159,11 +162,12 @@ def main() -> None:
 
     def use(variant: str) -> None:
         regions = variants[variant]
-        os.environ["GRAPHDIFF_CLOSED_FORM"] = "0" if variant.endswith(AUTOGRAD) else "1"
+        os.environ["GRAPHDIFF_CLOSED_FORM"] = "0" if variant.removesuffix(BF16).endswith(AUTOGRAD) else "1"
         if regions is None:
             runtime.remove(model)
         else:
-            runtime.apply(model, work / "patch", regions=regions, allow_version_mismatch=args.allow_version_mismatch)
+            runtime.apply(model, work / "patch", regions=regions, allow_version_mismatch=args.allow_version_mismatch,
+                          attention_gradient="bf16" if variant.endswith(BF16) else "fp32")
 
     cuda = args.device.startswith("cuda")
     peak: dict[str, float] = {}

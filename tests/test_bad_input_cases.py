@@ -51,6 +51,8 @@ def _cases() -> list[Case]:
              "--head-dim 100"),
         Case("make-tiny --hidden 320 --head-dim 128", ["make-tiny", "qwen3", "--out", f"{w}/new", "--hidden", "320",
                                                         "--head-dim", "128"], "of the head size 128"),
+        Case("make-tiny --vocab 10", ["make-tiny", "qwen3", "--out", f"{w}/new", "--vocab", "10"],
+             "--vocab 10: give at least 64"),
         Case("make-tiny --out FILE", ["make-tiny", "qwen3", "--out", f"{w}/file.txt"], "is a file"),
         Case("make-tiny --out /proc/x/y", ["make-tiny", "qwen3", "--out", "/proc/x/y"], NOT_WRITABLE),
         Case("make-tiny --out a user's directory", ["make-tiny", "qwen3", "--out", f"{w}/userdir"],

@@ -148,6 +148,27 @@ def test_the_engine_op_splice_runs_the_engine_forward_and_fp32_attention_backwar
         attention_engine_op(_Layer(), q.detach(), k.detach(), v.detach(), padded, scaling=0.125)
 
 
+def test_the_engine_op_splice_takes_the_bf16_gradient_the_portable_one_takes():
+    """`runtime.apply(attention_gradient="bf16")`: the exact splice's forward is still the engine's op; its gradient
+    is the portable splice's "bf16" one (the BF16 flash backward at FP32 attention's statistics), not FP32's."""
+    pytest.importorskip("vllm._custom_ops")
+    from graphdiff.codegen.attention_splice import attention_engine_op, attention_fp32_inputs
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 150, 64, generator=gen).to(torch.bfloat16).requires_grad_() for h in (4, 2, 2))
+    grad = torch.randn(1, 150, 4, 64, generator=gen).to(torch.bfloat16)
+    layer = _Layer()
+    exact32, _ = attention_engine_op(layer, q, k, v, None, scaling=0.125)
+    fp32 = torch.autograd.grad(exact32, (q, k, v), grad)
+    layer._graphdiff_attention_gradient = "bf16"
+    exact16, _ = attention_engine_op(layer, q, k, v, None, scaling=0.125)
+    assert torch.equal(exact16, exact32)
+    got = torch.autograd.grad(exact16, (q, k, v), grad)
+    want = torch.autograd.grad(attention_fp32_inputs(layer, q, k, v, None, scaling=0.125)[0], (q, k, v), grad)
+    for g, w, f in zip(got, want, fp32):
+        assert torch.equal(g, w) and not torch.equal(g, f)
+
+
 def test_a_patch_with_the_engine_op_attention_equals_the_diagnostic(tiny_models, tmp_path):
     """The patched trainer with `--attention engine` computes, in this process, what kl's engine-attention
     diagnostic computes in its child: the same log-probs bit for bit."""

@@ -93,3 +93,32 @@ def test_a_torch_without_sdpas_choice_keeps_hfs_sdpa(monkeypatch: pytest.MonkeyP
     q, k, v, _ = _inputs(4, 2, 20, 64)
     monkeypatch.delattr(torch, "_fused_sdp_choice")
     assert not attention_splice._flash_fp32_takes(_Layer(2), q, k, v, None, {"scaling": 0.125})
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (4, 4, 128)])
+def test_the_bf16_gradient_is_hfs_kernel_at_the_fp32_forwards_statistics(heads: int, kv_heads: int, dim: int,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`runtime.apply(attention_gradient="bf16")`: the forward unchanged bit for bit; the gradient is the BF16 flash
+    backward HF's unpatched trainer runs, given the FP32 forward's output and log-sum-exp, bit for bit; it is not
+    the FP32 gradient, and it is as close to it as HF's own BF16 attention's gradient is."""
+    q, k, v, grad = _inputs(heads, kv_heads, 77, dim)
+    fp32, _ = _attention(q, k, v, grad, True, monkeypatch)
+    monkeypatch.setattr(_Layer, "_graphdiff_attention_gradient", "bf16", raising=False)
+    bf16, _ = _attention(q, k, v, grad, True, monkeypatch)
+    assert torch.equal(bf16[0], fp32[0])
+    scale = dim ** -0.5
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(q.float(), k.float(), v.float(), 0.0, True, scale=scale)
+    want = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad.transpose(1, 2), q, k, v, out.to(torch.bfloat16), lse, 0.0, True, scale=scale)
+    hf_out, hf_lse = flash(q, k, v, 0.0, True, scale=scale)
+    hf = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad.transpose(1, 2), q, k, v, hf_out, hf_lse, 0.0, True, scale=scale)
+    for got, exact, w, h in zip(bf16[1:], fp32[1:], want, hf):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, w)
+        assert not torch.equal(got, exact)
+
+        def err(g: torch.Tensor, e: torch.Tensor = exact) -> float:
+            return float((g.float() - e.float()).norm() / e.float().norm())
+
+        assert err(got) <= 1.5 * err(h)

@@ -288,3 +288,37 @@ def test_triton_path_training_step_keeps_no_more_activations_than_unpatched(tiny
     assert proc.returncode == 0, proc.stderr[-3000:]
     unpatched, patched = map(int, proc.stdout.split()[-2:])
     assert patched <= unpatched, (patched, unpatched)
+
+
+def _step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # noqa: ANN001
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=IDS, labels=IDS, use_cache=False)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_the_bf16_attention_gradient_keeps_the_forward_and_changes_only_the_backward(qwen3, patch_dir: Path,
+                                                                                      monkeypatch) -> None:
+    hf_logits = _step(qwen3)[0]
+    runtime.apply(qwen3, patch_dir)
+    logits32, grads32 = _step(qwen3)
+    runtime.apply(qwen3, patch_dir, attention_gradient="bf16")
+    attention = [m for n, m in qwen3.named_modules() if n.endswith("self_attn")]
+    assert attention and all(m._graphdiff_attention_gradient == "bf16" for m in attention)
+    logits16, grads16 = _step(qwen3)
+    assert torch.equal(logits16, logits32)
+    assert any(not torch.equal(grads16[n], g) for n, g in grads32.items() if "self_attn" in n)
+    runtime.remove(qwen3)
+    assert not any(hasattr(m, "_graphdiff_attention_gradient") for m in attention)
+    with pytest.raises(PatchError, match="attention_gradient='fp16'"):
+        runtime.apply(qwen3, patch_dir, attention_gradient="fp16")
+    from graphdiff.runtime.manifest import load_generated, load_manifest
+
+    gen = load_generated(load_manifest(patch_dir / "manifest.json"), patch_dir / "manifest.json")
+    monkeypatch.delattr(gen, "ATTENTION_GRADIENTS")  # a patch generated before the option
+    with pytest.raises(PatchError, match="regenerate it"):
+        runtime.apply(qwen3, patch_dir, attention_gradient="bf16")
+    assert runtime.active_regions(qwen3) is None  # refused midway: unpatched, not half patched
+    assert torch.equal(_step(qwen3)[0], hf_logits)
+    runtime.apply(qwen3, patch_dir)  # its FP32 gradient still applies
+    assert torch.equal(_step(qwen3)[0], logits32)

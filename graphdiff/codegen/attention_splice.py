@@ -34,6 +34,9 @@ from graphdiff.codegen.prelude import round_toward_zero
 
 KV_BLOCK = 128  # the KV-cache block size of vLLM's CPU attention backend
 ENGINE_EXP = True  # the engine's attention op computes exp by vLLM CPU's AVX-512 polynomial (a patch sets it per build)
+# the attention gradients `runtime.apply(attention_gradient=...)` may ask of this code (where torch's CPU flash
+# kernel runs the attention; elsewhere FP32 attention's)
+ATTENTION_GRADIENTS = ("fp32", "bf16")
 
 
 def attention_isa(dim: int) -> str:
@@ -204,23 +207,29 @@ def _softcapped_fp32(module, query, key, value, attention_mask, scaling=None, so
 class _FlashFP32(torch.autograd.Function):
     """FP32 causal attention by torch's CPU flash kernel, the kernel HF's sdpa runs on these inputs: the same output
     and gradient bit for bit, but it keeps the BF16 q/k/v the caller holds (upcast again in the backward) with the
-    FP32 output and log-sum-exp, where autograd through sdpa would keep FP32 copies of q/k/v as well."""
+    FP32 output and log-sum-exp, where autograd through sdpa would keep FP32 copies of q/k/v as well. `gradient`
+    "bf16" (BF16 q/k/v): the backward is the BF16 flash kernel HF's unpatched trainer runs, given this forward's
+    output (rounded) and log-sum-exp: HF's gradient precision at the patched forward's values, for the FP32
+    backward's extra cost (GEMMs at FP32 rate)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, scale):  # noqa: ANN001, ANN205 - autograd.Function signature
+    def forward(ctx, query, key, value, scale, gradient="fp32"):  # noqa: ANN001, ANN205 - autograd.Function signature
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query.float(), key.float(), value.float(), 0.0, True, scale=scale)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.scale = scale
+        ctx.bf16 = gradient == "bf16" and query.dtype == key.dtype == value.dtype == torch.bfloat16
         return out.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205
         query, key, value, out, lse = ctx.saved_tensors
+        # "bf16": the BF16 kernel HF's own trainer runs, at this forward's output and log-sum-exp
+        dtype = torch.bfloat16 if ctx.bf16 else torch.float32
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_output.float().transpose(1, 2), query.float(), key.float(), value.float(), out, lse, 0.0, True,
-            scale=ctx.scale)
-        return (*(g.to(t.dtype) for g, t in zip(grads, (query, key, value))), None)
+            grad_output.to(dtype).transpose(1, 2), query.to(dtype), key.to(dtype), value.to(dtype), out.to(dtype), lse,
+            0.0, True, scale=ctx.scale)
+        return (*(g.to(t.dtype) for g, t in zip(grads, (query, key, value))), None, None)
 
 
 def _flash_fp32_takes(module, query, key, value, attention_mask, kwargs) -> bool:  # noqa: ANN001
@@ -254,7 +263,8 @@ def _attention_in_fp32(module, query, key, value, attention_mask, **kwargs):
         attention_mask = attention_mask.float()
     if torch.is_grad_enabled() and _flash_fp32_takes(module, query, key, value, attention_mask, kwargs):
         scale = kwargs.get("scaling")
-        return _FlashFP32.apply(query, key, value, query.shape[-1] ** -0.5 if scale is None else scale), None
+        return _FlashFP32.apply(query, key, value, query.shape[-1] ** -0.5 if scale is None else scale,
+                                getattr(module, "_graphdiff_attention_gradient", "fp32")), None
     query, key, value = query.float(), key.float(), value.float()
     if kwargs.get("softcap"):
         return _softcapped_fp32(module, query, key, value, attention_mask, **kwargs)
@@ -286,7 +296,7 @@ def attention_fp32_inputs_truncated(module, query, key, value, attention_mask, *
 
 class _EngineAttention(torch.autograd.Function):
     """Forward: the engine's op. Backward: FP32 attention's exact gradient, recomputed from the saved inputs with
-    the same scale, window and softcap."""
+    the same scale, window and softcap (or its "bf16" gradient, `_FlashFP32`, where the module asks for it)."""
 
     @staticmethod
     def forward(ctx, query, key, value, module, kwargs):  # noqa: ANN001, ANN205 - autograd.Function signature
@@ -301,8 +311,8 @@ class _EngineAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205
         saved = ctx.saved_tensors
-        with torch.enable_grad():
-            inputs = [t.detach().float().requires_grad_(t.requires_grad) for t in saved]
+        with torch.enable_grad():  # FP32 attention upcasts the inputs itself (its "bf16" gradient reads them as BF16)
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
             query, key, value = inputs
             seq, window = query.shape[2], ctx.kwargs.get("sliding_window")
             # No mask where the window leaves every key in sight: sdpa's causal kernel, as the forward's trainer runs

@@ -98,7 +98,11 @@ def _attention_splice(r: Region, nodes: dict[str, Node], site_node: dict[str, st
                              triton_problem="calls torch's sdpa on FP32 inputs")
     lines = ["", "", f"# attention: region {r.name}",
              "# the engine's attention op computes exp (a softcap's tanh) by vLLM CPU's AVX-512 polynomial",
-             f"ENGINE_EXP = {exp_polynomial(engine)}", "", "", *prelude.source(attention_splice.FP32_PARTS)]
+             f"ENGINE_EXP = {exp_polynomial(engine)}",
+             "# the attention gradients runtime.apply(attention_gradient=...) may ask (\"bf16\": the BF16 flash",
+             "# kernel's backward at this forward's output and log-sum-exp, where torch's CPU flash kernel runs it)",
+             f"ATTENTION_GRADIENTS = {attention_splice.ATTENTION_GRADIENTS!r}", "", "",
+             *prelude.source(attention_splice.FP32_PARTS)]
     if form == "engine":
         splice.torch_fn, splice.imports = attention_splice.attention_engine_op.__name__, ["vllm._custom_ops"]
         splice.triton_problem = "runs the engine's own attention op (vLLM CPU)"

@@ -3,6 +3,7 @@
     from graphdiff import runtime
     runtime.apply(model, "patches/manifest.json")             # before FSDP/DDP wrapping
     runtime.apply(model, "patches/manifest.json", regions=["model.layers.*.self_attn"])  # ablation
+    runtime.apply(model, "patches/manifest.json", attention_gradient="bf16")  # HF's BF16 attention backward
     runtime.remove(model)
 
 How the generated code is spliced in (no per-model code; everything comes from the manifest):
@@ -50,10 +51,11 @@ from pathlib import Path
 
 import torch
 
+from graphdiff.records import Manifest
 from graphdiff.runtime.layers import splice_targets
-from graphdiff.runtime.manifest import check_model, load_generated, load_manifest, regions_to_apply
+from graphdiff.runtime.manifest import PatchError, check_model, load_generated, load_manifest, regions_to_apply
 from graphdiff.runtime.memory import saved_fp32_recomputed
-from graphdiff.runtime.state import ATTR, Patching, State
+from graphdiff.runtime.state import ATTENTION_GRADIENTS, ATTR, Patching, State
 from graphdiff.runtime.targets import (
     PATCH,
     addmm_folds,
@@ -65,8 +67,15 @@ from graphdiff.runtime.targets import (
 
 
 def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[str] | None = None, *,
-          allow_version_mismatch: bool = False) -> torch.nn.Module:
-    """Patch `model` in place (and return it). Re-applying replaces the previous patch (idempotent)."""
+          allow_version_mismatch: bool = False, attention_gradient: str = "fp32") -> torch.nn.Module:
+    """Patch `model` in place (and return it). Re-applying replaces the previous patch (idempotent).
+
+    `attention_gradient`: the attention splice's backward where torch's CPU flash kernel runs it: "fp32", FP32
+    attention's exact gradient; "bf16", the BF16 flash kernel HF's unpatched trainer runs, at the patched forward's
+    output and log-sum-exp (HF's gradient precision, for less step time). The forward is the same either way.
+    A patch refused midway (a splice the model cannot take) leaves the model unpatched."""
+    if attention_gradient not in ATTENTION_GRADIENTS:
+        raise PatchError(f"attention_gradient={attention_gradient!r}: give one of {', '.join(ATTENTION_GRADIENTS)}")
     path = Path(manifest_path)
     path = path / "manifest.json" if path.is_dir() else path
     manifest = load_manifest(path)
@@ -74,12 +83,22 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
     chosen = regions_to_apply(manifest, path, regions)
     gen = load_generated(manifest, path)
     remove(model)
-    p = Patching(gen, frozenset(chosen), model, State(path, chosen))
+    p = Patching(gen, frozenset(chosen), model, State(path, chosen), attention_gradient)
+    setattr(model, ATTR, p.state)
+    try:
+        _install(p, manifest)
+    except BaseException:  # a splice refused midway: the model is left unpatched, not half patched
+        remove(model)
+        raise
+    return model
+
+
+def _install(p: Patching, manifest: Manifest) -> None:
+    model = p.model
     named = list(model.named_modules())
     for splice in manifest.splices:
         if not splice.problems:
-            PATCH[splice.target](p, splice, splice_targets(splice, named, manifest, model,
-                                                                                   p.align))
+            PATCH[splice.target](p, splice, splice_targets(splice, named, manifest, model, p.align))
     addmm_folds(p, named)
     for _, mod in named:
         if isinstance(mod, torch.nn.Linear) or is_conv1d(mod):
@@ -89,8 +108,6 @@ def apply(model: torch.nn.Module, manifest_path: str | Path, regions: Sequence[s
         elif isinstance(mod, torch.nn.LayerNorm):
             p.state.undo.append(layer_norm_takes_fp32(mod))
     p.state.undo.append(saved_fp32_recomputed(model))
-    setattr(model, ATTR, p.state)
-    return model
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:

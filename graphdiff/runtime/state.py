@@ -22,6 +22,7 @@ class State:
 
 
 ATTR = "_graphdiff_patch"
+ATTENTION_GRADIENTS = ("fp32", "bf16")
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Patching:
     align: frozenset[str]
     model: torch.nn.Module
     state: State
+    attention_gradient: str = "fp32"  # runtime.apply's: the attention splice's backward
 
     def aligned(self, splice: SpliceBase) -> bool:
         return bool(self.align & set(splice.regions))
