@@ -122,3 +122,10 @@ def test_the_bf16_gradient_is_hfs_kernel_at_the_fp32_forwards_statistics(heads: 
             return float((g.float() - e.float()).norm() / e.float().norm())
 
         assert err(got) <= 1.5 * err(h)
+
+
+def test_the_runtime_offers_the_gradients_the_generated_code_computes() -> None:
+    """The runtime (which imports no codegen) validates `attention_gradient` against its own list: the same list."""
+    from graphdiff.runtime.state import ATTENTION_GRADIENTS
+
+    assert ATTENTION_GRADIENTS == attention_splice.ATTENTION_GRADIENTS
