@@ -6,9 +6,11 @@
 HF's sdpa on BF16 q/k/v (unpatched); the portable splice's attention (HF's sdpa on FP32-upcast q/k/v); the exact
 splice (`attention_engine_op`: vLLM CPU's op forward, FP32 attention's gradient recomputed from the saved inputs;
 needs vLLM); each of the two patched ones also with `runtime.apply(attention_gradient="bf16")`'s gradient (the BF16
-flash kernel's backward at the FP32 forward's output and log-sum-exp). Forward, and forward + backward, each the median of --repeat runs in this process's CPU time at
---threads 1 (the machine may be shared), in ms; `saved_mib`: what the forward keeps for the backward beyond the BF16
-q/k/v it is given.
+flash kernel's backward at the FP32 forward's output and log-sum-exp). Forward, and forward + backward, each the
+median of --repeat runs in this process's CPU time at --threads 1 (the machine may be shared), in ms; `saved_mib`:
+what the forward keeps for the backward beyond the BF16 q/k/v it is given; `grad_rel_err`: its q, k and v
+gradients' distance from FP32 attention's (the portable form's) relative to their norm, for one seeded output
+gradient.
 
 `lse_backward`: the lever of a flash-style backward for the exact splice, from the engine's output and a log-sum-exp
 (the engine's op gives none): the log-sum-exp computed alone (causal, in query blocks) against torch's whole FP32
@@ -109,7 +111,9 @@ def main() -> None:
     if importlib.util.find_spec("vllm") is not None:
         forms["exact (engine op, FP32 gradient)"] = (attention_engine_op, layer)
         forms["exact, bf16 gradient"] = (attention_engine_op, bf16)
-    result = {}
+    result: dict[str, dict] = {}
+    probe = torch.randn(1, args.seq, args.heads, args.dim, generator=gen).bfloat16()  # an output gradient
+    grads: dict[str, tuple[torch.Tensor, ...]] = {}
     for name, (fn, layer) in forms.items():
         q, k, v = (t.clone().requires_grad_() for t in qkv)
 
@@ -125,6 +129,11 @@ def main() -> None:
             fwd = cpu_ms(forward, args.repeat)
         result[name] = {"fwd_ms": fwd, "fwd_bwd_ms": cpu_ms(step, args.repeat),
                         "saved_mib": saved_mib(forward, [q, k, v])}
+        grads[name] = torch.autograd.grad(forward(), (q, k, v), probe)
+    exact = grads["portable (FP32 sdpa)"]  # FP32 attention's gradient (rounded to BF16)
+    for name, got in grads.items():  # each form's q/k/v gradient error relative to it
+        result[name]["grad_rel_err"] = [round(float((g.float() - e.float()).norm() / e.float().norm()), 5)
+                                        for g, e in zip(got, exact)]
     lse = lse_backward(qkv, forms["unpatched (BF16 sdpa)"][1], scale, args.repeat) if len(forms) > 3 else None
     print(json.dumps({"shape": vars(args), "torch": torch.__version__, "forms": result, "lse_backward": lse},
                      indent=1))
