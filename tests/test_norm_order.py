@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -187,9 +188,43 @@ def test_a_norm_region_with_sites_is_cut_where_its_kernels_read_the_store_back()
     assert layer_groups(scan, sited) == [[1], [0, 2]]
 
 
-def _rms_norm(module: str, stored: bool) -> tuple[Graph, Graph]:
+# Granite's last layer (4 layers, hidden 512): the residual sum stored in a loop nest of its own, then the mean of
+# squares and the normalization both loaded from that BF16 store (the kernel's code, cut to its loads and stores)
+ALONE = """extern "C"  void  kernel(at::BFloat16* in_out_ptr0, const at::BFloat16* in_ptr0, float* out_ptr0)
+{
+    {
+        for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(4096L); x0+=static_cast<int64_t>(32L))
+        {
+            auto tmp0 = at::vec::Vectorized<at::BFloat16>::loadu(in_out_ptr0 + static_cast<int64_t>(x0), 32);
+            auto tmp2 = at::vec::Vectorized<at::BFloat16>::loadu(in_ptr0 + static_cast<int64_t>(x0), 32);
+            tmp20.store(in_out_ptr0 + static_cast<int64_t>(x0), static_cast<int64_t>(32));
+        }
+    }
+    {
+        for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(16L); x0+=static_cast<int64_t>(1L))
+        {
+            {
+                float tmp_acc0 = 0;
+                for(int64_t x1=static_cast<int64_t>(0L); x1<static_cast<int64_t>(256L); x1+=static_cast<int64_t>(32L))
+                {
+                    auto tmp0 = at::vec::Vectorized<at::BFloat16>::loadu(in_out_ptr0 + static_cast<int64_t>(x1), 32);
+                    tmp_acc0_vec = tmp_acc0_vec + tmp2;
+                }
+                out_ptr0[static_cast<int64_t>(x0)] = static_cast<float>(tmp_acc0);
+            }
+            for(int64_t x1=static_cast<int64_t>(0L); x1<static_cast<int64_t>(256L); x1+=static_cast<int64_t>(32L))
+            {
+                auto tmp0 = at::vec::Vectorized<at::BFloat16>::loadu(in_out_ptr0 + static_cast<int64_t>(x1), 32);
+            }
+        }
+    }
+}"""
+
+
+def _rms_norm(module: str, stored: bool, alone: bool = False) -> tuple[Graph, Graph]:
     """A trainer RMS norm's nodes and an engine kernel computing the residual sum and that norm; `stored`: the kernel
-    stores the sum in BF16 and its second loop reads the store back (Inductor realized the sum)."""
+    stores the sum in BF16 and its second loop reads the store back (Inductor realized the sum); `alone`: it stores
+    the sum in a loop nest of its own and every later loop, the mean's too, reads the store (`ALONE`)."""
     from graphdiff.records import BufferArg, Kernel, Node
 
     def node(name: str, target: str, *inputs: str, dtype: str = "float32", mod: str = module, **kw: object) -> Node:
@@ -205,6 +240,12 @@ def _rms_norm(module: str, stored: bool) -> tuple[Graph, Graph]:
     code = "extern \"C\" void kernel(const at::BFloat16* in_ptr0, at::BFloat16* out_ptr0, float* out_ptr1)\n{\n" + (
         reread if stored else "for(x1) {\n auto tmp0 = loadu(in_ptr0 + x1, 32);\n}") + "\n}"
     k = "cpp_fused_add_mean_pow_rsqrt_5:18"
+    args = [BufferArg(name="buf53", role="out", dtype="bfloat16", node="add_492"),
+            BufferArg(name="buf54", role="out", dtype="float32", node="mean_3")]
+    if alone:
+        code = ALONE
+        args = [BufferArg(name="buf53", role="inout", dtype="bfloat16", node="add_492"),
+                BufferArg(name="buf50", role="in", dtype="bfloat16"), args[1]]
     engine = Graph(name="e", nodes=[
         Node(name="a", op="placeholder", target="a", dtype="bfloat16"),
         node("add_492", "aten.add.Tensor", "a", dtype="bfloat16", kernel=k, mod=None),
@@ -212,9 +253,24 @@ def _rms_norm(module: str, stored: bool) -> tuple[Graph, Graph]:
         node("pow_4", "aten.pow.Tensor_Scalar", "convert_element_type_11", kernel=k, mod=None),
         node("mean_3", "aten.mean.dim", "pow_4", kernel=k, mod=None)],
         kernels=[Kernel(id=k, name=k.split(":")[0], kind="generated", nodes=["add_492", "mean_3"], code=code,
-                        args=[BufferArg(name="buf53", role="out", dtype="bfloat16", node="add_492"),
-                              BufferArg(name="buf54", role="out", dtype="float32", node="mean_3")])])
+                        args=args)])
     return train, engine
+
+
+def test_an_rms_norm_whose_kernel_stores_its_input_alone_reads_the_store_in_every_pass() -> None:
+    """Granite's last layer: the residual sum stored in a loop nest of its own, the mean of squares and the
+    normalization both from that BF16 store: the norm reads its stored input (the mean too), not a reread."""
+    from graphdiff.analysis.match import Match
+    from graphdiff.analysis.scan import norm_reads_stored, norm_rereads
+
+    module = "model.layers.3.post_attention_layernorm"
+    matched = {"e": ([Match(train="mean", engine="mean_3", distance=0.0, confidence=1.0, evidence="")], [])}
+    train, engine = _rms_norm(module, True, alone=True)
+    assert norm_reads_stored(train, [engine], matched) == [module]
+    assert norm_rereads(train, [engine], matched) == []
+    train, engine = _rms_norm(module, True)  # the sum stored in the mean's own loop: a reread
+    assert norm_reads_stored(train, [engine], matched) == []
+    assert norm_rereads(train, [engine], matched) == [module]
 
 
 def test_an_rms_norm_whose_kernel_reads_its_stored_input_back_is_a_reread() -> None:
@@ -234,11 +290,50 @@ def test_an_rms_norm_whose_kernel_reads_its_stored_input_back_is_a_reread() -> N
 def test_an_rms_norm_that_rereads_its_store_normalizes_the_rounded_input() -> None:
     """The emitted norm (aligned, with the engine's lanes) takes the mean over the FP32 input and normalizes its
     BF16-rounded copy, as the engine kernel's second loop does; not aligned, it is HF's norm."""
-    from graphdiff.codegen.emit_torch import emit_function, store_readers
+    from graphdiff.codegen.emit_torch import store_readers
+
+    region = "model.layers.*.post_attention_layernorm#norm_weight"
+    frag, by_name = _norm_fragment(region, reads_store=True)
+    assert store_readers(frag, by_name) == {"mul": ("_to_copy", "torch.bfloat16")}
+    assert store_readers(frag.__class__(**{**frag.__dict__, "reads_store": False}), by_name) == {}
+    norm = _emitted(frag, by_name)
+    x = torch.randn(16, 256) * 3  # the FP32 sum the engine holds
+    (out,) = norm(x, align=frozenset({region}), lanes=32)
+    rms = torch.rsqrt(ordered_mean(x * x, [-1], True, 32) + 1e-06)
+    assert torch.equal(out, x.to(torch.bfloat16).float() * rms) and not torch.equal(out, x * rms)
+    (hf,) = norm(x, align=frozenset(), lanes=32)
+    assert torch.equal(hf, x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-06))
+
+
+def test_an_rms_norm_that_reads_its_stored_input_in_every_pass_normalizes_it_rounded() -> None:
+    """Granite's last layer: aligned, the emitted norm rounds its input as the engine stored it and takes the mean
+    and the normalization of that copy; not aligned, it is HF's norm."""
+    region = "model.layers.*.post_attention_layernorm#norm_weight"
+    norm = _emitted(*_norm_fragment(region, stored_input=True))
+    x = torch.randn(16, 256) * 3
+    (out,) = norm(x, align=frozenset({region}), lanes=32)
+    low = x.to(torch.bfloat16).float()
+    assert torch.equal(out, low * torch.rsqrt(ordered_mean(low * low, [-1], True, 32) + 1e-06))
+    assert not torch.equal(out, low * torch.rsqrt(ordered_mean(x * x, [-1], True, 32) + 1e-06))
+    (hf,) = norm(x, align=frozenset(), lanes=32)
+    assert torch.equal(hf, x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-06))
+
+
+def _emitted(frag, by_name: dict) -> Callable:  # noqa: ANN001
+    from graphdiff.codegen.emit_torch import emit_function
+
+    scope: dict = {}
+    exec("\n".join(emit_function(frag, "norm", by_name)), {**vars(torch), "torch": torch, "_f32": lambda t: t.float(),
+         "_round": lambda t, d: t.to(d).float(), "ordered_mean": ordered_mean}, scope)
+    return scope["norm"]
+
+
+def _norm_fragment(region: str, **flags: bool) -> tuple:
+    """An RMS norm's fragment (the mean of squares, rsqrt, the product) summed in the engine kernel's order."""
     from graphdiff.codegen.fragment import Fragment
     from graphdiff.records import Node
 
-    module, region = "model.layers.1.post_attention_layernorm", "model.layers.*.post_attention_layernorm#norm_weight"
+    module = "model.layers.1.post_attention_layernorm"
     train, _ = _rms_norm(module, True)
     nodes = [*train.nodes[1:],
              Node(name="add", op="call_function", target="aten.add.Tensor", inputs=["mean"], module=module,
@@ -250,20 +345,9 @@ def test_an_rms_norm_that_rereads_its_store_normalizes_the_rounded_input() -> No
     nodes[0] = nodes[0].model_copy(update={"call": [[{"node": "x"}], {"dtype": {"dtype": "float32"}}]})
     nodes[1] = nodes[1].model_copy(update={"call": [[{"node": "_to_copy"}, 2], {}]})
     by_name = {n.name: n for n in [train.nodes[0], *nodes]}
-    frag = Fragment(key=region, target="module", module="model.layers.*.post_attention_layernorm", module_class="",
+    return Fragment(key=region, target="module", module="model.layers.*.post_attention_layernorm", module_class="",
                     nodes=nodes, inputs=["x"], outputs=["mul"], regions=[region], ordered={"mean": region},
-                    reads_store=True)
-    assert store_readers(frag, by_name) == {"mul": ("_to_copy", "torch.bfloat16")}
-    assert store_readers(frag.__class__(**{**frag.__dict__, "reads_store": False}), by_name) == {}
-    scope: dict = {}
-    exec("\n".join(emit_function(frag, "norm", by_name)), {**vars(torch), "torch": torch, "_f32": lambda t: t.float(),
-         "_round": lambda t, d: t.to(d).float(), "ordered_mean": ordered_mean}, scope)
-    x = torch.randn(16, 256) * 3  # the FP32 sum the engine holds
-    (out,) = scope["norm"](x, align=frozenset({region}), lanes=32)
-    rms = torch.rsqrt(ordered_mean(x * x, [-1], True, 32) + 1e-06)
-    assert torch.equal(out, x.to(torch.bfloat16).float() * rms) and not torch.equal(out, x * rms)
-    (hf,) = scope["norm"](x, align=frozenset(), lanes=32)
-    assert torch.equal(hf, x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-06))
+                    **flags), by_name
 
 
 def test_a_regions_later_layers_sum_in_the_order_of_their_engine_modules() -> None:

@@ -424,7 +424,8 @@ def norm_rereads(tgraph: Graph, engine_graphs: list[Graph],
     kernels = {k.id: k for g in engine_graphs for k in g.kernels}
     layer_norms = [m for m, k in _first_norms(_layer_norm_pairs(tgraph, engine_graphs), True) if k in kernels
                    and cpp_rereads_store(kernels[k].code) and not stored_alone(kernels[k])]
-    return [*layer_norms, *(m for m in _rms_rereads(tgraph, engine_graphs, matched or {}) if m not in layer_norms)]
+    rms = _rms_rereads(tgraph, engine_graphs, matched or {})
+    return [*layer_norms, *(m for m, alone in rms if not alone and m not in layer_norms)]
 
 
 def _first_norms(pairs: list[tuple[str, str]], first: bool) -> list[tuple[str, str]]:
@@ -440,25 +441,31 @@ def _first_norms(pairs: list[tuple[str, str]], first: bool) -> list[tuple[str, s
     return out
 
 
-def norm_reads_stored(tgraph: Graph, engine_graphs: list[Graph]) -> list[str]:
-    """The trainer layer norms (HF modules) whose engine kernel stores its input in BF16 in a loop nest that computes
-    nothing else and reads it back in every pass (`reload.stored_alone`), or whose kernel normalizes the stored input
-    after another norm of it (`_first_norms`): the norm, its mean too, reads the rounded input."""
+def norm_reads_stored(tgraph: Graph, engine_graphs: list[Graph],
+                      matched: dict[str, tuple[list[Match], list[str]]] | None = None) -> list[str]:
+    """The trainer norms (HF modules) whose engine kernel stores its input in BF16 in a loop nest that computes
+    nothing else and reads it back in every pass (`reload.stored_alone`: layer norms, and RMS norms whose matched
+    row mean is of such a store, Granite's last layer), or whose kernel normalizes the stored input after another
+    norm of it (`_first_norms`): the norm, its mean too, reads the rounded input."""
     kernels = {k.id: k for g in engine_graphs for k in g.kernels if k.kind == "generated"}
     pairs = _layer_norm_pairs(tgraph, engine_graphs)
     later = {m for m, k in _first_norms(pairs, False) if k in kernels and cpp_rereads_store(kernels[k].code)}
-    return [m for m, k in pairs if k in kernels and (stored_alone(kernels[k]) or m in later)]
+    layer_norms = [m for m, k in pairs if k in kernels and (stored_alone(kernels[k]) or m in later)]
+    rms = _rms_rereads(tgraph, engine_graphs, matched or {})
+    return [*layer_norms, *(m for m, alone in rms if alone and m not in layer_norms)]
 
 
 def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, tuple[list[Match], list[str]]]
-                 ) -> list[str]:
-    """HF modules whose first row mean (an RMS norm's `x.pow(2).mean(-1)`, a written-out layer norm's `x.mean(-1)`)
-    is matched to an engine mean of a value (or its square) that the same kernel stores in BF16 and reads back in its
-    later loops (a residual sum Inductor realizes in the norm's kernel: Granite's second layer, Cohere's last): that
-    mean reads the FP32 sum, the rest of the norm the rounded copy."""
+                 ) -> list[tuple[str, bool]]:
+    """(HF module, its mean reads the store too) for each HF module whose first row mean (an RMS norm's
+    `x.pow(2).mean(-1)`, a written-out layer norm's `x.mean(-1)`) is matched to an engine mean of a value (or its
+    square) that the same kernel stores in BF16 and reads back in its later loops (a residual sum Inductor realizes
+    in the norm's kernel: Granite's second layer, Cohere's last): that mean reads the FP32 sum and the rest of the
+    norm the rounded copy, unless the sum is stored in a loop nest of its own (`stored_alone`: Granite's last
+    layer), where the mean reads the rounded copy too."""
     nodes = tgraph.node_map()
     graphs = {g.name: g for g in engine_graphs}
-    found: list[str] = []
+    found: list[tuple[str, bool]] = []
     for gname, (ms, _) in matched.items():
         g = graphs.get(gname)
         if g is None:
@@ -467,7 +474,7 @@ def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, t
         kernels = {k.id: k for k in g.kernels if k.kind == "generated"}
         for m in ms:
             n, e = nodes.get(m.train), enodes.get(m.engine)
-            if (n is None or e is None or not n.module or n.module in found or op_name(n.target) != "mean"
+            if (n is None or e is None or not n.module or n.module in dict(found) or op_name(n.target) != "mean"
                     or not is_row_reduction(n, nodes) or e.kernel not in kernels or not e.inputs):
                 continue
             operand = enodes.get(e.inputs[0])
@@ -477,7 +484,7 @@ def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, t
             kernel = kernels[e.kernel]
             stored = {a.node for a in kernel.args if a.role in ("out", "inout") and is_low(a.dtype)}
             if base is not None and base.name in stored and cpp_rereads_store(kernel.code):
-                found.append(n.module)
+                found.append((n.module, base.name in stored_alone(kernel)))
     return found
 
 
@@ -625,7 +632,8 @@ def _engine_reads(tgraph: Graph, matched: dict[str, tuple[list[Match], list[str]
     `_mark_regions`)."""
     sums = residual_sums(tgraph, matched, engine_graphs, plan)
     return dict(norm_rereads=norm_rereads(tgraph, engine_graphs, matched),
-                norm_reads_stored=norm_reads_stored(tgraph, engine_graphs), rounded_sums=sums[0], stored_sums=sums[1],
+                norm_reads_stored=norm_reads_stored(tgraph, engine_graphs, matched), rounded_sums=sums[0],
+                stored_sums=sums[1],
                 inductor_math=math_differences(tgraph, matched, engine_graphs, engine_values, records,
                                                [r for r in replay if r.shape in ("", ref)], replay))
 

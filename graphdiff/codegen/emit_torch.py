@@ -198,8 +198,12 @@ def stored_reads(frag: Fragment, n: Node, nodes: dict[str, Node]) -> list[str]:
 
 def _input_lines(frag: Fragment, names: dict[str, str], nodes: dict[str, Node], index: dict[str, int]) -> list[str]:
     """Each input in FP32; one the engine gathers from a low-precision table (`table_inputs`) rounded to it while
-    the fragment's regions are aligned."""
+    the fragment's regions are aligned; an RMS norm's activation input that the engine's kernel reads from its
+    low-precision store in every pass, the mean too (`stored_input`; a layer norm: ordered_expression), rounded to
+    it while the norm sums in the kernel's order."""
     lines = []
+    stored = frag.stored_input and frag.ordered and not any(op_name(n.target) == "native_layer_norm"
+                                                           for n in frag.nodes)
     for name in frag.inputs:
         x = names[name]
         if name in frag.input_rounds.values():  # HF casts back to this input's dtype: none for an FP32 input
@@ -209,6 +213,11 @@ def _input_lines(frag: Fragment, names: dict[str, str], nodes: dict[str, Node], 
             dtype = DTYPES.get(frag.table_inputs[name], "torch.bfloat16")
             lines.append(f"    {x} = _round(_f32({x}), {dtype}) if {flags} else _f32({x})"
                          f"  # float32; the engine reads a {frag.table_inputs[name]} table")
+        elif stored and name not in frag.params and is_low(nodes[name].dtype):
+            flags = " or ".join(flag(index, r) for r in sorted(set(frag.ordered.values())))
+            dtype = DTYPES.get(str(nodes[name].dtype), "torch.bfloat16")
+            lines.append(f"    {x} = _round(_f32({x}), {dtype}) if ({flags}) and lanes else _f32({x})"
+                         f"  # float32; the engine's norm kernel reads its {nodes[name].dtype} store in every pass")
         else:
             lines.append(f"    {x} = _f32({x})  # {nodes[name].dtype}")
     return lines
