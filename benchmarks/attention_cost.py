@@ -114,12 +114,12 @@ def main() -> None:
     result: dict[str, dict] = {}
     probe = torch.randn(1, args.seq, args.heads, args.dim, generator=gen).bfloat16()  # an output gradient
     grads: dict[str, tuple[torch.Tensor, ...]] = {}
-    for name, (fn, layer) in forms.items():
+    for name, (fn, module) in forms.items():
         q, k, v = (t.clone().requires_grad_() for t in qkv)
 
         def forward(fn: Callable = fn, q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v,
-                    layer: torch.nn.Module = layer) -> torch.Tensor:
-            return fn(layer, q, k, v, None, scaling=scale)[0]
+                    module: torch.nn.Module = module) -> torch.Tensor:
+            return fn(module, q, k, v, None, scaling=scale)[0]
 
         def step(forward: Callable = forward) -> None:
             out = forward()
@@ -134,7 +134,7 @@ def main() -> None:
     for name, got in grads.items():  # each form's q/k/v gradient error relative to it
         result[name]["grad_rel_err"] = [round(float((g.float() - e.float()).norm() / e.float().norm()), 5)
                                         for g, e in zip(got, exact)]
-    lse = lse_backward(qkv, forms["unpatched (BF16 sdpa)"][1], scale, args.repeat) if len(forms) > 3 else None
+    lse = lse_backward(qkv, layer, scale, args.repeat) if "exact, bf16 gradient" in forms else None
     print(json.dumps({"shape": vars(args), "torch": torch.__version__, "forms": result, "lse_backward": lse},
                      indent=1))
 
