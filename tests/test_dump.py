@@ -96,6 +96,40 @@ def test_real_triton_backend_dump_imports():
     assert any(n.source and n.source.file.endswith("modeling_qwen3.py") for n in g.nodes)
 
 
+def test_an_externs_out_buffer_holds_its_node_for_certain():
+    """`extern_kernels.mm(a, b, out=buf4)`: the buffer is named as the mm node's (rounding.buffer_nodes), so a
+    kernel reading two layers' projection outputs binds them by name, not by a replay that cannot tell them apart
+    (a commutative sum)."""
+    from graphdiff.analysis.rounding import buffer_nodes
+
+    (g,) = import_dump(TRITON_DUMP).graphs
+    mms = [k for k in g.kernels if k.name == "extern_kernels.mm"]
+    outs = [a for k in mms for a in k.args if a.role == "out"]
+    assert mms and len(outs) == len(mms) and len({a.name for a in outs}) == len(outs)
+    known = buffer_nodes(g)
+    assert all(known[a.name] == k.nodes[0] for k in mms for a in k.args if a.role == "out")
+
+
+def test_an_out_buffer_a_kernel_later_writes_in_place_is_not_the_externs_for_the_whole_graph():
+    """Phi's engine adds a layer's projection outputs into the fc2 GEMM's out= buffer (`in_out_ptr0`): later kernels
+    read the sum there, so the buffer is the sum's, not the GEMM's."""
+    from graphdiff.analysis.rounding import buffer_nodes
+    from graphdiff.records import BufferArg, Graph, Kernel, Node
+
+    nodes = [Node(name="x", op="placeholder", target="x"),
+             Node(name="mm", op="call_function", target="aten.mm.default", inputs=["x"], call=[[{"node": "x"}], {}]),
+             Node(name="mm2", op="call_function", target="aten.mm.default", inputs=["x"], call=[[{"node": "x"}], {}]),
+             Node(name="add", op="call_function", target="aten.add.Tensor", inputs=["mm", "x"])]
+    kernels = [Kernel(id="extern_kernels.mm:1", name="extern_kernels.mm", kind="extern", nodes=["mm"],
+                      args=[BufferArg(name="x", role="inout"), BufferArg(name="buf5", role="out")]),
+               Kernel(id="extern_kernels.mm:2", name="extern_kernels.mm", kind="extern", nodes=["mm2"],
+                      args=[BufferArg(name="x", role="inout"), BufferArg(name="buf6", role="out")]),
+               Kernel(id="k:3", name="k", kind="generated", nodes=["add"],
+                      args=[BufferArg(name="buf5", role="inout", node="add"), BufferArg(name="x", role="in")])]
+    known = buffer_nodes(Graph(name="g", nodes=nodes, kernels=kernels))
+    assert known["buf5"] == "add" and known["buf6"] == "mm2"
+
+
 def test_a_pass_through_frame_is_no_source_line():
     """Where vLLM CPU runs a linear as F.linear on its weight (the avx2 kind: oneDNN has no BF16 GEMM there), the
     weight is vLLM's parameter subclass and the dump's only frame for its permute/mm is that subclass's

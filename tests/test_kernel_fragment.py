@@ -308,3 +308,17 @@ def test_views_of_an_extern_out_buffer_that_the_kernel_does_not_read_are_left_ou
     k = Kernel(id="k:1", name="k", kind="generated", nodes=["a", "v1", "v2", "v3"])
     frag, external = kernel_fragment(g, k, owned={"a", "v1", "v2", "v3"})
     assert [m.name for m in frag] == ["a", "v3"] and external == ["x"]
+
+
+def test_each_placement_of_unnamed_inputs_is_tried_once_and_all_fit_the_budget() -> None:
+    """Four same-sized inputs of one kernel (two layers' projection outputs it re-sums) have 24 placements: all are
+    tried, in product order, none twice (the product with repeats has 256, past the budget of 120)."""
+    from itertools import permutations, product
+
+    from graphdiff.replay.kernels import MAX_PERMUTATIONS, distinct_choices
+
+    bufs = ["buf54", "buf53", "buf23", "buf26"]
+    got = list(distinct_choices([bufs] * 4))
+    assert got == list(permutations(bufs)) and len(got) <= MAX_PERMUTATIONS < len(list(product(bufs, repeat=4)))
+    assert list(distinct_choices([["a", "b"], ["a"]])) == [("b", "a")]
+    assert list(distinct_choices([["a"], ["a"]])) == [] and list(distinct_choices([])) == [()]

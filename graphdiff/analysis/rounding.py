@@ -42,9 +42,12 @@ class EngineRounding:
 
 
 def buffer_nodes(graph: Graph) -> dict[str, str]:
-    """Wrapper buffer name -> FX node, from what the capture states for certain."""
+    """Wrapper buffer name -> FX node, from what the capture states for certain. An extern's result buffer (its
+    return value, its `out=`) that a generated kernel later writes in place holds other values after that write: it
+    is not certain for the whole graph (`engine_rounding` binds it from the extern call to that write)."""
     out = {n.name: n.name for n in graph.nodes if n.op == "placeholder"}
     nodes = graph.node_map()
+    rewritten = {a.name for k in graph.kernels if k.kind == "generated" for a in k.args if a.role in ("out", "inout")}
     for k in graph.kernels:
         if k.kind == "extern" and k.nodes:
             fx = nodes.get(k.nodes[0])
@@ -53,7 +56,7 @@ def buffer_nodes(graph: Graph) -> dict[str, str]:
                 if a.name and isinstance(fa, dict) and "node" in fa:
                     out.setdefault(a.name, fa["node"])
             for a in k.args:
-                if a.role == "out" and fx is not None:
+                if a.role == "out" and fx is not None and a.name not in rewritten:
                     out.setdefault(a.name, fx.name)
         for a in k.args:
             if a.node:
@@ -113,8 +116,8 @@ def engine_rounding(graph: Graph, buffers: dict[str, KernelRecord]) -> EngineRou
     replays: list[KernelEvidence] = []
     values: dict[str, torch.Tensor] = {}
     rounded: dict[str, str] = {}
-    # input buffers a replay placed for certain (an extern's output the capture names no node for): a later kernel
-    # reading the same buffer reads the same value, until a kernel writes it
+    # input buffers an extern wrote (its result) or a replay placed for certain (an extern's output the capture names
+    # no node for): a later kernel reading the same buffer reads the same value, until a kernel writes it
     placed: dict[str, str] = {}
     for k in graph.kernels:
         for a in k.args:
@@ -122,6 +125,7 @@ def engine_rounding(graph: Graph, buffers: dict[str, KernelRecord]) -> EngineRou
                 placed.pop(a.name, None)
         if k.kind == "extern":
             rounded.update(extern_roundings(graph, k))
+            placed.update({a.name: k.nodes[0] for a in k.args if a.role == "out" and k.nodes})
             continue
         record = buffers.get(k.id)
         if record is None:
