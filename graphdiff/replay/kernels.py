@@ -237,9 +237,9 @@ def _best_assignment(graph: Graph, b: _Binding, plan: _Plan, external: list[str]
 
 
 def distinct_choices(options: list[list[str]]) -> Iterator[tuple[str, ...]]:
-    """Each way to take one of its options for every position with no option taken twice, in the order
-    `itertools.product` lists them (without the repeats it would list and a caller would skip, four inputs of one
-    size have 24 placements among 256 products)."""
+    """Each way to take one option per position with no option taken twice, in `itertools.product`'s order: four
+    inputs of one size have 24 placements, where the product lists 256 (its repeats included)."""
+
     def extend(i: int, taken: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
         if i == len(options):
             yield taken
