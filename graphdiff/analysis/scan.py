@@ -465,7 +465,7 @@ def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, t
     layer), where the mean reads the rounded copy too."""
     nodes = tgraph.node_map()
     graphs = {g.name: g for g in engine_graphs}
-    found: list[tuple[str, bool]] = []
+    found: dict[str, bool] = {}  # HF module -> its mean reads the store too, in the order first matched
     for gname, (ms, _) in matched.items():
         g = graphs.get(gname)
         if g is None:
@@ -474,7 +474,7 @@ def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, t
         kernels = {k.id: k for k in g.kernels if k.kind == "generated"}
         for m in ms:
             n, e = nodes.get(m.train), enodes.get(m.engine)
-            if (n is None or e is None or not n.module or n.module in dict(found) or op_name(n.target) != "mean"
+            if (n is None or e is None or not n.module or n.module in found or op_name(n.target) != "mean"
                     or not is_row_reduction(n, nodes) or e.kernel not in kernels or not e.inputs):
                 continue
             operand = enodes.get(e.inputs[0])
@@ -484,8 +484,8 @@ def _rms_rereads(tgraph: Graph, engine_graphs: list[Graph], matched: dict[str, t
             kernel = kernels[e.kernel]
             stored = {a.node for a in kernel.args if a.role in ("out", "inout") and is_low(a.dtype)}
             if base is not None and base.name in stored and cpp_rereads_store(kernel.code):
-                found.append((n.module, base.name in stored_alone(kernel)))
-    return found
+                found[n.module] = base.name in stored_alone(kernel)
+    return list(found.items())
 
 
 def _layer_norm_pairs(tgraph: Graph, engine_graphs: list[Graph]) -> list[tuple[str, str]]:

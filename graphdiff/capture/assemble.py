@@ -71,8 +71,8 @@ def assemble_graph(name: str, nodes: list, src: str, origins: dict[str, list[str
             args = [BufferArg(name=a or "", role="inout" if a else "scalar") for a in call.args]
             if call.result:
                 args.append(BufferArg(name=call.result, role="out"))
-            if call.kwargs.get("out"):  # `extern_kernels.addmm(..., out=buf23)`: the buffer holds this node's value
-                args.append(BufferArg(name=call.kwargs["out"] or "", role="out"))
+            if out := call.kwargs.get("out"):  # `extern_kernels.addmm(..., out=buf23)`: the node's value is there
+                args.append(BufferArg(name=out, role="out"))
             kernels.append(Kernel(id=call.id, name=call.name, kind="extern", nodes=fused, args=args))
         else:
             kdef = defs[call.name]
